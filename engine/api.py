@@ -1,0 +1,63 @@
+"""The asyncio-facing interface of the engine, as the server uses it.
+
+`AsyncEngine` (engine/async_engine.py) implements it: one background thread owns MLX and
+runs the step loop; each request gets its own asyncio queue of RequestOutput deltas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.types import GenerationRequest, RequestOutput
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for /metrics and /health. Written by the engine thread."""
+
+    is_alive: bool
+    num_waiting: int
+    num_running: int
+    state_bytes_in_use: int  # KV + DeltaNet state of all rows
+    state_bytes_budget: int
+    kv_bytes_per_token: int
+    mlx_active_bytes: int
+    mlx_peak_bytes: int
+    prompt_tokens_total: int
+    generated_tokens_total: int
+
+
+class EngineClient(Protocol):
+    """What the server may call. All methods are safe from the asyncio thread."""
+
+    max_context: int  # prompt + max_tokens must not exceed this
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Submit and stream deltas until every choice has finished.
+
+        Raises InvalidRequestError before any compute when the request can never run
+        (too long for the context or the memory budget), and QueueFullError when the
+        waiting queue is full. Closing the iterator (client gone) aborts the request;
+        its rows are freed at the next step boundary.
+        """
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its stream ends with finish_reason "abort"."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort everything in flight and stop the engine thread."""
+        ...
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at capacity; retry after `retry_after` seconds (HTTP 429/503)."""
+
+    def __init__(self, retry_after: float = 1.0) -> None:
+        super().__init__("the server is at capacity; retry later")
+        self.retry_after = retry_after

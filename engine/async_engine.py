@@ -1,0 +1,177 @@
+"""AsyncEngine: one thread owns MLX and steps the engine; asyncio callers stream deltas.
+
+Commands (add, abort) reach the engine thread through a thread-safe inbox and are applied
+at a step boundary; each request's deltas come back through its own asyncio.Queue on the
+caller's event loop. A step that raises ends the affected requests with an error and the
+loop keeps running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from engine.api import EngineStats
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.types import GenerationRequest, RequestOutput
+from models.build import load_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    num_open: int  # choices the caller has not seen finish yet (asyncio side only)
+
+
+@dataclass
+class _Counters:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+class AsyncEngine:
+    """EngineClient over an LLMEngine running in a background thread."""
+
+    def __init__(self, engine: LLMEngine, model_name: str, model_path: Path) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.model_path = model_path
+        self.max_context = engine.max_context
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._open: dict[str, int] = {}  # engine-thread count of unfinished choices
+        self._counters = _Counters()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(cls, model: str, config: EngineConfig, name: str | None = None) -> AsyncEngine:
+        """Load `model` (local dir or hub id) and start the engine thread."""
+        loaded = load_model(model)
+        return cls(LLMEngine(loaded, config), name or model, loaded.path)
+
+    # -- asyncio side ---------------------------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Submit, then yield deltas until every choice finished; closing aborts."""
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue(), request.n)
+        accepted: Future = Future()
+        self._send(("add", request, stream, accepted))
+        await asyncio.wrap_future(accepted)  # raises InvalidRequestError / QueueFullError
+        try:
+            while stream.num_open:
+                delta: RequestOutput = await stream.queue.get()
+                if delta.finished:
+                    stream.num_open -= 1
+                yield delta
+        finally:
+            if stream.num_open:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        eng = self.engine
+        return EngineStats(
+            is_alive=self._thread.is_alive() and not self._stopping,
+            num_waiting=len(eng.scheduler.waiting),
+            num_running=eng.scheduler.num_running,
+            state_bytes_in_use=eng.states.nbytes(),
+            state_bytes_budget=eng.budget.total,
+            kv_bytes_per_token=eng.budget.costs.kv_bytes_per_token,
+            mlx_active_bytes=mx.get_active_memory(),
+            mlx_peak_bytes=mx.get_peak_memory(),
+            prompt_tokens_total=self._counters.prompt_tokens,
+            generated_tokens_total=self._counters.generated_tokens,
+        )
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort everything in flight, then stop the thread."""
+        self._send(("shutdown",))
+        self._thread.join(timeout)
+
+    def _send(self, command: tuple) -> None:
+        self._inbox.put(command)
+        self._wakeup.set()
+
+    # -- engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain_inbox()
+            if self._stopping:
+                break
+            if not self.engine.has_work():
+                self._wakeup.wait(0.5)
+                self._wakeup.clear()
+                continue
+            try:
+                deltas = self.engine.step()
+            except Exception as exc:  # one bad step must not kill the loop
+                log.exception("engine step failed")
+                deltas = self.engine.fail_all(f"engine error: {exc}")
+            self._dispatch(deltas)
+        self._dispatch(self._abort_all())
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            kind = command[0]
+            if kind == "add":
+                self._add(*command[1:])
+            elif kind == "abort":
+                self._dispatch(self.engine.abort(command[1]))
+            elif kind == "shutdown":
+                self._stopping = True
+
+    def _add(self, request: GenerationRequest, stream: _Stream, accepted: Future) -> None:
+        if self._stopping:
+            accepted.set_exception(RuntimeError("the engine is shutting down"))
+            return
+        try:
+            self.engine.add_request(request)
+        except Exception as exc:
+            accepted.set_exception(exc)
+            return
+        self._streams[request.request_id] = stream
+        self._open[request.request_id] = request.n
+        self._counters.prompt_tokens += len(request.prompt_ids)
+        accepted.set_result(True)
+
+    def _abort_all(self) -> list[RequestOutput]:
+        deltas = []
+        for request_id in list(self._streams):
+            deltas.extend(self.engine.abort(request_id))
+        return deltas
+
+    def _dispatch(self, deltas: list[RequestOutput]) -> None:
+        for delta in deltas:
+            self._counters.generated_tokens += len(delta.token_ids)
+            stream = self._streams.get(delta.request_id)
+            if stream is None:
+                continue
+            if delta.finished:
+                reason = delta.finish_reason or "unknown"
+                self._counters.finished[reason] = self._counters.finished.get(reason, 0) + 1
+                self._open[delta.request_id] -= 1
+                if self._open[delta.request_id] == 0:
+                    del self._streams[delta.request_id], self._open[delta.request_id]
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)

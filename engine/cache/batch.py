@@ -1,0 +1,50 @@
+"""All layers' row state for one batch of rows, with row ops applied layer by layer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engine.cache.kv import FullPrecisionKV, KVStore
+from engine.cache.ssm import SSMState
+from models.config import TextConfig
+
+LayerStore = KVStore | SSMState
+
+
+class BatchState:
+    """Per-layer stores of the same rows, in the same order (row i is row i everywhere)."""
+
+    def __init__(self, layers: list[LayerStore]) -> None:
+        self.layers = layers
+
+    @classmethod
+    def empty(
+        cls, cfg: TextConfig, kv_factory: Callable[[], KVStore] = FullPrecisionKV
+    ) -> BatchState:
+        """Fresh state for rows that have seen no token yet."""
+        layers: list[LayerStore] = [
+            kv_factory() if cfg.is_full_attention(i) else SSMState()
+            for i in range(cfg.num_hidden_layers)
+        ]
+        return cls(layers)
+
+    @property
+    def num_rows(self) -> int:
+        return max((layer.num_rows for layer in self.layers), default=0)
+
+    def filter(self, keep: list[int]) -> None:
+        """Keep rows `keep` (new order); freed rows' memory goes with them."""
+        for layer in self.layers:
+            layer.filter(keep)
+
+    def extract(self, row: int) -> BatchState:
+        """Independent B=1 copy of one row (e.g. to fork n > 1 completions)."""
+        return BatchState([layer.extract(row) for layer in self.layers])
+
+    def merge(self, other: BatchState) -> None:
+        """Append `other`'s rows after ours."""
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            mine.merge(theirs)
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)

@@ -1,0 +1,54 @@
+"""Row-state memory accounting: what one row costs and how much is reserved.
+
+Plain Python (no arrays): admission reserves a row's worst case (its DeltaNet state plus
+KV for prompt + max_tokens) and finishing releases it, so running rows never run out.
+Left padding in the decode batch can add columns beyond a row's own tokens; the store
+trims shared padding on every filter, and the budget leaves headroom for the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.config import TextConfig
+
+
+@dataclass(frozen=True)
+class StateCosts:
+    """Bytes of row state for one model and KV kind."""
+
+    kv_bytes_per_token: int  # all full-attention layers, keys + values
+    ssm_bytes_per_row: int  # all DeltaNet layers: conv tail + float32 recurrent state
+
+    @classmethod
+    def for_model(cls, cfg: TextConfig, kv_bytes_per_element_pair: float, dtype_size: int) -> StateCosts:
+        """kv_bytes_per_element_pair: bytes one K element plus one V element take."""
+        num_full = sum(cfg.is_full_attention(i) for i in range(cfg.num_hidden_layers))
+        num_linear = cfg.num_hidden_layers - num_full
+        kv = num_full * cfg.num_key_value_heads * cfg.head_dim * kv_bytes_per_element_pair
+        recurrent = cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim * 4
+        conv = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * dtype_size
+        return cls(int(round(kv)), num_linear * (recurrent + conv))
+
+
+class MemoryBudget:
+    """Reserve/release bytes against a fixed total."""
+
+    def __init__(self, total: int, costs: StateCosts) -> None:
+        self.total = total
+        self.costs = costs
+        self.reserved = 0
+
+    def row_bytes(self, num_tokens: int) -> int:
+        return self.costs.ssm_bytes_per_row + num_tokens * self.costs.kv_bytes_per_token
+
+    def can_reserve(self, nbytes: int) -> bool:
+        return self.reserved + nbytes <= self.total
+
+    def reserve(self, nbytes: int) -> None:
+        assert self.can_reserve(nbytes), "reservation over budget"
+        self.reserved += nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.reserved -= nbytes
+        assert self.reserved >= 0, "released more than reserved"

@@ -1,0 +1,187 @@
+"""Left-padded, batched KV stores for the full-attention layers.
+
+Layout: every stored array is [B, Hkv, T, X] and all rows are right-aligned on the time
+axis: row b's real tokens occupy columns left_pad[b] .. size-1. New tokens are written at
+the shared right edge, so a step appends one slice for the whole batch.
+
+Row ops (all return or keep an independent store, never a view of another batch):
+  merge   join rows: left-pad the shorter store so right edges align
+  filter  keep some rows; drop leading columns that are padding for every survivor
+  extract copy one row out as a B=1 store with no padding
+
+Subclasses say how keys/values are encoded into stored arrays (full precision, affine
+4/8-bit, TurboQuant) and how attention reads them; the row ops are shared here.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+_GROW = 256  # columns allocated at a time, so appends rarely copy the whole store
+
+
+def _copy(x: mx.array) -> mx.array:
+    # Arithmetic forces a fresh buffer: a slice or contiguous() may alias and pin a batch.
+    return x + mx.zeros((), dtype=x.dtype)
+
+
+class KVStore:
+    """Base class: storage of encoded K/V columns plus left-padding bookkeeping."""
+
+    def __init__(self) -> None:
+        self.arrays: list[mx.array] | None = None  # each [B, Hkv, capacity, X]
+        self.left_pad: list[int] = []  # per row, columns of padding before its tokens
+        self.size = 0  # used columns (shared right edge)
+
+    # -- encoding, implemented by subclasses ------------------------------------------
+    def encode(self, keys: mx.array, values: mx.array) -> list[mx.array]:
+        """[B, Hkv, L, D] keys/values -> stored arrays, each [B, Hkv, L, X]."""
+        raise NotImplementedError
+
+    def attend_stored(
+        self, queries: mx.array, arrays: list[mx.array], scale: float, mask: mx.array | None
+    ) -> mx.array:
+        """Attention of queries [B, Hq, L, D] over stored columns arrays[..., :size, :]."""
+        raise NotImplementedError
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token of one row occupies in this layer (K and V together)."""
+        if self.arrays is None:
+            return 0
+        return sum(a.shape[1] * a.shape[3] * a.dtype.size for a in self.arrays)
+
+    def empty_like(self) -> KVStore:
+        """A new, empty store of the same kind and settings."""
+        return type(self)()
+
+    # -- the model-facing call ----------------------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        return len(self.left_pad)
+
+    def lengths(self) -> list[int]:
+        """Real tokens stored per row."""
+        return [self.size - p for p in self.left_pad]
+
+    def attend(
+        self,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        scale: float,
+        left_pad: tuple[int, ...] | None,
+    ) -> mx.array:
+        """AttentionState.attend: append [B, Hkv, L, D] and attend causally."""
+        batch, length = keys.shape[0], keys.shape[2]
+        if not self.left_pad:
+            self.left_pad = [0] * batch
+        assert len(self.left_pad) == batch, "store rows and group rows differ"
+        if left_pad is not None and any(left_pad):
+            for b, pad in enumerate(left_pad):
+                # Padding inside the step is only allowed before a row's first token.
+                assert pad == 0 or self.left_pad[b] == self.size, "padding after real tokens"
+                self.left_pad[b] += pad
+        self._append(self.encode(keys, values))
+        arrays = [a[:, :, : self.size] for a in self.arrays]
+        return self.attend_stored(queries, arrays, scale, self._mask(length))
+
+    def _append(self, new: list[mx.array]) -> None:
+        length = new[0].shape[2]
+        needed = self.size + length
+        if self.arrays is None or needed > self.arrays[0].shape[2]:
+            capacity = ((needed + _GROW - 1) // _GROW) * _GROW
+            grown = []
+            for i, n in enumerate(new):
+                shape = (n.shape[0], n.shape[1], capacity, n.shape[3])
+                a = mx.zeros(shape, dtype=n.dtype)
+                if self.arrays is not None and self.size:
+                    a[:, :, : self.size] = self.arrays[i][:, :, : self.size]
+                grown.append(a)
+            self.arrays = grown
+        for a, n in zip(self.arrays, new, strict=True):
+            a[:, :, self.size : needed] = n
+        self.size = needed
+
+    def _mask(self, length: int) -> mx.array | str | None:
+        """[B, 1, L, size] bool: causal within the step, never padding; None if trivial."""
+        if not any(self.left_pad):
+            return None if length == 1 else "causal"
+        cols = mx.arange(self.size)[None, None, None, :]
+        pad = mx.array(self.left_pad)[:, None, None, None]
+        rows = mx.arange(self.size - length, self.size)[None, None, :, None]
+        return (cols >= pad) & (cols <= rows)
+
+    # -- row ops ------------------------------------------------------------------------
+    def filter(self, keep: list[int]) -> None:
+        """Keep rows `keep` (in that order); trim padding every survivor shares."""
+        if not keep:
+            self.arrays, self.left_pad, self.size = None, [], 0
+            return
+        pads = [self.left_pad[i] for i in keep]
+        trim = min(pads)
+        if self.arrays is not None:
+            idx = mx.array(keep)
+            self.arrays = [_copy(a[idx][:, :, trim : self.size]) for a in self.arrays]
+        self.left_pad = [p - trim for p in pads]
+        self.size -= trim
+
+    def extract(self, row: int) -> KVStore:
+        """An independent B=1 copy of `row`, without its padding."""
+        out = self.empty_like()
+        pad = self.left_pad[row]
+        if self.arrays is not None:
+            out.arrays = [_copy(a[row : row + 1, :, pad : self.size]) for a in self.arrays]
+        out.left_pad = [0]
+        out.size = self.size - pad
+        return out
+
+    def merge(self, other: KVStore) -> None:
+        """Append `other`'s rows after ours, left-padding whichever side is shorter."""
+        if other.num_rows == 0:
+            return
+        if self.num_rows == 0:
+            self.arrays, self.left_pad, self.size = other.arrays, list(other.left_pad), other.size
+            return
+        size = max(self.size, other.size)
+        template = self.arrays if self.arrays is not None else other.arrays
+        if template is None:
+            arrays = None
+        else:
+            mine = self._padded_to(size, template)
+            theirs = other._padded_to(size, template)
+            arrays = [mx.concatenate([a, b], axis=0) for a, b in zip(mine, theirs, strict=True)]
+        self.left_pad = [p + size - self.size for p in self.left_pad] + [
+            p + size - other.size for p in other.left_pad
+        ]
+        self.arrays, self.size = arrays, size
+
+    def _padded_to(self, size: int, template: list[mx.array]) -> list[mx.array]:
+        """Our columns left-padded to `size`; rows with no columns become all padding."""
+        if self.arrays is None:
+            return [
+                mx.zeros((self.num_rows, t.shape[1], size, t.shape[3]), t.dtype) for t in template
+            ]
+        used = [a[:, :, : self.size] for a in self.arrays]
+        extra = size - self.size
+        if extra == 0:
+            return used
+        return [mx.pad(a, [(0, 0), (0, 0), (extra, 0), (0, 0)]) for a in used]
+
+    def nbytes(self) -> int:
+        """Bytes of stored columns in use (all rows, padding included)."""
+        if self.arrays is None:
+            return 0
+        return self.num_rows * self.size * self.bytes_per_token()
+
+
+class FullPrecisionKV(KVStore):
+    """Keys and values stored as computed (float32 on CPU, checkpoint dtype on GPU)."""
+
+    def encode(self, keys: mx.array, values: mx.array) -> list[mx.array]:
+        return [keys, values]
+
+    def attend_stored(
+        self, queries: mx.array, arrays: list[mx.array], scale: float, mask: mx.array | None
+    ) -> mx.array:
+        keys, values = arrays
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)

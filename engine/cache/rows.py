@@ -1,0 +1,59 @@
+"""Which row state belongs to which request: the decode batch and per-prompt prefill states.
+
+The runner keeps one BatchState for the decode batch (rows in the scheduler's order) and a
+B=1 BatchState per prompt that is still prefilling. `sync` applies the scheduler's row
+changes: forks copy a prefilled row, freed rows are dropped, rows whose prefill completed
+join the decode batch at its end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from engine.cache.batch import BatchState
+
+
+class RowStates:
+    """Owner of every row's state inside the engine thread."""
+
+    def __init__(self, new_state: Callable[[], BatchState]) -> None:
+        self._new_state = new_state
+        self.decode = new_state()
+        self.decode_ids: list[str] = []
+        self.prefill: dict[str, BatchState] = {}
+
+    def prefill_state(self, row_id: str) -> BatchState:
+        """The B=1 state a prompt is prefilled into (created on its first chunk)."""
+        if row_id not in self.prefill:
+            self.prefill[row_id] = self._new_state()
+        return self.prefill[row_id]
+
+    def sync(
+        self,
+        decode_row_ids: Sequence[str],
+        freed_row_ids: Sequence[str],
+        forks: Sequence[tuple[str, str]],
+    ) -> None:
+        """Make the decode batch hold exactly `decode_row_ids`, in that order."""
+        for child, parent in forks:
+            self.prefill[child] = self.prefill[parent].extract(0)
+        for row_id in freed_row_ids:
+            self.prefill.pop(row_id, None)
+        wanted = set(decode_row_ids)
+        keep = [i for i, r in enumerate(self.decode_ids) if r in wanted]
+        if len(keep) != len(self.decode_ids):
+            self.decode.filter(keep)
+            self.decode_ids = [self.decode_ids[i] for i in keep]
+        for row_id in decode_row_ids[len(self.decode_ids) :]:
+            self.decode.merge(self.prefill.pop(row_id))
+            self.decode_ids.append(row_id)
+        assert self.decode_ids == list(decode_row_ids), "decode batch order diverged"
+
+    def reset(self) -> None:
+        """Drop every row (after a failed step the states may be half-written)."""
+        self.decode = self._new_state()
+        self.decode_ids = []
+        self.prefill = {}
+
+    def nbytes(self) -> int:
+        return self.decode.nbytes() + sum(s.nbytes() for s in self.prefill.values())

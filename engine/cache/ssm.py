@@ -1,0 +1,65 @@
+"""Batched Gated-DeltaNet row state: conv tail and float32 recurrent state per row.
+
+Unlike KV, recurrent state cannot be trimmed, shared by prefix or padded in time: each
+row holds exactly one [K-1, C] conv tail and one [Hv, Dv, Dk] matrix. Padding tokens never
+reach it (the model masks them), so the row ops are plain gathers along the batch axis.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def _copy(x: mx.array) -> mx.array:
+    return x + mx.zeros((), dtype=x.dtype)
+
+
+class SSMState:
+    """RecurrentState for one linear-attention layer; None means all-zero (fresh rows)."""
+
+    def __init__(self, num_rows: int = 0) -> None:
+        self.conv: mx.array | None = None  # [B, K-1, conv_dim]
+        self.ssm: mx.array | None = None  # [B, Hv, Dv, Dk] float32
+        self._num_rows = num_rows
+
+    @property
+    def num_rows(self) -> int:
+        return self._num_rows if self.conv is None else int(self.conv.shape[0])
+
+    def filter(self, keep: list[int]) -> None:
+        """Keep rows `keep` in that order."""
+        if self.conv is None or not keep:
+            self.conv = self.ssm = None
+            self._num_rows = len(keep)
+            return
+        idx = mx.array(keep)
+        self.conv, self.ssm = _copy(self.conv[idx]), _copy(self.ssm[idx])
+
+    def extract(self, row: int) -> SSMState:
+        """An independent B=1 copy of `row`."""
+        out = SSMState(1)
+        if self.conv is not None:
+            out.conv = _copy(self.conv[row : row + 1])
+            out.ssm = _copy(self.ssm[row : row + 1])
+        return out
+
+    def merge(self, other: SSMState) -> None:
+        """Append `other`'s rows after ours."""
+        mine, theirs = self.num_rows, other.num_rows
+        if self.conv is None and other.conv is None:
+            self._num_rows = mine + theirs
+            return
+        template = self if self.conv is not None else other
+        conv = [self._filled(self.conv, mine, template.conv), self._filled(other.conv, theirs, template.conv)]
+        ssm = [self._filled(self.ssm, mine, template.ssm), self._filled(other.ssm, theirs, template.ssm)]
+        self.conv = mx.concatenate(conv, axis=0)
+        self.ssm = mx.concatenate(ssm, axis=0)
+
+    @staticmethod
+    def _filled(x: mx.array | None, rows: int, template: mx.array) -> mx.array:
+        return x if x is not None else mx.zeros((rows, *template.shape[1:]), template.dtype)
+
+    def nbytes(self) -> int:
+        if self.conv is None:
+            return 0
+        return self.conv.nbytes + self.ssm.nbytes

@@ -1,0 +1,61 @@
+"""Engine settings: the `engine:` section of config.yaml, frozen and validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """KV store of the full-attention layers.
+
+    kind: "fp" (as computed), "affine" (MLX affine `bits`/`group_size`), or "turboquant"
+    (rotated Lloyd-Max codes, `key_bits`/`value_bits`). The first `start` tokens of each
+    row stay in full precision; later ones are quantized.
+    """
+
+    kind: str = "fp"
+    bits: int = 8
+    group_size: int = 64
+    key_bits: int = 8
+    value_bits: int = 3
+    start: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("fp", "affine", "turboquant"):
+            raise ValueError(f"kv_cache.kind must be fp, affine or turboquant, not {self.kind!r}")
+        if self.kind == "affine" and self.bits not in (4, 8):
+            raise ValueError("kv_cache.bits must be 4 or 8 for affine KV")
+        if self.group_size not in (32, 64, 128):
+            raise ValueError("kv_cache.group_size must be 32, 64 or 128")
+        for name in ("key_bits", "value_bits"):
+            if not 1 <= getattr(self, name) <= 8:
+                raise ValueError(f"kv_cache.{name} must be in [1, 8]")
+        if self.start < 0:
+            raise ValueError("kv_cache.start must be >= 0")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Scheduling and memory policy of the engine."""
+
+    max_num_seqs: int = 32  # rows running at once
+    max_num_batched_tokens: int = 512  # per-step token budget (decode rows + prefill chunks)
+    max_prefill_chunk: int = 512  # longest prefill chunk of one request in one step
+    max_waiting: int = 256  # queued requests before new ones get 429
+    memory_budget_bytes: int = 0  # row state (KV + DeltaNet); 0 = derive from free memory
+    max_context: int = 0  # 0 = the model's max_position_embeddings
+    pack_token_wise: bool = True  # one MLP matmul over all groups' tokens
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one per row)")
+        if self.max_prefill_chunk < 1:
+            raise ValueError("max_prefill_chunk must be >= 1")
+        if self.max_waiting < 1:
+            raise ValueError("max_waiting must be >= 1")
+        if self.memory_budget_bytes < 0 or self.max_context < 0:
+            raise ValueError("memory_budget_bytes and max_context must be >= 0")

@@ -1,0 +1,118 @@
+"""The synchronous engine: one step = schedule -> execute -> sample -> update.
+
+Used directly for offline generation (benchmarks, tests) and driven by the engine thread
+of AsyncEngine for serving. Not thread-safe: exactly one thread calls into it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from engine.cache.batch import BatchState
+from engine.cache.budget import MemoryBudget, StateCosts
+from engine.cache.factory import kv_bytes_per_element_pair, kv_store_factory
+from engine.cache.rows import RowStates
+from engine.config import EngineConfig
+from engine.runner import ModelRunner
+from engine.sampler import Sampler, SamplingRow
+from engine.scheduler import Scheduler
+from engine.types import GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
+from models.build import LoadedModel, on_cpu
+
+
+@dataclass
+class Completion:
+    """Offline result of one choice."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class LLMEngine:
+    """Owns the scheduler, the row states, the runner and the sampler."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.loaded = loaded
+        cfg = loaded.config
+        loaded.model.pack_token_wise = self.config.pack_token_wise
+        self.max_context = self.config.max_context or cfg.max_position_embeddings
+        dtype_size = loaded.dtype.size
+        costs = StateCosts.for_model(
+            cfg, kv_bytes_per_element_pair(self.config.kv_cache, dtype_size), dtype_size
+        )
+        self.budget = MemoryBudget(self._budget_bytes(), costs)
+        self.eos_ids = frozenset(cfg.eos_token_ids)
+        self.scheduler = Scheduler(self.config, self.budget, self.max_context)
+        kv_factory = kv_store_factory(self.config.kv_cache)
+        self.states = RowStates(lambda: BatchState.empty(cfg, kv_factory))
+        self.runner = ModelRunner(loaded.model, self.states)
+        self.sampler = Sampler()
+
+    def _budget_bytes(self) -> int:
+        if self.config.memory_budget_bytes:
+            return self.config.memory_budget_bytes
+        # Default: half of what is left after the weights (device memory on GPU, RAM on CPU).
+        if on_cpu():
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        else:
+            total = int(mx.device_info().get("memory_size", 0))
+        return max(256 * 2**20, (total - self.loaded.weight_bytes()) // 2)
+
+    # -- requests -------------------------------------------------------------------------
+    def add_request(self, request: GenerationRequest) -> None:
+        """Queue a request (raises InvalidRequestError / QueueFullError)."""
+        self.scheduler.add(request, self.eos_ids)
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        return self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step and return every delta it produced."""
+        out = self.scheduler.schedule()
+        logits = self.runner.execute(out, self.scheduler.rows)
+        tokens, logprobs = self._sample(logits, out.sample_row_ids)
+        return self.scheduler.update(out, tokens, logprobs)
+
+    def _sample(
+        self, logits: mx.array | None, row_ids: Sequence[str]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        if logits is None:
+            return [], []
+        rows = self.scheduler.rows
+        sampling = [
+            SamplingRow(rows[r].params, rows[r].prompt_ids, rows[r].output_ids) for r in row_ids
+        ]
+        return self.sampler.sample(logits, sampling).to_python(sampling)
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """A step raised: every request ends with the error; states start over."""
+        self.states.reset()
+        return self.scheduler.fail_all(error)
+
+    # -- offline API ------------------------------------------------------------------------
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[Completion]:
+        """Run prompts to completion (n = 1 each); results in prompt order."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        results = [Completion() for _ in prompts]
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            self.add_request(GenerationRequest(f"gen-{i}", tuple(prompt), p))
+        while self.has_work():
+            for delta in self.step():
+                result = results[int(delta.request_id.split("-")[1])]
+                result.token_ids.extend(delta.token_ids)
+                result.logprobs.extend(delta.logprobs or ())
+                result.finish_reason = delta.finish_reason or result.finish_reason
+        return results

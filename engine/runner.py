@@ -1,0 +1,70 @@
+"""Runner: turn a SchedulerOutput into one mixed-group forward and the logits to sample."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from engine.cache.rows import RowStates
+from engine.request import Request
+from engine.scheduler import SchedulerOutput
+from models.qwen35 import Qwen35Model
+from models.state import ForwardGroup, text_positions
+
+
+class ModelRunner:
+    """Builds groups (the decode batch [B, 1] and one [1, C] group per prefill chunk),
+    runs the model once, and returns logits [N, V] for the rows that sample."""
+
+    def __init__(self, model: Qwen35Model, states: RowStates) -> None:
+        self.model = model
+        self.states = states
+
+    def execute(self, out: SchedulerOutput, rows: dict[str, Request]) -> mx.array | None:
+        """Run the step; logits follow out.sample_row_ids (a final chunk's row repeats
+        for each of its forks). None when nothing samples this step."""
+        self.states.sync(out.decode_row_ids, out.freed_row_ids, out.forks)
+        groups = self._groups(out, rows)
+        if not groups:
+            return None
+        hidden = self.model(groups)
+        last = []  # [1, H] per sampling row, in sample order
+        offset = 0
+        if out.decode_row_ids:
+            last.append(hidden[0][:, -1])
+            offset = 1
+        for chunk, h in zip(out.prefill, hidden[offset:], strict=True):
+            if chunk.sample_row_ids:
+                last.append(mx.repeat(h[:, -1], len(chunk.sample_row_ids), axis=0))
+        logits = self.model.logits(mx.concatenate(last, axis=0)) if last else None
+        # Start computing now (states of every group, even chunks that sample nothing, so
+        # no lazy graph carries over to the next step); the sampler's work queues behind.
+        pending = [a for g in groups for a in _state_arrays(g)]
+        mx.async_eval(*pending, *([logits] if logits is not None else []))
+        return logits
+
+    def _groups(self, out: SchedulerOutput, rows: dict[str, Request]) -> list[ForwardGroup]:
+        groups = []
+        if out.decode_row_ids:
+            reqs = [rows[r] for r in out.decode_row_ids]
+            tokens = mx.array([[r.output_ids[-1]] for r in reqs], dtype=mx.int32)
+            positions = text_positions([r.num_computed for r in reqs], 1)
+            groups.append(ForwardGroup(tokens, positions, self.states.decode.layers))
+        for chunk in out.prefill:
+            req = rows[chunk.row_id]
+            ids = req.prompt_ids[chunk.start : chunk.start + chunk.length]
+            tokens = mx.array([ids], dtype=mx.int32)
+            positions = text_positions([chunk.start], chunk.length)
+            state = self.states.prefill_state(chunk.row_id)
+            groups.append(ForwardGroup(tokens, positions, state.layers))
+        return groups
+
+
+def _state_arrays(group: ForwardGroup) -> list[mx.array]:
+    arrays = []
+    for layer in group.states:
+        for name in ("conv", "ssm"):
+            value = getattr(layer, name, None)
+            if value is not None:
+                arrays.append(value)
+        arrays.extend(getattr(layer, "arrays", None) or [])
+    return arrays

@@ -1,0 +1,239 @@
+"""Scheduling policy: admission, chunked prefill under a token budget, finishing, abort.
+
+Pure Python: no mx.array here. Row state lives with the runner; the scheduler tells it,
+through SchedulerOutput, which rows exist, which run, and which were freed or forked.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.api import QueueFullError
+from engine.cache.budget import MemoryBudget
+from engine.config import EngineConfig
+from engine.request import Request, Status
+from engine.types import GenerationRequest, InvalidRequestError, RequestOutput, TokenLogprob
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """prompt_ids[start : start + length] of one row, run as its own [1, length] group."""
+
+    row_id: str
+    start: int
+    length: int
+    # Rows that sample their first token from this chunk's last logits: empty unless the
+    # chunk ends the prompt; then the request's row and its n > 1 forks.
+    sample_row_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan. Written by the scheduler, read by the runner and update()."""
+
+    decode_row_ids: tuple[str, ...]  # decode batch, in batch order: one token per row
+    prefill: tuple[PrefillChunk, ...]  # prefill chunks, one group each
+    freed_row_ids: tuple[str, ...]  # finished/aborted since last step: drop their state
+    forks: tuple[tuple[str, str], ...]  # (child, parent): copy parent's prefilled state
+    num_tokens: int  # tokens run this step (<= max_num_batched_tokens)
+
+    @property
+    def sample_row_ids(self) -> list[str]:
+        """Rows that sample this step, in logits order (decode rows, then final chunks)."""
+        return list(self.decode_row_ids) + [r for c in self.prefill for r in c.sample_row_ids]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decode_row_ids and not self.prefill
+
+
+class Scheduler:
+    """FIFO admission bounded by rows and memory; phase-free chunked prefill."""
+
+    def __init__(self, config: EngineConfig, budget: MemoryBudget, max_context: int) -> None:
+        self.config = config
+        self.budget = budget
+        self.max_context = max_context
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []  # running rows still consuming their prompt
+        self.decoding: list[Request] = []  # decode batch, in row order
+        self.rows: dict[str, Request] = {}  # every row that holds state (row_id -> request)
+        self._freed: list[str] = []
+        self._forks: list[tuple[str, str]] = []
+
+    # -- intake -------------------------------------------------------------------------
+    def add(self, gen: GenerationRequest, eos_ids: frozenset[int]) -> None:
+        """Queue a request; raise InvalidRequestError if it can never run."""
+        total = len(gen.prompt_ids) + gen.params.max_tokens
+        if total > self.max_context:
+            raise InvalidRequestError(
+                f"prompt ({len(gen.prompt_ids)} tokens) + max_tokens ({gen.params.max_tokens}) "
+                f"exceeds the context length {self.max_context}",
+                "max_tokens",
+            )
+        choices = [
+            Request(gen.request_id, i, list(gen.prompt_ids), gen.params, eos_ids, self.max_context)
+            for i in range(gen.n)
+        ]
+        need = sum(self.budget.row_bytes(r.max_total_tokens()) for r in choices)
+        if need > self.budget.total:
+            raise InvalidRequestError(
+                f"this request needs {need / 2**20:.1f} MiB of row state, more than the "
+                f"memory budget of {self.budget.total / 2**20:.1f} MiB; lower max_tokens or n",
+                "max_tokens",
+            )
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError()
+        parent, *children = choices
+        parent.children = children
+        self.waiting.append(parent)
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Finish every unfinished choice of `request_id` with reason "abort"."""
+        victims = [r for r in self.waiting if r.request_id == request_id]
+        for r in victims:
+            self.waiting.remove(r)
+            victims.extend(r.children)
+        victims += [r for r in self.rows.values() if r.request_id == request_id]
+        return [self._finish(r, "abort") for r in victims if not r.is_finished]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.decoding or self._freed)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.rows)
+
+    # -- the step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step under the token budget.
+
+        Every decoding row runs one token. The rest of the budget goes to prefill chunks,
+        oldest prompt first, then to admitting waiting requests (which start prefilling in
+        this same step). A long prompt therefore advances a chunk per step while the
+        decode rows keep producing tokens: nobody waits for a whole prompt.
+        """
+        budget = self.config.max_num_batched_tokens - len(self.decoding)
+        chunks: list[PrefillChunk] = []
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            chunks.append(self._chunk(req, budget))
+            budget -= chunks[-1].length
+        while budget > 0 and self.waiting and self._can_admit(self.waiting[0]):
+            req = self._admit(self.waiting.popleft())
+            chunks.append(self._chunk(req, budget))
+            budget -= chunks[-1].length
+        out = SchedulerOutput(
+            decode_row_ids=tuple(r.row_id for r in self.decoding),
+            prefill=tuple(chunks),
+            freed_row_ids=tuple(self._freed),
+            forks=tuple(self._forks),
+            num_tokens=self.config.max_num_batched_tokens - budget,
+        )
+        self._freed, self._forks = [], []
+        return out
+
+    def _chunk(self, req: Request, budget: int) -> PrefillChunk:
+        length = min(req.num_prompt - req.num_computed, budget, self.config.max_prefill_chunk)
+        is_last = req.num_computed + length == req.num_prompt
+        samplers = (req.row_id, *(c.row_id for c in req.children)) if is_last else ()
+        return PrefillChunk(req.row_id, req.num_computed, length, samplers)
+
+    def _can_admit(self, req: Request) -> bool:
+        rows = 1 + len(req.children)
+        if len(self.rows) + rows > self.config.max_num_seqs:
+            return False
+        return self.budget.can_reserve(self._reservation(req))
+
+    def _reservation(self, req: Request) -> int:
+        return sum(self.budget.row_bytes(r.max_total_tokens()) for r in (req, *req.children))
+
+    def _admit(self, req: Request) -> Request:
+        for r in (req, *req.children):
+            r.reserved_bytes = self.budget.row_bytes(r.max_total_tokens())
+            self.budget.reserve(r.reserved_bytes)
+            r.status = Status.FORKED if r is not req else Status.RUNNING
+            self.rows[r.row_id] = r
+        self.prefilling.append(req)
+        return req
+
+    # -- after the forward ----------------------------------------------------------------
+    def update(
+        self,
+        out: SchedulerOutput,
+        tokens: list[int],
+        logprobs: list[TokenLogprob | None],
+    ) -> list[RequestOutput]:
+        """Advance counts, append sampled tokens, finish rows; returns the deltas."""
+        for chunk in out.prefill:
+            self.rows[chunk.row_id].num_computed += chunk.length
+        for row_id in out.decode_row_ids:
+            self.rows[row_id].num_computed += 1
+        for chunk in out.prefill:
+            if chunk.sample_row_ids:
+                self._promote(self.rows[chunk.row_id])
+        outputs = []
+        for row_id, token, lp in zip(out.sample_row_ids, tokens, logprobs, strict=True):
+            req = self.rows.get(row_id)
+            if req is None or req.is_finished:
+                continue
+            outputs.append(self._append(req, token, lp))
+        return outputs
+
+    def _promote(self, req: Request) -> None:
+        """Prefill done: the request and its forks join the decode batch."""
+        self.prefilling.remove(req)
+        for child in req.children:
+            child.num_computed = req.num_computed
+            child.status = Status.RUNNING
+            self._forks.append((child.row_id, req.row_id))
+        self.decoding.extend([req, *req.children])
+
+    def _append(self, req: Request, token: int, lp: TokenLogprob | None) -> RequestOutput:
+        req.output_ids.append(token)
+        reason = req.finish_check(token)
+        if reason is not None:
+            self._finish(req, reason)
+        return RequestOutput(
+            request_id=req.request_id,
+            index=req.index,
+            token_ids=(token,),
+            logprobs=(lp,) if lp is not None else None,
+            finish_reason=reason,
+            num_prompt_tokens=req.num_prompt,
+            num_output_tokens=len(req.output_ids),
+        )
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
+        req.status, req.finish_reason = Status.FINISHED, reason
+        if req.row_id in self.rows:
+            del self.rows[req.row_id]
+            self.budget.release(req.reserved_bytes)
+            self._freed.append(req.row_id)
+        if req in self.decoding:
+            self.decoding.remove(req)
+        if req in self.prefilling:
+            self.prefilling.remove(req)
+            # Forks that never got their parent's state die with it.
+            for child in req.children:
+                if not child.is_finished:
+                    self._finish(child, reason, error)
+        return RequestOutput(
+            request_id=req.request_id,
+            index=req.index,
+            token_ids=(),
+            finish_reason=reason,
+            error=error,
+            num_prompt_tokens=req.num_prompt,
+            num_output_tokens=len(req.output_ids),
+        )
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """Finish every row and queued request with an error (the step raised)."""
+        victims = list(self.rows.values()) + [
+            r for w in self.waiting for r in (w, *w.children)
+        ]
+        self.waiting.clear()
+        return [self._finish(r, "error", error) for r in victims if not r.is_finished]

@@ -1,0 +1,135 @@
+"""Typed objects that cross the engine boundary (server -> engine -> server).
+
+The server builds a GenerationRequest (with SamplingParams validated at construction) and
+reads RequestOutput deltas from the engine; it never sees the scheduler's Request.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_TOP_LOGPROBS = 20
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine can never run (bad parameter, too long, cannot fit).
+
+    `param` names the offending field; the server turns this into an HTTP 400.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _check(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message, param)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings; validated once here. Written by the server."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # multiplicative, on prompt + generated tokens
+    presence_penalty: float = 0.0  # additive, on generated tokens (OpenAI semantics)
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        finite = all(
+            math.isfinite(v)
+            for v in (self.temperature, self.top_p, self.min_p, self.repetition_penalty)
+        )
+        _check(finite, "sampling parameters must be finite numbers", "temperature")
+        _check(0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]", "temperature")
+        _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", "top_p")
+        _check(self.top_k >= 0, "top_k must be >= 0 (0 disables it)", "top_k")
+        _check(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", "min_p")
+        _check(
+            0.0 < self.repetition_penalty <= 10.0,
+            "repetition_penalty must be in (0, 10]",
+            "repetition_penalty",
+        )
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty must be in [-2, 2]",
+            "presence_penalty",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty must be in [-2, 2]",
+            "frequency_penalty",
+        )
+        for token, bias in self.logit_bias.items():
+            _check(isinstance(token, int) and token >= 0, "logit_bias keys must be token ids", "logit_bias")
+            _check(math.isfinite(bias) and -100 <= bias <= 100, "logit_bias values must be in [-100, 100]", "logit_bias")
+        _check(self.max_tokens >= 1, "max_tokens must be >= 1", "max_tokens")
+        _check(
+            0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+            f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
+            "top_logprobs",
+        )
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop token ids must be >= 0", "stop")
+        if self.seed is not None:
+            _check(0 <= self.seed < 2**63, "seed must be in [0, 2^63)", "seed")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation the server asks for. `n` > 1 forks the prefilled row n times."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        _check(len(self.prompt_ids) > 0, "the prompt is empty", "messages")
+        _check(1 <= self.n <= 16, "n must be in [1, 16]", "n")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of a sampled token and the top alternatives. Written by the engine."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A delta for one completion (choice `index`) of a request. Written by the engine.
+
+    finish_reason: None while running; "stop" (EOS or stop id), "length" (max_tokens or
+    context), "abort" (cancelled) or "error" (then `error` says why).
+    """
+
+    request_id: str
+    index: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # generated so far for this choice, including token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

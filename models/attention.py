@@ -1,0 +1,55 @@
+"""Gated full attention of Qwen3.5 (query + output gate interleaved per head in q_proj)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from models.config import TextConfig
+from models.layers import MRoPE, RMSNorm
+from models.state import AttentionState
+
+
+class GatedAttention(nn.Module):
+    """q/k RMSNorm before partial mRoPE; output scaled by sigmoid(gate) before o_proj."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        hidden, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(hidden, self.num_heads * hd * 2, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, hidden, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def __call__(
+        self,
+        x: mx.array,
+        rope: MRoPE,
+        cos_sin: tuple[mx.array, mx.array],
+        state: AttentionState,
+        left_pad: tuple[int, ...] | None,
+    ) -> mx.array:
+        """x [B, L, H] -> [B, L, H]; appends this step's K/V to `state`."""
+        b, length, _ = x.shape
+        hd = self.head_dim
+        # q_proj emits [query | gate] per head: [B, L, Hq, 2 * hd]
+        q_and_gate = self.q_proj(x).reshape(b, length, self.num_heads, 2 * hd)
+        queries, gate = q_and_gate[..., :hd], q_and_gate[..., hd:]
+        keys = self.k_proj(x).reshape(b, length, self.num_kv_heads, hd)
+        values = self.v_proj(x).reshape(b, length, self.num_kv_heads, hd)
+        # -> [B, heads, L, hd]
+        queries = self.q_norm(queries).transpose(0, 2, 1, 3)
+        keys = self.k_norm(keys).transpose(0, 2, 1, 3)
+        values = values.transpose(0, 2, 1, 3)
+        cos, sin = cos_sin
+        queries = rope.apply(queries, cos, sin)
+        keys = rope.apply(keys, cos, sin)
+        out = state.attend(queries, keys, values, self.scale, left_pad)
+        out = out.transpose(0, 2, 1, 3).reshape(b, length, self.num_heads * hd)
+        return self.o_proj(out * mx.sigmoid(gate.reshape(b, length, -1)))

@@ -1,0 +1,146 @@
+"""Token-wise building blocks of Qwen3.5: RMSNorm, interleaved mRoPE, SwiGLU MLP, MoE."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm whose `weight` holds the full gain (the loader folds HF's 1 + w in float32)."""
+
+    def __init__(self, dims: int, eps: float) -> None:
+        super().__init__()
+        self.weight = mx.ones((dims,), dtype=mx.float32)
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        # Gains stay float32 (bf16 would round 1 + w to steps of 2^-7); normalise in float32.
+        out = mx.fast.rms_norm(x.astype(mx.float32), self.weight, self.eps)
+        return out.astype(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """DeltaNet output norm: weight * rmsnorm(x) * silu(gate); plain weight, no +1."""
+
+    def __init__(self, dims: int, eps: float) -> None:
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
+        normed = mx.fast.rms_norm(x.astype(mx.float32), None, self.eps)
+        gate = gate.astype(mx.float32)
+        out = self.weight.astype(mx.float32) * normed * (gate * mx.sigmoid(gate))
+        return out.astype(x.dtype)
+
+
+def mrope_axis_map(num_freqs: int, sections: tuple[int, ...]) -> list[int]:
+    """Which position axis (0=T, 1=H, 2=W) drives each rotary frequency.
+
+    Interleaved mRoPE: frequency j uses axis j % 3 while that axis has budget left in
+    `sections`; with [11, 11, 10] over 32 frequencies the tail j = 30, 31 reads T then H.
+    """
+    axes = [0] * num_freqs
+    for axis in (1, 2):
+        idx = list(range(axis, num_freqs, 3))[: sections[axis]]
+        for j in idx:
+            axes[j] = axis
+    return axes
+
+
+class MRoPE(nn.Module):
+    """Partial rotate-half rotary over the first `rotary_dim` dims with 3-D positions."""
+
+    def __init__(self, rotary_dim: int, theta: float, sections: tuple[int, ...]) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        half = rotary_dim // 2
+        self._inv_freq = 1.0 / (theta ** (mx.arange(0, rotary_dim, 2, dtype=mx.float32) / rotary_dim))
+        # [3, half] one-hot selector of the position axis per frequency (frozen constant)
+        axes = mx.array(mrope_axis_map(half, sections))
+        self._axis_onehot = (axes[None, :] == mx.arange(3)[:, None]).astype(mx.float32)
+
+    def cos_sin(self, positions: mx.array) -> tuple[mx.array, mx.array]:
+        """positions [3, B, L] -> cos, sin of shape [B, 1, L, rotary_dim] (float32)."""
+        pos = positions.astype(mx.float32)
+        # angles per axis [3, B, L, half], then pick each frequency's axis
+        angles = pos[..., None] * self._inv_freq
+        angles = (angles * self._axis_onehot[:, None, None, :]).sum(axis=0)
+        emb = mx.concatenate([angles, angles], axis=-1)[:, None]
+        return mx.cos(emb), mx.sin(emb)
+
+    def apply(self, x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+        """x [B, heads, L, D]: rotate the first rotary_dim dims, pass the rest through."""
+        r = self.rotary_dim
+        rot, rest = x[..., :r].astype(mx.float32), x[..., r:]
+        first, second = rot[..., : r // 2], rot[..., r // 2 :]
+        rotated = mx.concatenate([-second, first], axis=-1)
+        out = (rot * cos + rotated * sin).astype(x.dtype)
+        return mx.concatenate([out, rest], axis=-1)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SwitchExperts(nn.Module):
+    """E stacked SwiGLU experts; each token runs its top-k experts via gather_mm."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = mx.zeros((num_experts, intermediate, hidden))
+        self.up_proj = mx.zeros((num_experts, intermediate, hidden))
+        self.down_proj = mx.zeros((num_experts, hidden, intermediate))
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """x [N, H], indices [N, k] -> [N, k, H]."""
+        n, k = indices.shape
+        xs = mx.broadcast_to(x[:, None, None, :], (n, k, 1, x.shape[-1]))
+        # Sorting tokens by expert lets gather_mm walk each expert's weights once.
+        flat = indices.reshape(-1)
+        order = mx.argsort(flat)
+        inverse = mx.argsort(order)
+        xs = xs.reshape(n * k, 1, -1)[order]
+        idx = flat[order]
+        gate = mx.gather_mm(xs, self.gate_proj.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True)
+        up = mx.gather_mm(xs, self.up_proj.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True)
+        act = nn.silu(gate) * up
+        out = mx.gather_mm(act, self.down_proj.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True)
+        return out[inverse].reshape(n, k, -1)
+
+
+class SparseMoE(nn.Module):
+    """Softmax router, top-k, renormalise, plus a sigmoid-gated shared expert."""
+
+    def __init__(
+        self, hidden: int, num_experts: int, top_k: int, intermediate: int, shared: int, norm: bool
+    ) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.norm_topk_prob = norm
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = SwitchExperts(num_experts, hidden, intermediate)
+        self.shared_expert = MLP(hidden, shared)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        """x [N, H] (tokens already flattened) -> [N, H]."""
+        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
+        k = self.top_k
+        indices = mx.stop_gradient(mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k])
+        weights = mx.take_along_axis(probs, indices, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        routed = (self.experts(x, indices) * weights[..., None].astype(x.dtype)).sum(axis=1)
+        shared = mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + shared

@@ -1,0 +1,120 @@
+"""Qwen3.5 language model (dense and MoE) with a mixed-group forward.
+
+One call runs several groups of rows (e.g. the decode batch [B, 1] and prefill chunks
+[1, C]) through every layer: attention / DeltaNet per group (their states are disjoint),
+then the token-wise work (post-norm + MLP/MoE) packed over all groups' tokens in one
+matmul when `pack_token_wise` is on.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from models.attention import GatedAttention
+from models.config import TextConfig
+from models.deltanet import GatedDeltaNet
+from models.layers import MLP, MRoPE, RMSNorm, SparseMoE
+from models.state import ForwardGroup
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h = x + mixer(norm(x)); out = h + mlp(norm(h))."""
+
+    def __init__(self, cfg: TextConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.is_full_attention = cfg.is_full_attention(layer_idx)
+        if self.is_full_attention:
+            self.self_attn = GatedAttention(cfg)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.is_moe:
+            self.mlp = SparseMoE(
+                cfg.hidden_size,
+                cfg.num_experts,
+                cfg.num_experts_per_tok,
+                cfg.moe_intermediate_size,
+                cfg.shared_expert_intermediate_size,
+                cfg.norm_topk_prob,
+            )
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def mix(self, x: mx.array, group: ForwardGroup, ctx: _GroupContext, state) -> mx.array:
+        """Residual + attention or DeltaNet for one group. x [B, L, H]."""
+        h = self.input_layernorm(x)
+        if self.is_full_attention:
+            out = self.self_attn(h, ctx.rope, ctx.cos_sin, state, group.left_pad)
+        else:
+            out = self.linear_attn(h, state, ctx.mask, group.left_pad)
+        return x + out
+
+    def feed_forward(self, x: mx.array) -> mx.array:
+        """Residual + MLP over tokens x [N, H] (any leading shape is flattened)."""
+        flat = x.reshape(-1, x.shape[-1])
+        return x + self.mlp(self.post_attention_layernorm(flat)).reshape(x.shape)
+
+
+class _GroupContext:
+    """Per-group values computed once per forward and shared by every layer."""
+
+    def __init__(self, group: ForwardGroup, rope: MRoPE) -> None:
+        self.rope = rope
+        self.cos_sin = rope.cos_sin(group.positions)
+        self.mask = group.token_mask()
+
+
+class Qwen35Model(nn.Module):
+    """Embeddings, decoder layers, final norm and LM head; HF parameter names."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._rope = MRoPE(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section)
+        self.pack_token_wise = True
+
+    def __call__(self, groups: list[ForwardGroup]) -> list[mx.array]:
+        """Run every group through the stack; returns the final-normed hidden [B, L, H] of
+        each group. Reads and writes each group's per-layer states in place."""
+        hidden = [self._embed(g) for g in groups]
+        contexts = [_GroupContext(g, self._rope) for g in groups]
+        for idx, layer in enumerate(self.layers):
+            hidden = [
+                layer.mix(h, g, ctx, g.states[idx])
+                for h, g, ctx in zip(hidden, groups, contexts, strict=True)
+            ]
+            hidden = self._feed_forward(layer, hidden)
+        return [self.norm(h) for h in hidden]
+
+    def _embed(self, group: ForwardGroup) -> mx.array:
+        if group.embeds is not None:
+            return group.embeds
+        return self.embed_tokens(group.tokens)
+
+    def _feed_forward(self, layer: DecoderLayer, hidden: list[mx.array]) -> list[mx.array]:
+        if not self.pack_token_wise or len(hidden) == 1:
+            return [layer.feed_forward(h) for h in hidden]
+        # One matmul over every group's tokens instead of one per group.
+        sizes = [h.shape[0] * h.shape[1] for h in hidden]
+        flat = mx.concatenate([h.reshape(-1, h.shape[-1]) for h in hidden], axis=0)
+        flat = layer.feed_forward(flat)
+        splits = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
+        return [
+            part.reshape(h.shape)
+            for part, h in zip(mx.split(flat, splits, axis=0), hidden, strict=True)
+        ]
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Final-normed hidden [..., H] -> logits [..., V] (float32)."""
+        if self.config.tie_word_embeddings:
+            out = self.embed_tokens.as_linear(hidden)
+        else:
+            out = self.lm_head(hidden)
+        return out.astype(mx.float32)

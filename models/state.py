@@ -1,0 +1,88 @@
+"""What the model needs from per-layer row state, and what one forward group is.
+
+The model never owns caches: the engine passes, per group and per layer, an object that
+implements one of the two protocols below. Storage, padding bookkeeping and the row ops
+(merge / filter / extract) live in engine/cache; the model only reads and writes through
+these calls, so plain, affine-quantized and TurboQuant KV stores plug in unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+
+
+class AttentionState(Protocol):
+    """KV store of one full-attention layer for the rows of one group."""
+
+    def attend(
+        self,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        scale: float,
+        left_pad: tuple[int, ...] | None,
+    ) -> mx.array:
+        """Append this step's keys/values and attend over everything stored.
+
+        queries [B, Hq, L, D] (rotary applied), keys/values [B, Hkv, L, D]; the new tokens
+        are right-aligned with `left_pad[b]` padding tokens on the left of row b (None: no
+        padding). Returns [B, Hq, L, D]: causal attention that never looks at padding.
+        """
+        ...
+
+
+class RecurrentState(Protocol):
+    """Gated-DeltaNet state of one linear-attention layer for the rows of one group.
+
+    conv: [B, K-1, conv_dim], the last K-1 *pre-conv* inputs of each row (None = zeros).
+    ssm:  [B, Hv, Dv, Dk] float32 recurrent state (None = zeros).
+    The model reads both before the layer runs and writes both after.
+    """
+
+    conv: mx.array | None
+    ssm: mx.array | None
+
+
+LayerState = AttentionState | RecurrentState
+
+
+@dataclass
+class ForwardGroup:
+    """Rows that share one batched state and one input shape [B, L].
+
+    Written by the engine's runner; read by the model.
+    """
+
+    # [B, L] int32 token ids (ignored when `embeds` is given)
+    tokens: mx.array | None
+    # [3, B, L] int32 (T, H, W) rotary positions of every input token; text rows T = H = W
+    positions: mx.array
+    # One state per decoder layer (AttentionState for full-attention layers, else
+    # RecurrentState), each holding exactly this group's B rows.
+    states: list
+    # Per-row count of padding tokens at the left of this step's input (None = none).
+    left_pad: tuple[int, ...] | None = None
+    # [B, L, H] input embeddings (vision prompts); overrides `tokens`
+    embeds: mx.array | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        source = self.tokens if self.embeds is None else self.embeds
+        return int(source.shape[0]), int(source.shape[1])
+
+    def token_mask(self) -> mx.array | None:
+        """[B, L] bool, True on real tokens; None when the group has no padding."""
+        if self.left_pad is None or not any(self.left_pad):
+            return None
+        _, length = self.shape
+        pad = mx.array(self.left_pad, dtype=mx.int32)[:, None]
+        return mx.arange(length, dtype=mx.int32)[None, :] >= pad
+
+
+def text_positions(offsets: list[int], length: int) -> mx.array:
+    """[3, B, L] positions for text rows: row b covers offsets[b] .. offsets[b] + L - 1."""
+    base = mx.array(offsets, dtype=mx.int32)[:, None] + mx.arange(length, dtype=mx.int32)[None]
+    return mx.broadcast_to(base[None], (3, len(offsets), length))

@@ -1,0 +1,129 @@
+"""Row ops of the batched stores (no model): merge / filter / extract keep every row equal
+to the same row stored alone, and batched attention equals per-row attention."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.cache.kv import FullPrecisionKV, KVStore
+from engine.cache.ssm import SSMState
+
+HKV, HQ, D = 2, 4, 16
+
+
+def _row_store(length: int, seed: int, factory=FullPrecisionKV) -> tuple[KVStore, mx.array]:
+    """A B=1 store filled with `length` random tokens (in two appends when possible)."""
+    mx.random.seed(seed)
+    keys = mx.random.normal((1, HKV, length, D))
+    values = mx.random.normal((1, HKV, length, D))
+    store = factory()
+    split = length // 2
+    for lo, hi in ((0, split), (split, length)):
+        if hi > lo:
+            q = mx.random.normal((1, HQ, hi - lo, D))
+            store.attend(q, keys[:, :, lo:hi], values[:, :, lo:hi], 0.25, None)
+    return store, mx.concatenate([keys, values], axis=-1)
+
+
+def _row_tokens(store: KVStore, row: int) -> np.ndarray:
+    """The row's real stored tokens as [Hkv, T, 2D] (keys | values)."""
+    pad = store.left_pad[row]
+    keys, values = (a[row, :, pad : store.size] for a in store.arrays)
+    return np.array(mx.concatenate([keys, values], axis=-1))
+
+
+def _merged(lengths: list[int]) -> tuple[KVStore, list[mx.array]]:
+    batch, originals = FullPrecisionKV(), []
+    for i, n in enumerate(lengths):
+        store, tokens = _row_store(n, seed=i)
+        batch.merge(store)
+        originals.append(tokens)
+    return batch, originals
+
+
+@pytest.mark.parametrize("lengths", [[5, 9, 1], [7], [3, 3], [12, 1, 6, 2]])
+def test_merge_keeps_every_row(lengths: list[int]) -> None:
+    """Merged rows are right-aligned, padded on the left, and hold exactly their tokens."""
+    batch, originals = _merged(lengths)
+    assert batch.size == max(lengths)
+    assert batch.left_pad == [max(lengths) - n for n in lengths]
+    for row, tokens in enumerate(originals):
+        np.testing.assert_array_equal(_row_tokens(batch, row), np.array(tokens[0]))
+
+
+def test_filter_trims_shared_padding_and_extract_copies() -> None:
+    """Dropping the longest row trims the padding every survivor shared."""
+    batch, originals = _merged([4, 10, 6])
+    batch.filter([2, 0])
+    assert batch.size == 6 and batch.left_pad == [0, 2]
+    np.testing.assert_array_equal(_row_tokens(batch, 0), np.array(originals[2][0]))
+    np.testing.assert_array_equal(_row_tokens(batch, 1), np.array(originals[0][0]))
+    single = batch.extract(1)
+    assert single.left_pad == [0] and single.size == 4
+    np.testing.assert_array_equal(_row_tokens(single, 0), np.array(originals[0][0]))
+    # An extracted row is independent: changing the batch afterwards leaves it alone.
+    batch.filter([0])
+    np.testing.assert_array_equal(_row_tokens(single, 0), np.array(originals[0][0]))
+
+
+def test_filter_to_nothing_and_merge_into_empty() -> None:
+    batch, originals = _merged([3, 5])
+    batch.filter([])
+    assert batch.num_rows == 0 and batch.size == 0
+    store, tokens = _row_store(2, seed=7)
+    batch.merge(store)
+    np.testing.assert_array_equal(_row_tokens(batch, 0), np.array(tokens[0]))
+
+
+def test_batched_attention_equals_each_row_alone() -> None:
+    """One decode step over a left-padded batch equals the same step per row."""
+    lengths = [3, 8, 1, 5]
+    batch, _ = _merged(lengths)
+    alone = [_row_store(n, seed=i)[0] for i, n in enumerate(lengths)]
+    mx.random.seed(99)
+    q = mx.random.normal((len(lengths), HQ, 1, D))
+    k = mx.random.normal((len(lengths), HKV, 1, D))
+    v = mx.random.normal((len(lengths), HKV, 1, D))
+    out = batch.attend(q, k, v, 0.25, None)
+    for row, store in enumerate(alone):
+        ref = store.attend(q[row : row + 1], k[row : row + 1], v[row : row + 1], 0.25, None)
+        np.testing.assert_allclose(np.array(out[row]), np.array(ref[0]), atol=1e-5)
+
+
+def test_left_padded_prefill_matches_unpadded() -> None:
+    """Rows prefilled together with left padding equal the rows prefilled alone."""
+    mx.random.seed(3)
+    lengths = [6, 2]
+    q = mx.random.normal((2, HQ, 6, D))
+    k = mx.random.normal((2, HKV, 6, D))
+    v = mx.random.normal((2, HKV, 6, D))
+    batch = FullPrecisionKV()
+    out = batch.attend(q, k, v, 0.25, (0, 4))
+    assert batch.left_pad == [0, 4]
+    for row, n in enumerate(lengths):
+        ref = FullPrecisionKV().attend(
+            q[row : row + 1, :, 6 - n :], k[row : row + 1, :, 6 - n :], v[row : row + 1, :, 6 - n :],
+            0.25, None,
+        )
+        np.testing.assert_allclose(np.array(out[row, :, 6 - n :]), np.array(ref[0]), atol=1e-5)
+
+
+def test_ssm_row_ops_round_trip() -> None:
+    """DeltaNet state rows survive merge, filter and extract bit for bit."""
+    rows = []
+    for i in range(3):
+        mx.random.seed(i)
+        s = SSMState()
+        s.conv, s.ssm = mx.random.normal((1, 3, 8)), mx.random.normal((1, 2, 4, 4))
+        rows.append(s)
+    batch = SSMState()
+    for s in rows:
+        batch.merge(s)
+    assert batch.num_rows == 3
+    batch.filter([2, 0])
+    for row, original in zip((0, 1), (rows[2], rows[0]), strict=True):
+        single = batch.extract(row)
+        np.testing.assert_array_equal(np.array(single.conv), np.array(original.conv))
+        np.testing.assert_array_equal(np.array(single.ssm), np.array(original.ssm))

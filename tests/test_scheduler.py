@@ -1,0 +1,121 @@
+"""Scheduler policy without a model: budgets, chunking, admission, finishing, abort."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.api import QueueFullError
+from engine.cache.budget import MemoryBudget, StateCosts
+from engine.config import EngineConfig
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.types import GenerationRequest, InvalidRequestError, SamplingParams
+
+EOS = frozenset({0})
+
+
+def _scheduler(budget_bytes: int = 10**9, **kw) -> Scheduler:
+    cfg = EngineConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 16, "max_prefill_chunk": 8, **kw})
+    return Scheduler(cfg, MemoryBudget(budget_bytes, StateCosts(10, 100)), max_context=1000)
+
+
+def _req(rid: str, prompt_len: int, max_tokens: int = 4, n: int = 1) -> GenerationRequest:
+    return GenerationRequest(rid, tuple(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), n)
+
+
+def _run(s: Scheduler, out: SchedulerOutput, token: int = 7) -> list:
+    """Pretend the forward ran: every sampling row gets `token`."""
+    rows = out.sample_row_ids
+    return s.update(out, [token] * len(rows), [None] * len(rows))
+
+
+def test_budget_bounds_every_step_and_decode_continues() -> None:
+    """A long prompt prefills in chunks while running rows decode every step."""
+    s = _scheduler()
+    s.add(_req("short", 3, max_tokens=50), EOS)
+    _run(s, s.schedule())  # short's prompt done in one chunk
+    s.add(_req("long", 100), EOS)
+    steps_with_long_prefill = 0
+    while s.rows.get("long/0") is None or s.rows["long/0"].is_prefilling:
+        out = s.schedule()
+        assert out.num_tokens <= 16
+        assert "short/0" in out.decode_row_ids  # decode never stalls
+        assert all(c.length <= 8 for c in out.prefill)
+        steps_with_long_prefill += 1
+        _run(s, out)
+    assert steps_with_long_prefill == 13  # ceil(100 / 8) chunks, one per step
+
+
+def test_finish_on_eos_stop_ids_and_max_tokens() -> None:
+    s = _scheduler()
+    s.add(_req("a", 2, max_tokens=3), EOS)
+    s.add(GenerationRequest("b", (1, 2), SamplingParams(max_tokens=9, stop_token_ids=(5,))), EOS)
+    out = s.schedule()
+    deltas = s.update(out, [7, 5], [None, None])
+    assert [d.finish_reason for d in deltas] == [None, "stop"]
+    assert s.schedule().freed_row_ids == ("b/0",)
+    # 'a' hits max_tokens after its third token
+    for expected in (None, "length"):
+        out = s.schedule()
+        assert _run(s, out)[0].finish_reason == expected
+    assert not s.rows
+
+
+def test_eos_finishes_unless_ignored() -> None:
+    s = _scheduler()
+    s.add(GenerationRequest("x", (1,), SamplingParams(max_tokens=3, ignore_eos=True)), EOS)
+    s.add(_req("y", 1), EOS)
+    out = s.schedule()
+    assert [d.finish_reason for d in s.update(out, [0, 0], [None, None])] == [None, "stop"]
+
+
+def test_admission_bounded_by_rows_and_memory() -> None:
+    s = _scheduler(budget_bytes=100 + 10 * 20 + 5)  # room for one row of 20 tokens
+    s.add(_req("a", 6, max_tokens=14), EOS)
+    s.add(_req("b", 6, max_tokens=14), EOS)
+    out = s.schedule()
+    assert [c.row_id for c in out.prefill] == ["a/0"]  # b waits for memory
+    assert len(s.waiting) == 1
+    _run(s, out, token=0)  # a finishes on EOS and releases its reservation
+    out = s.schedule()
+    assert [c.row_id for c in out.prefill] == ["b/0"]
+
+
+def test_request_that_can_never_fit_is_rejected() -> None:
+    s = _scheduler(budget_bytes=1000)
+    with pytest.raises(InvalidRequestError):
+        s.add(_req("big", 50, max_tokens=200), EOS)
+    with pytest.raises(InvalidRequestError, match="context"):
+        _scheduler().add(_req("long", 900, max_tokens=200), EOS)
+
+
+def test_queue_full() -> None:
+    s = _scheduler(max_waiting=2)
+    s.add(_req("a", 1), EOS)
+    s.add(_req("b", 1), EOS)
+    with pytest.raises(QueueFullError):
+        s.add(_req("c", 1), EOS)
+
+
+def test_abort_frees_row_at_next_step() -> None:
+    s = _scheduler()
+    s.add(_req("a", 4, max_tokens=20), EOS)
+    s.add(_req("b", 30, max_tokens=20), EOS)
+    _run(s, s.schedule())
+    deltas = s.abort("b")
+    assert [(d.request_id, d.finish_reason) for d in deltas] == [("b", "abort")]
+    out = s.schedule()
+    assert out.freed_row_ids == ("b/0",) and not out.prefill
+    assert s.abort("missing") == []
+
+
+def test_n_choices_fork_after_one_prefill() -> None:
+    s = _scheduler()
+    s.add(_req("p", 5, max_tokens=2, n=3), EOS)
+    out = s.schedule()
+    assert len(out.prefill) == 1  # one prefill for all three choices
+    assert out.prefill[0].sample_row_ids == ("p/0", "p/1", "p/2")
+    deltas = _run(s, out)
+    assert sorted(d.index for d in deltas) == [0, 1, 2]
+    out = s.schedule()
+    assert out.forks == (("p/1", "p/0"), ("p/2", "p/0"))
+    assert out.decode_row_ids == ("p/0", "p/1", "p/2")
