@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,12 +25,12 @@ def on_cpu() -> bool:
 class LoadedModel:
     """A built model plus what the engine and server need to know about it."""
 
-    model: Qwen35Model
+    model: Qwen35Model = field(repr=False)
     config: TextConfig
     path: Path  # resolved local directory (tokenizer files live here)
     dtype: mx.Dtype  # activations / unquantized weights
     quantized: bool  # weights kept as MLX affine-quantized matmuls
-    checkpoint: Checkpoint  # vision / MTP tensors stay here for later use
+    checkpoint: Checkpoint = field(repr=False)  # vision / MTP tensors stay here for later use
 
     def weight_bytes(self) -> int:
         return sum(v.nbytes for _, v in nn.utils.tree_flatten(self.model.parameters()))

@@ -1,0 +1,62 @@
+"""The text side of the server: prompts in, OpenAI-shaped output pieces out. No MLX here.
+
+Map of the package (one concept per module):
+
+- tokenizer:    TextTokenizer — encode/decode, EOS ids, chat template rendering
+                (render_chat -> prompt ids + "prompt ends inside <think>").
+- messages:     OpenAI messages/tools -> template dicts; PromptError (HTTP 400).
+- detokenizer:  IncrementalDetokenizer — token ids -> text deltas, never half a character.
+- stops:        StopStringMatcher — cut text at the first stop string, never leak it.
+- reasoning:    ReasoningParser — split `<think>` reasoning from content.
+- tools:        ToolCallParser / parse_tool_calls — Qwen3.5 XML tool calls -> JSON args.
+- tool_schema:  parameter types from tool JSON schemas; typing of generated values.
+- choice:       ChoiceStream — the whole pipeline for one choice of a request.
+
+Data flow for one choice: engine RequestOutput.token_ids -> detokenizer -> stop strings
+-> reasoning split -> tool-call parsing (content only) -> ChoiceDelta.
+"""
+
+from server.frontend.choice import (
+    ChoiceDelta,
+    ChoiceResult,
+    ChoiceStream,
+    LogprobEntry,
+    ToolCallChunk,
+    TopLogprob,
+)
+from server.frontend.detokenizer import IncrementalDetokenizer
+from server.frontend.messages import PromptError
+from server.frontend.reasoning import Delta, ReasoningParser
+from server.frontend.stops import StopStringMatcher
+from server.frontend.tokenizer import TextTokenizer
+from server.frontend.tools import (
+    ContentDelta,
+    ToolCall,
+    ToolCallArgs,
+    ToolCallParser,
+    ToolCallStart,
+    ToolDelta,
+    parse_tool_calls,
+)
+
+__all__ = [
+    "ChoiceDelta",
+    "ChoiceResult",
+    "ChoiceStream",
+    "ContentDelta",
+    "Delta",
+    "IncrementalDetokenizer",
+    "LogprobEntry",
+    "PromptError",
+    "ReasoningParser",
+    "StopStringMatcher",
+    "TextTokenizer",
+    "ToolCall",
+    "ToolCallArgs",
+    "ToolCallChunk",
+    "ToolCallParser",
+    "ToolCallStart",
+    "ToolDelta",
+    "TopLogprob",
+    "parse_tool_calls",
+]

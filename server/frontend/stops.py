@@ -1,0 +1,87 @@
+"""Stop strings over streamed text, plus the hold-back helper the streaming parsers share.
+
+A stop string may arrive split over any number of pushes, so the matcher holds back every
+suffix that could still grow into one. That way a stop string is never emitted, not even
+partly, and the text emitted is the same however the stream was chunked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+def partial_match_len(text: str, markers: Iterable[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `markers`.
+
+    Streaming parsers hold that suffix back: the next chunk may complete the marker.
+    """
+    best = 0
+    for marker in markers:
+        # Longest first, and only lengths that would beat the best found so far.
+        for length in range(min(len(text), len(marker) - 1), best, -1):
+            if text.endswith(marker[:length]):
+                best = length
+                break
+    return best
+
+
+def find_first(text: str, markers: Iterable[str]) -> tuple[int, str] | None:
+    """The earliest (start, marker) of any of `markers` in `text`; the longest wins a tie."""
+    best: tuple[int, str] | None = None
+    for marker in markers:
+        start = text.find(marker)
+        if start < 0:
+            continue
+        if best is None or (start, -len(marker)) < (best[0], -len(best[1])):
+            best = (start, marker)
+    return best
+
+
+class StopStringMatcher:
+    """Cuts a text stream at the first stop string; the stop string itself is never emitted.
+
+    "First" means the stop string that is complete earliest in the stream (on a tie, the
+    longest). This is what a token-by-token check would find, so the result does not
+    depend on how the text was chunked: with stops ["abcd", "bc"], "abcd" stops after "a".
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        # Empty strings would match everywhere; duplicates only cost time.
+        self._stops = tuple(dict.fromkeys(stop for stop in stops if stop))
+        self._held = ""
+        self.is_stopped = False
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add text; return (text safe to emit, whether a stop string was hit).
+
+        After a hit the emitted text ends just before the stop string and every later
+        push returns ("", True).
+        """
+        if self.is_stopped:
+            return "", True
+        if not self._stops:
+            return text, False
+        buffer = self._held + text
+        cut = self._stop_start(buffer)
+        if cut is not None:
+            self._held = ""
+            self.is_stopped = True
+            return buffer[:cut], True
+        num_held = partial_match_len(buffer, self._stops)
+        self._held = buffer[len(buffer) - num_held :]
+        return buffer[: len(buffer) - num_held], False
+
+    def flush(self) -> str:
+        """The held-back text at the end of the stream (it never became a stop string)."""
+        held, self._held = self._held, ""
+        return "" if self.is_stopped else held
+
+    def _stop_start(self, buffer: str) -> int | None:
+        """Where the stop string that completes earliest in `buffer` starts, if any."""
+        best: tuple[int, int] | None = None  # (end, start)
+        for stop in self._stops:
+            # The first occurrence of a stop string is also the one that ends first.
+            start = buffer.find(stop)
+            if start >= 0 and (best is None or (start + len(stop), start) < best):
+                best = (start + len(stop), start)
+        return None if best is None else best[1]

@@ -1,0 +1,171 @@
+"""The model's tokenizer and chat template, behind a small text-in/ids-out interface.
+
+Loaded once per server from the model directory with transformers (a fast, tokenizers
+backed tokenizer). Everything the frontend needs goes through `TextTokenizer`, so the
+rest of the server never touches transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from transformers import AutoTokenizer
+
+from server.frontend.messages import PromptError, normalize_messages, normalize_tools
+
+IM_START = "<|im_start|>"
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+# Added tokens the parsers read in the decoded text; never hidden, even if a tokenizer
+# marks them special.
+MARKUP_TOKENS = frozenset({"<think>", "</think>", "<tool_call>", "</tool_call>"})
+# Arguments of apply_chat_template that request kwargs must not override.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+     "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+     "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation",
+     "max_length", "sanitize_control_tokens"}
+)  # fmt: skip
+
+
+class TextTokenizer:
+    """Encode/decode text and render chat prompts for one model directory."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        # The raw `tokenizers` object: faster than the wrapper, and safe to share between
+        # threads (render_chat runs in a thread pool).
+        self._backend = getattr(self._tokenizer, "backend_tokenizer", None)
+        self.eos_token_ids: tuple[int, ...] = _eos_token_ids(self.model_dir, self._tokenizer)
+        added = self._tokenizer.added_tokens_decoder
+        specials = {i for i, token in added.items() if token.special}
+        specials |= set(self._tokenizer.all_special_ids)
+        markup = {i for i, token in added.items() if str(token) in MARKUP_TOKENS}
+        # Special tokens that must not show up in output text (EOS, <|im_start|>, …).
+        self.hidden_token_ids: frozenset[int] = frozenset(
+            (specials - markup) | set(self.eos_token_ids)
+        )
+        self._added_text = {i: str(token) for i, token in added.items()}
+        self._byte_of_char = _byte_level_decoder()
+        self._token_text_cache: dict[int, str] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return len(self._tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; no BOS or other special tokens are added."""
+        if self._backend is not None:
+            # Straight to the Rust tokenizer: transformers' wrapper may reconfigure
+            # truncation/padding on it, which is unsafe from several threads at once.
+            return self._backend.encode(text, add_special_tokens=False).ids
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of `token_ids`, special tokens included (callers filter them first)."""
+        if self._backend is not None:
+            return self._backend.decode(list(token_ids), skip_special_tokens=False)
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as decoded alone (U+FFFD for a partial UTF-8 character)."""
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            text = self._token_text_cache[token_id] = self.decode([token_id])
+        return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's exact bytes (for OpenAI logprobs' `bytes`)."""
+        if token_id in self._added_text:
+            return self._added_text[token_id].encode()
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and all(c in self._byte_of_char for c in piece):
+            return bytes(self._byte_of_char[c] for c in piece)
+        return self.token_text(token_id).encode()
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[list[int], bool]:
+        """Render OpenAI chat messages with the model's template and tokenize the prompt.
+
+        Returns (prompt ids, whether the prompt ends inside an opened `<think>` block, so
+        the output starts in reasoning). Raises PromptError for input the template or
+        this server cannot handle.
+        """
+        text = self.render_chat_text(messages, tools, chat_template_kwargs)
+        return self.encode(text), ends_in_reasoning(text)
+
+    def render_chat_text(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The rendered prompt text (see render_chat)."""
+        if not self._tokenizer.chat_template:
+            raise PromptError("this model has no chat template; use /v1/completions")
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if reserved:
+            raise PromptError(
+                f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs"
+            )
+        try:
+            return self._tokenizer.apply_chat_template(
+                normalize_messages(messages),
+                tools=normalize_tools(tools),
+                add_generation_prompt=True,
+                tokenize=False,
+                **kwargs,
+            )
+        except jinja2.TemplateError as error:
+            # raise_exception() in the template (e.g. a misplaced system message).
+            raise PromptError(f"chat template error: {error}") from None
+
+
+def ends_in_reasoning(prompt: str) -> bool:
+    """Whether the last turn of `prompt` opened `<think>` without closing it."""
+    last_turn = prompt[prompt.rfind(IM_START) :] if IM_START in prompt else prompt
+    return last_turn.rfind(THINK_OPEN) > last_turn.rfind(THINK_CLOSE)
+
+
+def _eos_token_ids(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:
+    """EOS ids: generation_config.json, then config.json, then the tokenizer's own."""
+    found: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.is_file():
+            config = json.loads(path.read_text(encoding="utf-8"))
+            found += _as_ids(config.get("eos_token_id"))
+            found += _as_ids(config.get("text_config", {}).get("eos_token_id"))
+    found += _as_ids(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(found))
+
+
+def _as_ids(value: Any) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int)]
+    return []
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE's printable stand-in character -> the byte it stands for."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if chr(b) not in table:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
