@@ -1,0 +1,213 @@
+"""Offline batched throughput: deltaserve's engine vs mlx-lm's BatchGenerator.
+
+    python -m bench.engine_throughput --checkpoint small --batches 1 8 32
+    python -m bench.engine_throughput --checkpoint small --itl  # ITL under a long prefill
+
+Same checkpoint, dtype (float32 on CPU) and BLAS for both, in one process. Prints JSON
+lines: tok/s (generated tokens over wall time), TTFT p50, and ratios against mlx-lm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+from kernels.blas import blas_summary, ensure_openblas
+
+
+def _prompts(count: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 200000) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+class Ours:
+    name = "deltaserve"
+
+    def __init__(self, path: str, budget: int, chunk: int) -> None:
+        from engine.config import EngineConfig
+        from engine.engine import LLMEngine
+        from models.build import load_model
+
+        self.loaded = load_model(path)
+        self.config = EngineConfig(
+            max_num_seqs=64, max_num_batched_tokens=budget, max_prefill_chunk=chunk
+        )
+        self.make = lambda: LLMEngine(self.loaded, self.config)
+
+    def run(self, prompts: list[list[int]], gens: list[int], on_token) -> None:
+        from engine.types import GenerationRequest, SamplingParams
+
+        engine = self.make()
+        for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
+            params = SamplingParams(temperature=0.0, max_tokens=g, ignore_eos=True)
+            engine.add_request(GenerationRequest(str(i), tuple(p), params))
+        self.engine = engine
+        while engine.has_work():
+            now_deltas = engine.step()
+            now = time.perf_counter()
+            for d in now_deltas:
+                if d.token_ids:
+                    on_token(int(d.request_id), now)
+
+    def add_late(self, prompt: list[int], gen: int) -> None:
+        from engine.types import GenerationRequest, SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
+        self.engine.add_request(GenerationRequest("late", tuple(prompt), params))
+
+
+class MlxLm:
+    name = "mlx_lm"
+
+    def __init__(self, path: str, budget: int, chunk: int) -> None:
+        import mlx.core as mx
+        import mlx_lm
+
+        self.model, _ = mlx_lm.load(path)
+        self.model.set_dtype(mx.float32)
+        self.chunk = chunk
+
+    def run(self, prompts: list[list[int]], gens: list[int], on_token, late=None) -> None:
+        from mlx_lm.generate import BatchGenerator
+
+        gen = BatchGenerator(
+            self.model, completion_batch_size=64, prefill_batch_size=8, prefill_step_size=self.chunk
+        )
+        uids = gen.insert(prompts, gens)
+        index = {uid: i for i, uid in enumerate(uids)}
+        step = 0
+        while responses := gen.next_generated():
+            now = time.perf_counter()
+            for r in responses:
+                if r.uid in index:
+                    on_token(index[r.uid], now)
+            step += 1
+            if late is not None and step == late[0]:
+                gen.insert([late[1]], [late[2]])
+        gen.close()
+
+
+def throughput(impl, batch: int, gen_lo: int, gen_hi: int, plo: int, phi: int) -> dict:
+    prompts = _prompts(batch, plo, phi, seed=batch)
+    rng = random.Random(batch + 1)
+    gens = [rng.randint(gen_lo, gen_hi) for _ in range(batch)]
+    impl.run(_prompts(2, 8, 16, seed=99), [4, 4], lambda i, t: None)  # warm-up
+    first: dict[int, float] = {}
+    count = 0
+
+    def on_token(i: int, now: float) -> None:
+        nonlocal count
+        count += 1
+        first.setdefault(i, now)
+
+    start = time.perf_counter()
+    impl.run(prompts, gens, on_token)
+    wall = time.perf_counter() - start
+    ttft = [t - start for t in first.values()]
+    return {
+        "impl": impl.name,
+        "batch": batch,
+        "tokens": count,
+        "tok_s": count / wall,
+        "ttft_p50_s": _pct(ttft, 0.5),
+        "wall_s": wall,
+    }
+
+
+def itl_under_prefill(impl, long_len: int) -> dict:
+    """8 rows decode; at step 10 a long prompt arrives. ITL before vs during its prefill."""
+    prompts = _prompts(8, 128, 128, seed=5)
+    long_prompt = _prompts(1, long_len, long_len, seed=6)[0]
+    stamps: dict[int, list[float]] = {i: [] for i in range(8)}
+    state = {"steps": 0, "arrived": None}
+
+    def on_token(i: int, now: float) -> None:
+        if i in stamps:
+            stamps[i].append(now)
+
+    if isinstance(impl, Ours):
+
+        def hook(i: int, now: float) -> None:
+            on_token(i, now)
+            if i == 0:
+                state["steps"] += 1
+                if state["steps"] == 10:
+                    impl.add_late(long_prompt, 4)
+                    state["arrived"] = now
+
+        impl.run(prompts, [120] * 8, hook)
+    else:
+
+        def hook(i: int, now: float) -> None:
+            on_token(i, now)
+            if i == 0:
+                state["steps"] += 1
+                if state["steps"] == 10:
+                    state["arrived"] = now
+
+        impl.run(prompts, [120] * 8, hook, late=(10, long_prompt, 4))
+    arrived = state["arrived"]
+    before, during = [], []
+    for ts in stamps.values():
+        for a, b in zip(ts, ts[1:], strict=False):
+            (before if b <= arrived else during).append(b - a)
+    return {
+        "impl": impl.name,
+        "long_prompt": long_len,
+        "itl_decode_only_p50_ms": 1e3 * _pct(before, 0.5),
+        "itl_decode_only_p99_ms": 1e3 * _pct(before, 0.99),
+        "itl_during_prefill_p50_ms": 1e3 * _pct(during, 0.5),
+        "itl_during_prefill_p99_ms": 1e3 * _pct(during, 0.99),
+        "itl_max_ms": 1e3 * max(during + before),
+    }
+
+
+def main() -> None:
+    ensure_openblas()
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--checkpoint", default="small")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt", type=int, nargs=2, default=[128, 512])
+    ap.add_argument("--gen", type=int, nargs=2, default=[64, 128])
+    ap.add_argument("--budget", type=int, default=1024, help="our per-step token budget")
+    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk (both)")
+    ap.add_argument("--itl", action="store_true", help="run the latency-under-prefill test")
+    ap.add_argument("--long", type=int, default=4096)
+    ap.add_argument("--only", choices=["deltaserve", "mlx_lm"], default=None)
+    args = ap.parse_args()
+    from models.testing import cached_checkpoint
+
+    path = args.checkpoint if "/" in args.checkpoint else str(cached_checkpoint(args.checkpoint))
+    print(json.dumps({"blas": blas_summary(), "checkpoint": args.checkpoint}))
+    impls = [
+        cls(path, args.budget, args.chunk) for cls in (Ours, MlxLm) if args.only in (None, cls.name)
+    ]
+    if args.itl:
+        for impl in impls:
+            print(json.dumps(itl_under_prefill(impl, args.long)), flush=True)
+        return
+    for batch in args.batches:
+        rows = [throughput(i, batch, *args.gen, *args.prompt) for i in impls]
+        for r in rows:
+            print(json.dumps(r), flush=True)
+        if len(rows) == 2:
+            print(
+                json.dumps(
+                    {
+                        "batch": batch,
+                        "ratio_tok_s": rows[0]["tok_s"] / rows[1]["tok_s"],
+                        "ratio_ttft_p50": rows[0]["ttft_p50_s"] / rows[1]["ttft_p50_s"],
+                    }
+                )
+            )
+
+
+if __name__ == "__main__":
+    main()
