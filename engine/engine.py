@@ -90,7 +90,8 @@ class LLMEngine:
             return [], []
         rows = self.scheduler.rows
         sampling = [
-            SamplingRow(rows[r].params, rows[r].prompt_ids, rows[r].output_ids) for r in row_ids
+            SamplingRow(rows[r].params, rows[r].prompt_ids, rows[r].output_ids, rows[r].index)
+            for r in row_ids
         ]
         return self.sampler.sample(logits, sampling).to_python(sampling)
 

@@ -232,8 +232,6 @@ class Scheduler:
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Finish every row and queued request with an error (the step raised)."""
-        victims = list(self.rows.values()) + [
-            r for w in self.waiting for r in (w, *w.children)
-        ]
+        victims = list(self.rows.values()) + [r for w in self.waiting for r in (w, *w.children)]
         self.waiting.clear()
         return [self._finish(r, "error", error) for r in victims if not r.is_finished]

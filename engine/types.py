@@ -73,8 +73,16 @@ class SamplingParams:
             "frequency_penalty",
         )
         for token, bias in self.logit_bias.items():
-            _check(isinstance(token, int) and token >= 0, "logit_bias keys must be token ids", "logit_bias")
-            _check(math.isfinite(bias) and -100 <= bias <= 100, "logit_bias values must be in [-100, 100]", "logit_bias")
+            _check(
+                isinstance(token, int) and token >= 0,
+                "logit_bias keys must be token ids",
+                "logit_bias",
+            )
+            _check(
+                math.isfinite(bias) and -100 <= bias <= 100,
+                "logit_bias values must be in [-100, 100]",
+                "logit_bias",
+            )
         _check(self.max_tokens >= 1, "max_tokens must be >= 1", "max_tokens")
         _check(
             0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,

@@ -21,12 +21,16 @@ class StateCosts:
     ssm_bytes_per_row: int  # all DeltaNet layers: conv tail + float32 recurrent state
 
     @classmethod
-    def for_model(cls, cfg: TextConfig, kv_bytes_per_element_pair: float, dtype_size: int) -> StateCosts:
+    def for_model(
+        cls, cfg: TextConfig, kv_bytes_per_element_pair: float, dtype_size: int
+    ) -> StateCosts:
         """kv_bytes_per_element_pair: bytes one K element plus one V element take."""
         num_full = sum(cfg.is_full_attention(i) for i in range(cfg.num_hidden_layers))
         num_linear = cfg.num_hidden_layers - num_full
         kv = num_full * cfg.num_key_value_heads * cfg.head_dim * kv_bytes_per_element_pair
-        recurrent = cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim * 4
+        recurrent = (
+            cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim * 4
+        )
         conv = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * dtype_size
         return cls(int(round(kv)), num_linear * (recurrent + conv))
 

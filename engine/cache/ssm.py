@@ -50,8 +50,14 @@ class SSMState:
             self._num_rows = mine + theirs
             return
         template = self if self.conv is not None else other
-        conv = [self._filled(self.conv, mine, template.conv), self._filled(other.conv, theirs, template.conv)]
-        ssm = [self._filled(self.ssm, mine, template.ssm), self._filled(other.ssm, theirs, template.ssm)]
+        conv = [
+            self._filled(self.conv, mine, template.conv),
+            self._filled(other.conv, theirs, template.conv),
+        ]
+        ssm = [
+            self._filled(self.ssm, mine, template.ssm),
+            self._filled(other.ssm, theirs, template.ssm),
+        ]
         self.conv = mx.concatenate(conv, axis=0)
         self.ssm = mx.concatenate(ssm, axis=0)
 
