@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from kernels import fastmath
 from models.config import TextConfig
 from models.layers import MRoPE, RMSNorm
 from models.state import AttentionState
@@ -52,4 +53,4 @@ class GatedAttention(nn.Module):
         keys = rope.apply(keys, cos, sin)
         out = state.attend(queries, keys, values, self.scale, left_pad)
         out = out.transpose(0, 2, 1, 3).reshape(b, length, self.num_heads * hd)
-        return self.o_proj(out * mx.sigmoid(gate.reshape(b, length, -1)))
+        return self.o_proj(out * fastmath.sigmoid(gate.reshape(b, length, -1)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from kernels import fastmath
 from kernels.gated_delta import gated_delta
 from models.config import TextConfig
 from models.layers import GatedRMSNorm
@@ -71,7 +72,7 @@ class GatedDeltaNet(nn.Module):
         out = full[:, 0:length] * w[:, 0]
         for j in range(1, self.kernel_size):
             out = out + full[:, j : j + length] * w[:, j]
-        return nn.silu(out)
+        return fastmath.silu(out)
 
     def __call__(
         self,
@@ -88,7 +89,7 @@ class GatedDeltaNet(nn.Module):
         v = qkv[..., 2 * self.key_dim :].reshape(b, length, self.num_v_heads, self.head_v_dim)
         q = _l2_normalize(q.astype(mx.float32)) * (self.head_k_dim**-0.5)
         k = _l2_normalize(k.astype(mx.float32))
-        beta = mx.sigmoid(self.in_proj_b(x).astype(mx.float32))
+        beta = fastmath.sigmoid(self.in_proj_b(x).astype(mx.float32))
         a = self.in_proj_a(x).astype(mx.float32) + self.dt_bias
         g = -mx.exp(self.A_log) * mx.logaddexp(a, mx.zeros_like(a))  # log-decay <= 0
         ssm = state.ssm

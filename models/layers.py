@@ -5,6 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from kernels import fastmath
+
 
 class RMSNorm(nn.Module):
     """RMSNorm whose `weight` holds the full gain (the loader folds HF's 1 + w in float32)."""
@@ -31,7 +33,7 @@ class GatedRMSNorm(nn.Module):
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
         normed = mx.fast.rms_norm(x.astype(mx.float32), None, self.eps)
         gate = gate.astype(mx.float32)
-        out = self.weight.astype(mx.float32) * normed * (gate * mx.sigmoid(gate))
+        out = self.weight.astype(mx.float32) * normed * fastmath.silu(gate)
         return out.astype(x.dtype)
 
 
@@ -56,7 +58,9 @@ class MRoPE(nn.Module):
         super().__init__()
         self.rotary_dim = rotary_dim
         half = rotary_dim // 2
-        self._inv_freq = 1.0 / (theta ** (mx.arange(0, rotary_dim, 2, dtype=mx.float32) / rotary_dim))
+        self._inv_freq = 1.0 / (
+            theta ** (mx.arange(0, rotary_dim, 2, dtype=mx.float32) / rotary_dim)
+        )
         # [3, half] one-hot selector of the position axis per frequency (frozen constant)
         axes = mx.array(mrope_axis_map(half, sections))
         self._axis_onehot = (axes[None, :] == mx.arange(3)[:, None]).astype(mx.float32)
@@ -90,7 +94,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(fastmath.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class SwitchExperts(nn.Module):
@@ -112,10 +116,14 @@ class SwitchExperts(nn.Module):
         inverse = mx.argsort(order)
         xs = xs.reshape(n * k, 1, -1)[order]
         idx = flat[order]
-        gate = mx.gather_mm(xs, self.gate_proj.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True)
+        gate = mx.gather_mm(
+            xs, self.gate_proj.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True
+        )
         up = mx.gather_mm(xs, self.up_proj.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True)
-        act = nn.silu(gate) * up
-        out = mx.gather_mm(act, self.down_proj.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True)
+        act = fastmath.silu(gate) * up
+        out = mx.gather_mm(
+            act, self.down_proj.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True
+        )
         return out[inverse].reshape(n, k, -1)
 
 
@@ -142,5 +150,5 @@ class SparseMoE(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(axis=-1, keepdims=True)
         routed = (self.experts(x, indices) * weights[..., None].astype(x.dtype)).sum(axis=1)
-        shared = mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = fastmath.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared
