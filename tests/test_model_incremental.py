@@ -1,0 +1,113 @@
+"""Our model alone: how the input is split into steps and rows never changes the logits.
+
+Each test compares a split computation (prefill + one-token decode, uneven prefill
+chunks, left-padded batches, merged row states) with the same tokens in one full
+forward of one row. Dense and MoE checkpoints; the DeltaNet layers run the chunked
+kernel for L > 1 and the single-step kernel for L == 1, so these also pin the two
+kernels, the conv tail and the KV store to each other inside the real model.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from parity_utils import forward, full_logits, long_ids, rel_error
+
+from engine.cache.batch import BatchState
+from models.build import LoadedModel, load_model
+from models.testing import cached_checkpoint
+
+# Relative logit error bound, max|split - full| / max|full| (logits up to ~140). The
+# split runs do the same float32 math in another order (chunk boundaries, step kernel vs
+# chunked WY form, batch shapes); measured 1.5e-6 .. 5.9e-6 here (worst: 96 one-token
+# decode steps). 5e-5 is a ~10x margin, while a real state bug moves logits by O(1):
+# zeroing the conv tails between chunks gives ~1.0, ignoring left_pad ~1.4, and a wrong
+# row's rotary offset ~4e-2 (all measured).
+REL_TOL = 5e-5
+CHUNKS = (7, 64, 30, 1)  # uneven, one exactly one DeltaNet chunk, one single token
+LENGTH = sum(CHUNKS)  # 102
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-moe"])
+def loaded(request: pytest.FixtureRequest) -> LoadedModel:
+    return load_model(str(cached_checkpoint(request.param)))
+
+
+@pytest.fixture(scope="module")
+def ids() -> list[int]:
+    return long_ids(LENGTH)
+
+
+@pytest.fixture(scope="module")
+def reference(loaded: LoadedModel, ids: list[int]) -> mx.array:
+    """Logits [LENGTH, V] of the whole prompt in one forward from a fresh state."""
+    return full_logits(loaded, ids)
+
+
+def test_prefill_then_token_by_token_decode_equals_full_forward(
+    loaded: LoadedModel, ids: list[int], reference: mx.array
+) -> None:
+    """Prefill 6 tokens, then decode the other 96 one at a time: every position's logits."""
+    prefill = 6
+    state = BatchState.empty(loaded.config)
+    parts = [forward(loaded, state, [ids[:prefill]], [0])[0]]
+    for pos in range(prefill, LENGTH):
+        parts.append(forward(loaded, state, [[ids[pos]]], [pos])[0])
+    assert rel_error(mx.concatenate(parts, axis=0), reference) <= REL_TOL
+
+
+def test_chunked_prefill_equals_full_forward(
+    loaded: LoadedModel, ids: list[int], reference: mx.array
+) -> None:
+    """Prefill in chunks of 7 + 64 + 30 + 1 tokens equals one 102-token forward."""
+    state = BatchState.empty(loaded.config)
+    parts, start = [], 0
+    for size in CHUNKS:
+        parts.append(forward(loaded, state, [ids[start : start + size]], [start])[0])
+        start += size
+    assert rel_error(mx.concatenate(parts, axis=0), reference) <= REL_TOL
+
+
+def test_left_padded_batch_equals_rows_alone(loaded: LoadedModel, ids: list[int]) -> None:
+    """Fresh rows of lengths 102/45/1/70, left-padded with junk into one [4, 102] group,
+    then one decode step: each row's logits equal that row run alone."""
+    rows = [ids, ids[10:55], ids[3:4], ids[::-1][:70]]
+    pads = tuple(LENGTH - len(r) for r in rows)
+    junk = [(7919 * (i + 1)) % 240000 for i in range(LENGTH)]  # real ids: pads must not leak
+    padded = [junk[:p] + r for p, r in zip(pads, rows, strict=True)]
+    nxt = [[ids[i]] for i in range(len(rows))]  # one more token per row
+
+    state = BatchState.empty(loaded.config)
+    batch = forward(loaded, state, padded, [-p for p in pads], left_pad=pads)
+    step = forward(loaded, state, nxt, [len(r) for r in rows])
+
+    for b, (pad, row) in enumerate(zip(pads, rows, strict=True)):
+        alone = full_logits(loaded, row + nxt[b])
+        assert rel_error(batch[b, pad:], alone[:-1]) <= REL_TOL, f"row {b} prefill"
+        assert rel_error(step[b], alone[-1:]) <= REL_TOL, f"row {b} decode"
+
+
+def test_merged_states_decode_equals_rows_alone(loaded: LoadedModel, ids: list[int]) -> None:
+    """Three B=1 states prefilled to lengths 5/33/70, merged into B=3, decode two steps:
+    each row's logits equal that row decoded alone."""
+    rows = [ids[:5], ids[20:53], ids[32:102]]
+    steps = [[ids[i], ids[i + 3]] for i in range(3)]  # two decode tokens per row
+
+    merged = BatchState.empty(loaded.config)
+    for row in rows:
+        single = BatchState.empty(loaded.config)
+        forward(loaded, single, [row], [0])
+        merged.merge(single)
+    assert merged.num_rows == 3
+
+    batched = []
+    for t in range(2):
+        offsets = [len(r) + t for r in rows]
+        batched.append(forward(loaded, merged, [[s[t]] for s in steps], offsets))
+
+    for b, (row, toks) in enumerate(zip(rows, steps, strict=True)):
+        alone_state = BatchState.empty(loaded.config)
+        forward(loaded, alone_state, [row], [0])
+        for t in range(2):
+            alone = forward(loaded, alone_state, [[toks[t]]], [len(row) + t])[0]
+            assert rel_error(batched[t][b], alone) <= REL_TOL, f"row {b} step {t}"
