@@ -1,0 +1,1 @@
+"""Compute kernels (no imports from server/, engine/ or models/)."""
