@@ -1,0 +1,137 @@
+"""Prometheus metrics for GET /metrics.
+
+Two kinds: what the server observes per request (status codes, token counts, time to
+first token, inter-token latency), recorded as requests run; and the engine's gauges
+(queue depth, running rows, state and MLX memory), read from EngineStats at scrape time
+so they are never stale. Each app gets its own registry: tests build many apps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.api import EngineClient
+
+# Routes get their own label; anything else (404 probes, typos) shares one.
+KNOWN_ROUTES = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class _EngineCollector(Collector):
+    """Engine gauges, read when Prometheus scrapes."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self._engine.stats()
+        except Exception:  # a dead engine must not break the scrape; /health reports it
+            return
+        gauges = {
+            "engine_alive": ("1 while the engine thread runs", int(stats.is_alive)),
+            "queue_depth": ("requests waiting for a row", stats.num_waiting),
+            "running_rows": ("rows generating (or prefilling)", stats.num_running),
+            "state_bytes_in_use": ("KV + DeltaNet state of all rows", stats.state_bytes_in_use),
+            "state_bytes_budget": ("row-state memory budget", stats.state_bytes_budget),
+            "mlx_active_bytes": ("MLX active memory", stats.mlx_active_bytes),
+            "mlx_peak_bytes": ("MLX peak memory", stats.mlx_peak_bytes),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"deltaserve_{name}", doc, value=value)
+
+
+class ServerMetrics:
+    """The metric objects of one app, and its registry."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.requests = Counter(
+            "deltaserve_http_requests", "HTTP responses", ["route", "status"], registry=reg
+        )
+        self.prompt_tokens = Counter(
+            "deltaserve_prompt_tokens", "prompt tokens of accepted requests", registry=reg
+        )
+        self.generated_tokens = Counter(
+            "deltaserve_generation_tokens", "tokens generated", registry=reg
+        )
+        self.ttft = Histogram(
+            "deltaserve_time_to_first_token_seconds",
+            "request arrival to its first generated token",
+            buckets=_TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            "deltaserve_inter_token_latency_seconds",
+            "gap between successive tokens of one choice",
+            buckets=_ITL_BUCKETS,
+            registry=reg,
+        )
+        reg.register(_EngineCollector(engine))
+
+    def timer(self, start: float) -> RequestTimer:
+        """Latency bookkeeping for one request that arrived at `start` (monotonic)."""
+        return RequestTimer(self, start)
+
+    @property
+    def content_type(self) -> str:
+        """The exposition format's content type."""
+        return CONTENT_TYPE_LATEST
+
+
+class RequestTimer:
+    """Observes TTFT once per request and the inter-token gaps of each choice."""
+
+    def __init__(self, metrics: ServerMetrics, start: float) -> None:
+        self._metrics = metrics
+        self._start = start
+        self._last: dict[int, float] = {}  # choice index -> time of its latest token
+
+    def on_tokens(self, index: int, num_tokens: int) -> None:
+        """Record that choice `index` just received `num_tokens` tokens."""
+        if num_tokens == 0:
+            return
+        now = time.monotonic()
+        if not self._last:
+            self._metrics.ttft.observe(now - self._start)
+        elif index in self._last:
+            # A delta may carry several tokens (e.g. after a slow step): spread the gap.
+            gap = (now - self._last[index]) / num_tokens
+            for _ in range(num_tokens):
+                self._metrics.itl.observe(gap)
+        self._last[index] = now
+
+
+class StatusCounterMiddleware:
+    """Pure ASGI middleware counting responses by route and status code.
+
+    Pure ASGI (not BaseHTTPMiddleware) so that streaming responses and client
+    disconnects pass through untouched.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in KNOWN_ROUTES else "other"
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

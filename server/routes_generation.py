@@ -1,0 +1,258 @@
+"""Generation as the routes see it: a GenerationRun submits one GenerationRequest and
+turns its RequestOutputs into per-choice events (text deltas through the frontend's
+ChoiceStream, finish reasons); a RunGroup reads several runs as one (a list of prompts).
+
+Engine contract used here (engine/api.py): `generate()` submits and streams; submission
+errors (InvalidRequestError, QueueFullError) surface on the first read at the latest.
+`start_run` therefore waits up to one keep-alive interval for that first read before a
+route commits to a status code, so those errors become a 400 / 429, not an SSE event.
+Stop strings are the frontend's: when every choice has hit one, the run aborts the
+engine request (a choice cannot be aborted alone, so with n > 1 the others run on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+
+from engine.types import GenerationRequest, RequestOutput
+from server.errors import APIError
+from server.frontend.choice import ChoiceDelta, ChoiceStream, ToolCallChunk
+from server.metrics import RequestTimer
+from server.routes_common import ServerState
+from server.schemas import Usage
+from server.sse import TICK, Ticker
+
+
+@dataclass(frozen=True)
+class ChoiceEvent:
+    """New output of one choice: its frontend delta, and on its last event the reason."""
+
+    index: int  # choice index in the response
+    delta: ChoiceDelta
+    finish_reason: str | None = None
+
+
+class GenerationRun:
+    """One submitted GenerationRequest, read as ChoiceEvents (None = keep-alive tick)."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        request: GenerationRequest,
+        choices: list[ChoiceStream],
+        timer: RequestTimer,
+        index_offset: int = 0,
+    ) -> None:
+        self.state = state
+        self.request = request
+        self.choices = choices
+        self.index_offset = index_offset  # completions: prompt k's choices start at k * n
+        self._timer = timer
+        self._ticker = Ticker(state.engine.generate(request), state.settings.server.keepalive)
+        self._is_open = [True] * request.n  # choices whose end the caller has not seen
+        self._num_output = [0] * request.n
+        self._engine_done = [False] * request.n
+        self._first: RequestOutput | None = None  # read by start(), replayed by events()
+        self._is_accepted = False  # the engine took it (no refusal on the first read)
+        self._abort_sent = False
+        self._closed = False
+
+    async def start(self) -> None:
+        """Wait up to one keep-alive interval for the engine to accept (or refuse)."""
+        first = await self._ticker.next()
+        self._first = None if first is TICK else first  # type: ignore[assignment]
+        self._is_accepted = True
+
+    async def events(self) -> AsyncIterator[ChoiceEvent | None]:
+        """Yield choice events until every choice finished; None when idle a while."""
+        pending, self._first = self._first, None
+        while any(self._is_open):
+            if pending is not None:
+                output, pending = pending, None
+            else:
+                try:
+                    output = await self._ticker.next()
+                except StopAsyncIteration:
+                    raise APIError(500, "the engine ended the request early") from None
+                if output is TICK:
+                    yield None
+                    continue
+            event = self._on_output(output)  # type: ignore[arg-type]
+            if event is not None:
+                yield event
+        await self.close()
+
+    def _on_output(self, out: RequestOutput) -> ChoiceEvent | None:
+        i = out.index
+        self._num_output[i] = max(self._num_output[i], out.num_output_tokens)
+        self._engine_done[i] = out.finished
+        if not self._is_open[i]:
+            return None  # already ended by a stop string; the engine is catching up
+        self._timer.on_tokens(self.index_offset + i, len(out.token_ids))
+        if out.finish_reason == "error":
+            raise APIError(500, f"generation failed: {out.error or 'engine error'}")
+        if out.finish_reason == "abort":
+            raise APIError(503, "the request was aborted by the server (shutting down?)")
+        choice = self.choices[i]
+        delta = choice.push(out)
+        if not (out.finished or delta.stop_hit):
+            return ChoiceEvent(self.index_offset + i, delta)
+        delta = merge_deltas(delta, choice.finish())
+        self._is_open[i] = False
+        if not any(self._is_open):
+            self._abort()  # stop strings ended every choice before the engine did
+        return ChoiceEvent(self.index_offset + i, delta, choice.finish_reason(out.finish_reason))
+
+    def _abort(self) -> None:
+        # Only once, and only for a request the engine took and has not finished.
+        if self._is_accepted and not self._abort_sent and not all(self._engine_done):
+            self._abort_sent = True
+            self.state.engine.abort(self.request.request_id)
+
+    def usage(self) -> Usage:
+        """Token counts so far (final once events() has ended)."""
+        prompt, completion = len(self.request.prompt_ids), sum(self._num_output)
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
+    async def close(self) -> None:
+        """Abort the engine request if it still runs, and record token counts. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._abort()
+        await self._ticker.aclose()
+        if self._is_accepted:
+            metrics = self.state.metrics
+            metrics.prompt_tokens.inc(len(self.request.prompt_ids))
+            metrics.generated_tokens.inc(sum(self._num_output))
+
+
+def merge_deltas(first: ChoiceDelta, second: ChoiceDelta) -> ChoiceDelta:
+    """`first` followed by `second` (a push and the final flush) as one delta."""
+    calls = list(first.tool_calls)
+    for chunk in second.tool_calls:
+        last = calls[-1] if calls else None
+        if last is not None and last.index == chunk.index and chunk.id is None:
+            # One entry per call index in a chunk: clients accumulate by index.
+            chunk = ToolCallChunk(last.index, last.id, last.name, last.arguments + chunk.arguments)
+            calls[-1] = chunk
+        else:
+            calls.append(chunk)
+    return ChoiceDelta(
+        content=first.content + second.content,
+        reasoning=first.reasoning + second.reasoning,
+        tool_calls=calls,
+        logprobs=first.logprobs + second.logprobs,
+        stop_hit=first.stop_hit or second.stop_hit,
+    )
+
+
+async def start_run(
+    state: ServerState,
+    request: GenerationRequest,
+    choices: list[ChoiceStream],
+    timer: RequestTimer,
+    index_offset: int = 0,
+) -> GenerationRun:
+    """Submit `request`; raises the engine's refusal (→ 400/429) if it comes in time."""
+    if not state.engine.stats().is_alive:
+        # A dead engine thread would never answer: fail now instead of hanging.
+        raise APIError(503, "the engine is not running", code="engine_unavailable")
+    run = GenerationRun(state, request, choices, timer, index_offset)
+    try:
+        await run.start()
+    except BaseException:
+        await run.close()
+        raise
+    return run
+
+
+class RunGroup:
+    """Several runs read as one event stream; their choice indexes are disjoint."""
+
+    def __init__(self, runs: list[GenerationRun]) -> None:
+        self.runs = runs
+
+    def choices(self) -> Iterator[tuple[int, ChoiceStream]]:
+        """(response index, choice stream) of every choice, in index order."""
+        for run in self.runs:
+            for k, choice in enumerate(run.choices):
+                yield run.index_offset + k, choice
+
+    async def events(self) -> AsyncIterator[ChoiceEvent | None]:
+        """Every run's events as they come; a failure in one ends the group."""
+        if len(self.runs) == 1:
+            async for event in self.runs[0].events():
+                yield event
+            return
+        queue: asyncio.Queue[ChoiceEvent | None | Exception | _End] = asyncio.Queue()
+
+        async def pump(run: GenerationRun) -> None:
+            try:
+                async for event in run.events():
+                    queue.put_nowait(event)
+                queue.put_nowait(_END)
+            except Exception as exc:
+                queue.put_nowait(exc)
+
+        tasks = [asyncio.ensure_future(pump(run)) for run in self.runs]
+        try:
+            num_running = len(tasks)
+            while num_running:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                if isinstance(item, _End):
+                    num_running -= 1
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def usage(self) -> Usage:
+        """Token counts summed over the runs."""
+        prompt = sum(run.usage().prompt_tokens for run in self.runs)
+        completion = sum(run.usage().completion_tokens for run in self.runs)
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
+    async def close(self) -> None:
+        """Close every run (aborting what still runs)."""
+        for run in self.runs:
+            await run.close()
+
+
+class _End:
+    """Queue marker: one run of a group has finished."""
+
+
+_END = _End()
+
+
+async def start_runs(
+    state: ServerState,
+    requests: list[GenerationRequest],
+    make_choices: Callable[[], list[ChoiceStream]],
+    timer: RequestTimer,
+) -> RunGroup:
+    """Submit all `requests` at once; if one is refused, close the others and raise."""
+    num_choices = requests[0].n
+    started = await asyncio.gather(
+        *(
+            start_run(state, request, make_choices(), timer, k * num_choices)
+            for k, request in enumerate(requests)
+        ),
+        return_exceptions=True,
+    )
+    group = RunGroup([run for run in started if isinstance(run, GenerationRun)])
+    failures = [error for error in started if isinstance(error, BaseException)]
+    if failures:
+        await group.close()
+        raise failures[0]
+    return group

@@ -1,0 +1,397 @@
+"""OpenAI request and response shapes (pydantic v2).
+
+Requests: unknown fields are ignored, null means "use the default", types are strict
+(a string is not a number), and the checks that only make sense at the HTTP edge live
+here (tool schemas, tool_choice vs tools, stop list size). Numeric ranges of sampling
+fields are checked once, by engine.types.SamplingParams, when the route builds it.
+
+Responses serialize exactly as the OpenAI spec shows them: `null` where the spec has a
+nullable field (`logprobs`, `refusal`, `finish_reason`), while our optional extras
+(`tool_calls`, `reasoning_content`, `usage` on stream chunks) are left out when unset.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; Qwen prompts often want a few more
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_unset(cls, data: Any) -> Any:
+        # Many clients send `"n": null`, `"stream": null`, …: take the default instead.
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+
+class ContentPart(_In):
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ContentPart:
+        if self.type != "text" or self.text is None:
+            raise ValueError(f"content parts of type {self.type!r} are not supported (text only)")
+        return self
+
+
+class FunctionCallIn(_In):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string; some clients a dict
+
+
+class ToolCallIn(_In):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ChatMessage(_In):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool results
+    reasoning_content: str | None = None  # assistant thinking, echoed back by some clients
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+
+class FunctionDef(_In):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema object
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _is_object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type", "object") != "object":
+            raise ValueError("function parameters must be a JSON Schema of type 'object'")
+        return value
+
+
+class Tool(_In):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_In):
+    name: str
+
+
+class NamedToolChoice(_In):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(_In):
+    include_usage: bool = False
+
+
+class GenerationFields(_In):
+    """Fields chat and completions share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value and not all(key.isdigit() for key in value):
+            raise ValueError("logit_bias keys must be token ids (decimal strings)")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if value == "" or (isinstance(value, list) and "" in value):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    def stop_strings(self) -> list[str]:
+        """`stop` as a list."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """`logit_bias` keyed by int token id."""
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(GenerationFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_in_tools(cls, value: Any, info: ValidationInfo) -> Any:
+        names = {tool.function.name for tool in info.data.get("tools") or []}
+        if value == "required" and not names:
+            raise ValueError("'required' needs at least one tool in tools")
+        if isinstance(value, NamedToolChoice) and value.function.name not in names:
+            raise ValueError(f"function {value.function.name!r} is not in tools")
+        return value
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """max_completion_tokens (the new name) over max_tokens (deprecated)."""
+        new_name = self.max_completion_tokens
+        return new_name if new_name is not None else self.max_tokens
+
+
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class CompletionRequest(GenerationFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    logprobs: int | None = None  # number of top alternatives, 0..20
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    max_tokens: int | None = 16  # the OpenAI default for this endpoint
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, value: Any) -> Any:
+        if isinstance(value, list) and (len(value) == 0 or [] in value):
+            raise ValueError("the prompt must not be empty")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("best_of is not supported (use n)")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_without_logprobs(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("logprobs") is not None:
+            raise ValueError("echo is not supported together with logprobs")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s): each a string or a list of token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if self.prompt and isinstance(self.prompt[0], int):
+            return [list(self.prompt)]  # type: ignore[arg-type]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+
+# --- responses -------------------------------------------------------------------------
+
+
+class _Out(BaseModel):
+    """Response base: fields in `omit_if_none` are dropped when None, others stay null."""
+
+    omit_if_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_extras(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        return {k: v for k, v in data.items() if v is not None or k not in self.omit_if_none}
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class FunctionCall(_Out):
+    name: str
+    arguments: str  # JSON text, as generated
+
+
+class ToolCall(_Out):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionCallDelta(_Out):
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"name", "arguments"})
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Out):
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"id", "type", "function"})
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_Out):
+    content: list[TokenLogprobOut] | None
+    refusal: None = None
+
+
+class ChatMessageOut(_Out):
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"tool_calls", "reasoning_content"})
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    refusal: None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # Qwen thinking, vLLM's field name
+
+
+class ChatChoice(_Out):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str
+
+
+class ChatCompletionResponse(_Out):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(_Out):
+    omit_if_none: ClassVar[frozenset[str]] = frozenset(
+        {"role", "content", "reasoning_content", "tool_calls"}
+    )
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChatChunkChoice(_Out):
+    index: int
+    delta: ChatDelta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Out):
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"usage"})
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(_Out):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None  # null only on stream chunks before the last
+
+
+class CompletionResponse(_Out):
+    """Both the response and each stream chunk (the endpoint uses one shape for both)."""
+
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"usage"})
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "deltaserve"
+
+
+class ModelList(_Out):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

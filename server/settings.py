@@ -1,0 +1,271 @@
+"""One config source for `deltaserve serve`: frozen dataclasses, filled in layers.
+
+Precedence, highest first:
+
+    1. CLI flag                 --max-num-seqs 64
+    2. environment variable     DELTASERVE_MAX_NUM_SEQS=64
+    3. config.yaml              engine: {max_num_seqs: 64}
+    4. built-in defaults        the dataclass field defaults below (and EngineConfig's)
+
+The YAML file is `--config PATH`, else `$DELTASERVE_CONFIG`, else ./config.yaml when it
+exists. Every key has exactly one flag and one env var, both derived from the field
+(`FLAG_NAMES` lists the few renamed ones); the env var is the flag upper-cased with a
+DELTASERVE_ prefix (--kv-bits -> DELTASERVE_KV_BITS). Each layer gets its own section
+only: the engine receives `settings.engine`, an `engine.config.EngineConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import NoneType, UnionType
+from typing import Any
+
+import yaml
+
+from engine.config import EngineConfig
+from engine.types import InvalidRequestError, SamplingParams
+
+ENV_PREFIX = "DELTASERVE_"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message names the key and where the value came from."""
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """Which checkpoint to serve and under which name."""
+
+    path: str = ""  # local directory or hub id
+    served_name: str = ""  # the `model` clients send; "" = derived from path
+
+    @property
+    def name(self) -> str:
+        """The name /v1/models lists: served_name, else the hub id or directory name."""
+        if self.served_name:
+            return self.served_name
+        local = Path(self.path).expanduser()
+        return local.name if local.is_dir() else self.path.rstrip("/")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """HTTP front door."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # when set, requests need `Authorization: Bearer <key>`
+    cors_origins: tuple[str, ...] = ()  # allowed browser origins; () = no CORS headers
+    log_level: str = "info"
+    keepalive: float = 5.0  # seconds between SSE comments while no token has come
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("server.port must be in [0, 65535]")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"server.log_level must be one of {', '.join(LOG_LEVELS)}")
+        if not self.keepalive > 0:
+            raise ConfigError("server.keepalive must be > 0 seconds")
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request gets for the sampling fields it leaves out."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    max_tokens: int = 2048  # also capped by the context left after the prompt
+
+    def __post_init__(self) -> None:
+        # The engine's own checks, so the ranges are written once (engine/types.py).
+        try:
+            SamplingParams(**dataclasses.asdict(self))
+        except InvalidRequestError as e:
+            raise ConfigError(f"sampling.{e.param}: {e}") from None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything `deltaserve serve` is configured with, one section per layer."""
+
+    model: ModelSettings = field(default_factory=ModelSettings)
+    server: ServerSettings = field(default_factory=ServerSettings)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
+
+
+# Flags that are not simply --<field-name>: short ones for the common keys, and a prefix
+# where a bare field name would be ambiguous (sampling.max_tokens vs a request's).
+FLAG_NAMES = {
+    "model.path": "model",
+    "model.served_name": "served-model-name",
+    "engine.kv_cache.kind": "kv-cache",
+}
+SECTION_PREFIXES = {"engine.kv_cache": "kv-", "sampling": "default-"}
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    """One leaf of Settings: its dotted key, flag, env var, type and default."""
+
+    key: str  # "engine.kv_cache.bits"
+    flag: str  # "--kv-bits"
+    env: str  # "DELTASERVE_KV_BITS"
+    type: Any
+    default: Any
+
+
+def _leaves(cls: type, prefix: str) -> list[ConfigKey]:
+    hints = typing.get_type_hints(cls)
+    keys: list[ConfigKey] = []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += _leaves(hints[f.name], key)
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        name = FLAG_NAMES.get(key, SECTION_PREFIXES.get(prefix, "") + f.name.replace("_", "-"))
+        env = ENV_PREFIX + name.upper().replace("-", "_")
+        keys.append(ConfigKey(key, f"--{name}", env, hints[f.name], default))
+    return keys
+
+
+CONFIG_KEYS = _leaves(Settings, "")
+assert len({k.flag for k in CONFIG_KEYS}) == len(CONFIG_KEYS), "two config keys share a flag"
+
+
+def _parse_scalar(text: str, tp: Any) -> Any:
+    """Turn an env var or flag string into a value of `tp` (before type checking)."""
+    if typing.get_origin(tp) in (typing.Union, UnionType) and NoneType in typing.get_args(tp):
+        if text.lower() in ("", "none", "null"):
+            return None
+        tp = next(a for a in typing.get_args(tp) if a is not NoneType)
+    if tp is bool:
+        lowered = text.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        return text
+    if typing.get_origin(tp) is tuple:
+        return [part.strip() for part in text.split(",") if part.strip()]
+    for convert in (int, float):
+        if tp is convert:
+            try:
+                return convert(text)
+            except ValueError:
+                return text
+    return text
+
+
+def _check_type(value: Any, ck: ConfigKey, source: str) -> Any:
+    """Return `value` as ck.type, or raise ConfigError naming the key and source."""
+    tp, optional = ck.type, False
+    if typing.get_origin(tp) in (typing.Union, UnionType):
+        optional, tp = True, next(a for a in typing.get_args(tp) if a is not NoneType)
+    ok = (
+        (value is None and optional)
+        or (tp is bool and isinstance(value, bool))
+        or (tp is int and isinstance(value, int) and not isinstance(value, bool))
+        or (tp is float and isinstance(value, int | float) and not isinstance(value, bool))
+        or (tp is str and isinstance(value, str))
+    )
+    if typing.get_origin(tp) is tuple and isinstance(value, str):
+        value = [value]
+    if typing.get_origin(tp) is tuple and isinstance(value, list):
+        ok = all(isinstance(v, str) for v in value)
+        value = tuple(value)
+    if not ok:
+        want = getattr(tp, "__name__", str(tp))
+        raise ConfigError(f"{ck.key}: expected {want}, got {value!r} (from {source})")
+    return float(value) if tp is float and value is not None else value
+
+
+def _flatten_yaml(data: Any, prefix: str, source: str) -> dict[str, Any]:
+    if data is None:
+        return {}  # a section whose keys are all commented out
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping (from {source})")
+    known = {k.key for k in CONFIG_KEYS}
+    flat: dict[str, Any] = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if key in known:
+            flat[key] = value
+        elif any(k.startswith(key + ".") for k in known):
+            flat.update(_flatten_yaml(value, key, source))
+        else:
+            raise ConfigError(f"unknown config key {key!r} (from {source})")
+    return flat
+
+
+def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        if dataclasses.is_dataclass(hints[f.name]):
+            kwargs[f.name] = _build(hints[f.name], values, key)
+        elif key in values:
+            kwargs[f.name] = values[key]
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as e:  # EngineConfig / KVCacheConfig checks name their own field
+        raise ConfigError(f"invalid {prefix} config: {e}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add --config and one flag per config key to `parser` (all default to unset)."""
+    parser.add_argument("--config", metavar="PATH", help="config.yaml to read")
+    for ck in CONFIG_KEYS:
+        shown = ck.default if ck.default not in ((), None, "") else "unset"
+        help_text = f"{ck.key} (default: {shown}; env {ck.env})"
+        dest = ck.key.replace(".", "__")
+        if ck.type is bool:
+            parser.add_argument(
+                ck.flag, dest=dest, action=argparse.BooleanOptionalAction, help=help_text
+            )
+        else:
+            parser.add_argument(ck.flag, dest=dest, metavar="VALUE", help=help_text)
+
+
+def load_settings(
+    args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None
+) -> Settings:
+    """Merge defaults < config.yaml < DELTASERVE_* env < flags into frozen Settings."""
+    env = os.environ if env is None else env
+    args = args or argparse.Namespace()
+    values: dict[str, tuple[Any, str]] = {}
+    config_path = getattr(args, "config", None) or env.get(ENV_PREFIX + "CONFIG")
+    if config_path is None and Path("config.yaml").is_file():
+        config_path = "config.yaml"
+    if config_path is not None:
+        try:
+            data = yaml.safe_load(Path(config_path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"cannot read config file {config_path}: {e}") from None
+        values.update(
+            (k, (v, config_path)) for k, v in _flatten_yaml(data, "", config_path).items()
+        )
+    for ck in CONFIG_KEYS:
+        if ck.env in env:
+            values[ck.key] = (_parse_scalar(env[ck.env], ck.type), ck.env)
+        flag_value = getattr(args, ck.key.replace(".", "__"), None)
+        if flag_value is not None:
+            parsed = (
+                flag_value if isinstance(flag_value, bool) else _parse_scalar(flag_value, ck.type)
+            )
+            values[ck.key] = (parsed, ck.flag)
+    by_key = {ck.key: ck for ck in CONFIG_KEYS}
+    checked = {key: _check_type(v, by_key[key], src) for key, (v, src) in values.items()}
+    return _build(Settings, checked, "")

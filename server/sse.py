@@ -1,0 +1,130 @@
+"""Server-sent events: framing, keep-alive ticks, and the error-safe stream wrapper.
+
+Framing (what OpenAI clients parse):
+
+    data: {json}\\n\\n        one chunk
+    : keep-alive\\n\\n        a comment, sent while no token has come for `keepalive` s
+    data: {"error": {...}}\\n\\n   a failure after the stream started (then [DONE])
+    data: [DONE]\\n\\n        the end
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Generic, TypeVar
+
+import anyio
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from server.errors import as_api_error
+
+T = TypeVar("T")
+
+KEEPALIVE = b": keep-alive\n\n"
+DONE = b"data: [DONE]\n\n"
+
+
+class _Tick:
+    """Sentinel: the interval passed without an item."""
+
+    def __repr__(self) -> str:
+        return "TICK"
+
+
+TICK = _Tick()
+
+
+def sse_data(payload: BaseModel | dict[str, Any]) -> bytes:
+    """One `data:` event with a compact JSON payload."""
+    if isinstance(payload, BaseModel):
+        text = payload.model_dump_json()
+    else:
+        text = json.dumps(payload, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+class Ticker(Generic[T]):
+    """Reads an async iterator, returning TICK whenever `interval` s pass without an item.
+
+    The pending read survives a tick (it runs in its own task), so a slow source such as
+    a long prefill is never cancelled mid-read just because a keep-alive went out.
+    """
+
+    def __init__(self, source: AsyncIterator[T], interval: float) -> None:
+        self._source = source
+        self._interval = interval
+        self._pending: asyncio.Task[tuple[bool, T | None]] | None = None
+
+    async def _read(self) -> tuple[bool, T | None]:
+        try:
+            return True, await anext(self._source)
+        except StopAsyncIteration:
+            return False, None
+
+    async def next(self) -> T | _Tick:
+        """The next item, or TICK once the interval passed without one.
+
+        Raises StopAsyncIteration at the end and re-raises the source's errors.
+        """
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._read())
+        done, _ = await asyncio.wait({self._pending}, timeout=self._interval)
+        if not done:
+            return TICK
+        task, self._pending = self._pending, None
+        has_item, item = task.result()
+        if not has_item:
+            raise StopAsyncIteration
+        return item  # type: ignore[return-value]
+
+    async def aclose(self) -> None:
+        """Cancel a pending read, then close the source (its finally blocks run)."""
+        if self._pending is not None:
+            self._pending.cancel()
+            with contextlib.suppress(BaseException):
+                await self._pending
+            self._pending = None
+        aclose = getattr(self._source, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(Exception):
+                await aclose()
+
+
+async def guarded(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Pass `chunks` through; turn a failure into an error event plus [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as exc:  # the status line is gone: report the failure in-band
+        yield sse_data(as_api_error(exc).body())
+        yield DONE
+
+
+class EventStreamResponse(StreamingResponse):
+    """A text/event-stream response that runs `on_close` however it ends.
+
+    Also when the client disconnects before the body generator even started (Starlette
+    then cancels the send loop and the generator's own finally would never run), so the
+    engine request is always aborted.
+    """
+
+    def __init__(
+        self, chunks: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]
+    ) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(guarded(chunks), media_type="text/event-stream", headers=headers)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # Shielded: after a disconnect the scope is cancelled, and every await in it
+            # would raise again before the engine request is aborted.
+            with anyio.CancelScope(shield=True):
+                await self._on_close()
