@@ -9,6 +9,7 @@ loop keeps running.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -56,6 +57,7 @@ class AsyncEngine:
         self._open: dict[str, int] = {}  # engine-thread count of unfinished choices
         self._counters = _Counters()
         self._stopping = False
+        self._publish_stats()
         self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
         self._thread.start()
 
@@ -87,9 +89,15 @@ class AsyncEngine:
         self._send(("abort", request_id))
 
     def stats(self) -> EngineStats:
+        """The latest snapshot the engine thread published (never reads live state)."""
+        alive = self._thread.is_alive() and not self._stopping
+        return dataclasses.replace(self._stats, is_alive=alive)
+
+    def _publish_stats(self) -> None:
+        """Engine thread only: snapshot counters after each step for other threads."""
         eng = self.engine
-        return EngineStats(
-            is_alive=self._thread.is_alive() and not self._stopping,
+        self._stats = EngineStats(
+            is_alive=True,
             num_waiting=len(eng.scheduler.waiting),
             num_running=eng.scheduler.num_running,
             state_bytes_in_use=eng.states.nbytes(),
@@ -117,6 +125,7 @@ class AsyncEngine:
             if self._stopping:
                 break
             if not self.engine.has_work():
+                self._publish_stats()
                 self._wakeup.wait(0.5)
                 self._wakeup.clear()
                 continue
@@ -126,6 +135,7 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 deltas = self.engine.fail_all(f"engine error: {exc}")
             self._dispatch(deltas)
+            self._publish_stats()
         self._dispatch(self._abort_all())
 
     def _drain_inbox(self) -> None:

@@ -64,6 +64,9 @@ class MRoPE(nn.Module):
         # [3, half] one-hot selector of the position axis per frequency (frozen constant)
         axes = mx.array(mrope_axis_map(half, sections))
         self._axis_onehot = (axes[None, :] == mx.arange(3)[:, None]).astype(mx.float32)
+        # Materialise now: lazy constants are tied to this thread's stream, and the engine
+        # runs the model from its own thread.
+        mx.eval(self._inv_freq, self._axis_onehot)
 
     def cos_sin(self, positions: mx.array) -> tuple[mx.array, mx.array]:
         """positions [3, B, L] -> cos, sin of shape [B, 1, L, rotary_dim] (float32)."""
