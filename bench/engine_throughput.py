@@ -53,7 +53,7 @@ class Ours:
             now_deltas = engine.step()
             now = time.perf_counter()
             for d in now_deltas:
-                if d.token_ids:
+                if d.token_ids and d.request_id.isdigit():
                     on_token(int(d.request_id), now)
 
     def add_late(self, prompt: list[int], gen: int) -> None:
