@@ -30,14 +30,17 @@ def _pct(values: list[float], q: float) -> float:
 class Ours:
     name = "deltaserve"
 
-    def __init__(self, path: str, budget: int, chunk: int) -> None:
+    def __init__(self, path: str, budget: int, chunk: int, pack: bool = True) -> None:
         from engine.config import EngineConfig
         from engine.engine import LLMEngine
         from models.build import load_model
 
         self.loaded = load_model(path)
         self.config = EngineConfig(
-            max_num_seqs=64, max_num_batched_tokens=budget, max_prefill_chunk=chunk
+            max_num_seqs=64,
+            max_num_batched_tokens=budget,
+            max_prefill_chunk=chunk,
+            pack_token_wise=pack,
         )
         self.make = lambda: LLMEngine(self.loaded, self.config)
 
@@ -66,7 +69,7 @@ class Ours:
 class MlxLm:
     name = "mlx_lm"
 
-    def __init__(self, path: str, budget: int, chunk: int) -> None:
+    def __init__(self, path: str, budget: int, chunk: int, pack: bool = True) -> None:
         import mlx.core as mx
         import mlx_lm
 
@@ -180,6 +183,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk (both)")
     ap.add_argument("--itl", action="store_true", help="run the latency-under-prefill test")
     ap.add_argument("--long", type=int, default=4096)
+    ap.add_argument("--no-pack", action="store_true", help="ours: MLP per group, not packed")
     ap.add_argument("--only", choices=["deltaserve", "mlx_lm"], default=None)
     args = ap.parse_args()
     from models.testing import cached_checkpoint
@@ -187,7 +191,9 @@ def main() -> None:
     path = args.checkpoint if "/" in args.checkpoint else str(cached_checkpoint(args.checkpoint))
     print(json.dumps({"blas": blas_summary(), "checkpoint": args.checkpoint}))
     impls = [
-        cls(path, args.budget, args.chunk) for cls in (Ours, MlxLm) if args.only in (None, cls.name)
+        cls(path, args.budget, args.chunk, not args.no_pack)
+        for cls in (Ours, MlxLm)
+        if args.only in (None, cls.name)
     ]
     if args.itl:
         for impl in impls:
