@@ -74,7 +74,8 @@ class MlxLm:
         import mlx_lm
 
         self.model, _ = mlx_lm.load(path)
-        self.model.set_dtype(mx.float32)
+        if mx.default_device() == mx.cpu:  # ours computes in float32 on CPU only
+            self.model.set_dtype(mx.float32)
         self.chunk = chunk
 
     def run(self, prompts: list[list[int]], gens: list[int], on_token, late=None) -> None:

@@ -48,7 +48,8 @@ def bench_mlx_lm(path: str, prompt: list[int], gen: int) -> dict:
     from mlx_lm.generate import generate_step
 
     model, _ = mlx_lm.load(path)
-    model.set_dtype(mx.float32)  # same compute dtype as ours on CPU
+    if mx.default_device() == mx.cpu:  # same compute dtype as ours (float32 on CPU)
+        model.set_dtype(mx.float32)
     for _, _ in zip(range(4), generate_step(mx.array(prompt[:16]), model), strict=False):
         pass  # warm-up
     start = time.perf_counter()

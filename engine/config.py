@@ -46,6 +46,7 @@ class EngineConfig:
     memory_budget_bytes: int = 0  # row state (KV + DeltaNet); 0 = derive from free memory
     max_context: int = 0  # 0 = the model's max_position_embeddings
     pack_token_wise: bool = True  # one MLP matmul over all groups' tokens
+    pipeline_steps: bool = True  # plan step N+1 before reading step N's tokens back
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
 
     def __post_init__(self) -> None:

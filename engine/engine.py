@@ -14,14 +14,24 @@ import mlx.core as mx
 
 from engine.cache.batch import BatchState
 from engine.cache.budget import MemoryBudget, StateCosts
-from engine.cache.factory import kv_bytes_per_element_pair, kv_store_factory
+from engine.cache.factory import kv_bytes_per_element_pair, kv_prefix_tokens, kv_store_factory
 from engine.cache.rows import RowStates
 from engine.config import EngineConfig
+from engine.request import Request
 from engine.runner import ModelRunner
-from engine.sampler import Sampler, SamplingRow
-from engine.scheduler import Scheduler
+from engine.sampler import SampledBatch, Sampler, SamplingRow
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.types import GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
 from models.build import LoadedModel, on_cpu
+
+
+@dataclass
+class _InFlight:
+    """A step whose forward and sampling are queued but not read back yet."""
+
+    out: SchedulerOutput
+    sampled: SampledBatch | None
+    rows: list[SamplingRow]
 
 
 @dataclass
@@ -43,9 +53,9 @@ class LLMEngine:
         loaded.model.pack_token_wise = self.config.pack_token_wise
         self.max_context = self.config.max_context or cfg.max_position_embeddings
         dtype_size = loaded.dtype.size
-        costs = StateCosts.for_model(
-            cfg, kv_bytes_per_element_pair(self.config.kv_cache, dtype_size), dtype_size
-        )
+        kv = self.config.kv_cache
+        pair = kv_bytes_per_element_pair(kv, dtype_size, cfg.head_dim)
+        costs = StateCosts.for_model(cfg, pair, dtype_size, kv_prefix_tokens(kv))
         self.budget = MemoryBudget(self._budget_bytes(), costs)
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.scheduler = Scheduler(self.config, self.budget, self.max_context)
@@ -53,6 +63,7 @@ class LLMEngine:
         self.states = RowStates(lambda: BatchState.empty(cfg, kv_factory))
         self.runner = ModelRunner(loaded.model, self.states)
         self.sampler = Sampler()
+        self._inflight: _InFlight | None = None
 
     def _budget_bytes(self) -> int:
         if self.config.memory_budget_bytes:
@@ -73,30 +84,54 @@ class LLMEngine:
         return self.scheduler.abort(request_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step and return every delta it produced."""
+        """Run one engine step and return every delta it produced.
+
+        Pipelined (config.pipeline_steps): step N is planned and its graph queued
+        (mx.async_eval) before step N-1's tokens are read back, so Python's scheduling and
+        graph building overlap the device; decode rows take their input from N-1's lazy
+        sampled tokens. A row that finished at N-1 computes one discarded token at N.
+        """
         out = self.scheduler.schedule()
-        logits = self.runner.execute(out, self.scheduler.rows)
-        tokens, logprobs = self._sample(logits, out.sample_row_ids)
-        return self.scheduler.update(out, tokens, logprobs)
+        prev = self._inflight
+        prev_tokens = prev.sampled.tokens if prev is not None and prev.sampled else None
+        logits = self.runner.execute(out, self.scheduler.rows, prev_tokens)
+        requests = [self.scheduler.rows[r] for r in out.sample_row_ids]
+        deltas = self._complete_inflight()  # reads N-1 back while N computes
+        if not out.is_empty:
+            self._inflight = _InFlight(out, *self._sample(logits, requests))
+        if not self.config.pipeline_steps:
+            deltas += self._complete_inflight()
+        return deltas
 
     def _sample(
-        self, logits: mx.array | None, row_ids: Sequence[str]
-    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        self, logits: mx.array | None, requests: list[Request]
+    ) -> tuple[SampledBatch | None, list[SamplingRow]]:
         if logits is None:
-            return [], []
-        rows = self.scheduler.rows
-        sampling = [
-            SamplingRow(rows[r].params, rows[r].prompt_ids, rows[r].output_ids, rows[r].index)
-            for r in row_ids
-        ]
-        return self.sampler.sample(logits, sampling).to_python(sampling)
+            return None, []
+        # Built after the previous step's tokens were appended: seeds and penalties see
+        # every earlier token whether or not the steps are pipelined.
+        rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.index) for r in requests]
+        sampled = self.sampler.sample(logits, rows)
+        mx.async_eval(*sampled.arrays())
+        return sampled, rows
+
+    def _complete_inflight(self) -> list[RequestOutput]:
+        """Read back the step in flight (blocks until computed) and apply its tokens."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return []
+        if inflight.sampled is None:
+            return self.scheduler.update(inflight.out, [], [])
+        tokens, logprobs = inflight.sampled.to_python(inflight.rows)
+        return self.scheduler.update(inflight.out, tokens, logprobs)
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """A step raised: every request ends with the error; states start over."""
+        self._inflight = None
         self.states.reset()
         return self.scheduler.fail_all(error)
 

@@ -19,11 +19,15 @@ class ModelRunner:
         self.model = model
         self.states = states
 
-    def execute(self, out: SchedulerOutput, rows: dict[str, Request]) -> mx.array | None:
+    def execute(
+        self, out: SchedulerOutput, rows: dict[str, Request], prev_tokens: mx.array | None
+    ) -> mx.array | None:
         """Run the step; logits follow out.sample_row_ids (a final chunk's row repeats
-        for each of its forks). None when nothing samples this step."""
+        for each of its forks). None when nothing samples this step. `prev_tokens`: the
+        previous step's sampled tokens [N] (possibly not computed yet), for decode rows
+        whose input is still pending."""
         self.states.sync(out.decode_row_ids, out.freed_row_ids, out.forks)
-        groups = self._groups(out, rows)
+        groups = self._groups(out, rows, prev_tokens)
         if not groups:
             return None
         hidden = self.model(groups)
@@ -42,12 +46,13 @@ class ModelRunner:
         mx.async_eval(*pending, *([logits] if logits is not None else []))
         return logits
 
-    def _groups(self, out: SchedulerOutput, rows: dict[str, Request]) -> list[ForwardGroup]:
+    def _groups(
+        self, out: SchedulerOutput, rows: dict[str, Request], prev_tokens: mx.array | None
+    ) -> list[ForwardGroup]:
         groups = []
         if out.decode_row_ids:
-            reqs = [rows[r] for r in out.decode_row_ids]
-            tokens = mx.array([[r.output_ids[-1]] for r in reqs], dtype=mx.int32)
-            positions = text_positions([r.num_computed for r in reqs], 1)
+            tokens = _decode_tokens(out, prev_tokens)
+            positions = text_positions(list(out.decode_positions), 1)
             groups.append(ForwardGroup(tokens, positions, self.states.decode.layers))
         for chunk in out.prefill:
             req = rows[chunk.row_id]
@@ -57,6 +62,17 @@ class ModelRunner:
             state = self.states.prefill_state(chunk.row_id)
             groups.append(ForwardGroup(tokens, positions, state.layers))
         return groups
+
+
+def _decode_tokens(out: SchedulerOutput, prev_tokens: mx.array | None) -> mx.array:
+    """[B, 1] int32 decode inputs: known ids, or gathered lazily from the previous step."""
+    known = mx.array(out.decode_token_ids, dtype=mx.int32)
+    if all(src < 0 for src in out.decode_sources):
+        return known[:, None]
+    assert prev_tokens is not None, "pending decode input without a previous step"
+    sources = mx.array([max(src, 0) for src in out.decode_sources], dtype=mx.int32)
+    pending = mx.array([src >= 0 for src in out.decode_sources])
+    return mx.where(pending, prev_tokens.astype(mx.int32)[sources], known)[:, None]
 
 
 def _state_arrays(group: ForwardGroup) -> list[mx.array]:

@@ -33,10 +33,17 @@ class SchedulerOutput:
     """One step's plan. Written by the scheduler, read by the runner and update()."""
 
     decode_row_ids: tuple[str, ...]  # decode batch, in batch order: one token per row
+    # Input of each decode row: its last token id when known, else -1 and then
+    # decode_sources[i] is the row's index in the previous step's sampled tokens (that step
+    # is still in flight when this one is built: see LLMEngine.step).
+    decode_token_ids: tuple[int, ...]
+    decode_sources: tuple[int, ...]
+    decode_positions: tuple[int, ...]  # rotary position of each decode row's input token
     prefill: tuple[PrefillChunk, ...]  # prefill chunks, one group each
     freed_row_ids: tuple[str, ...]  # finished/aborted since last step: drop their state
     forks: tuple[tuple[str, str], ...]  # (child, parent): copy parent's prefilled state
     num_tokens: int  # tokens run this step (<= max_num_batched_tokens)
+    step: int = 0  # sequence number of this plan
 
     @property
     def sample_row_ids(self) -> list[str]:
@@ -61,6 +68,10 @@ class Scheduler:
         self.rows: dict[str, Request] = {}  # every row that holds state (row_id -> request)
         self._freed: list[str] = []
         self._forks: list[tuple[str, str]] = []
+        self._promote_next: list[Request] = []  # final chunk scheduled; decode from next step
+        self._pending: dict[str, int] = {}  # row -> index in the last step's samples
+        self._num_steps = 0
+        self._pending_step = -1  # the step whose samples `_pending` refers to
 
     # -- intake -------------------------------------------------------------------------
     def add(self, gen: GenerationRequest, eos_ids: frozenset[int]) -> None:
@@ -114,6 +125,9 @@ class Scheduler:
         this same step). A long prompt therefore advances a chunk per step while the
         decode rows keep producing tokens: nobody waits for a whole prompt.
         """
+        for req in self._promote_next:
+            self._promote(req)
+        self._promote_next = []
         budget = self.config.max_num_batched_tokens - len(self.decoding)
         chunks: list[PrefillChunk] = []
         for req in self.prefilling:
@@ -127,11 +141,29 @@ class Scheduler:
             budget -= chunks[-1].length
         out = SchedulerOutput(
             decode_row_ids=tuple(r.row_id for r in self.decoding),
+            decode_token_ids=tuple(
+                -1 if r.row_id in self._pending else r.output_ids[-1] for r in self.decoding
+            ),
+            decode_sources=tuple(self._pending.get(r.row_id, -1) for r in self.decoding),
+            decode_positions=tuple(r.num_computed for r in self.decoding),
             prefill=tuple(chunks),
             freed_row_ids=tuple(self._freed),
             forks=tuple(self._forks),
             num_tokens=self.config.max_num_batched_tokens - budget,
+            step=self._num_steps,
         )
+        # The plan is committed now, so the next step can be planned before this one's
+        # tokens are known: counts advance here, tokens are appended in update().
+        for req in self.decoding:
+            req.num_computed += 1
+        for chunk in chunks:
+            req = self.rows[chunk.row_id]
+            req.num_computed += chunk.length
+            if chunk.sample_row_ids:
+                self._promote_next.append(req)
+        self._pending = {r: i for i, r in enumerate(out.sample_row_ids)}
+        self._pending_step = self._num_steps
+        self._num_steps += 1
         self._freed, self._forks = [], []
         return out
 
@@ -166,30 +198,30 @@ class Scheduler:
         tokens: list[int],
         logprobs: list[TokenLogprob | None],
     ) -> list[RequestOutput]:
-        """Advance counts, append sampled tokens, finish rows; returns the deltas."""
-        for chunk in out.prefill:
-            self.rows[chunk.row_id].num_computed += chunk.length
-        for row_id in out.decode_row_ids:
-            self.rows[row_id].num_computed += 1
-        for chunk in out.prefill:
-            if chunk.sample_row_ids:
-                self._promote(self.rows[chunk.row_id])
+        """Append the step's sampled tokens and finish rows; returns the deltas."""
+        if out.step == self._pending_step:
+            self._pending = {}  # planned and updated in lockstep: every token is known
         outputs = []
         for row_id, token, lp in zip(out.sample_row_ids, tokens, logprobs, strict=True):
             req = self.rows.get(row_id)
             if req is None or req.is_finished:
-                continue
+                continue  # finished while this step was in flight: its token is dropped
             outputs.append(self._append(req, token, lp))
         return outputs
 
     def _promote(self, req: Request) -> None:
-        """Prefill done: the request and its forks join the decode batch."""
-        self.prefilling.remove(req)
+        """Prefill done: the request and its forks join the decode batch (a choice that
+        already finished on its first token stays out; forks still copy its state)."""
+        if req in self.prefilling:
+            self.prefilling.remove(req)
         for child in req.children:
+            if child.is_finished:
+                continue
             child.num_computed = req.num_computed
             child.status = Status.RUNNING
             self._forks.append((child.row_id, req.row_id))
-        self.decoding.extend([req, *req.children])
+        joining = [r for r in (req, *req.children) if not r.is_finished]
+        self.decoding.extend(joining)
 
     def _append(self, req: Request, token: int, lp: TokenLogprob | None) -> RequestOutput:
         req.output_ids.append(token)
@@ -214,9 +246,9 @@ class Scheduler:
             self._freed.append(req.row_id)
         if req in self.decoding:
             self.decoding.remove(req)
-        if req in self.prefilling:
+        if req in self.prefilling and req not in self._promote_next:
             self.prefilling.remove(req)
-            # Forks that never got their parent's state die with it.
+            # Forks that will never get their parent's prefilled state die with it.
             for child in req.children:
                 if not child.is_finished:
                     self._finish(child, reason, error)

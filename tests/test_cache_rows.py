@@ -104,8 +104,11 @@ def test_left_padded_prefill_matches_unpadded() -> None:
     assert batch.left_pad == [0, 4]
     for row, n in enumerate(lengths):
         ref = FullPrecisionKV().attend(
-            q[row : row + 1, :, 6 - n :], k[row : row + 1, :, 6 - n :], v[row : row + 1, :, 6 - n :],
-            0.25, None,
+            q[row : row + 1, :, 6 - n :],
+            k[row : row + 1, :, 6 - n :],
+            v[row : row + 1, :, 6 - n :],
+            0.25,
+            None,
         )
         np.testing.assert_allclose(np.array(out[row, :, 6 - n :]), np.array(ref[0]), atol=1e-5)
 

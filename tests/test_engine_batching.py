@@ -6,6 +6,7 @@ noise there), so token-exact comparisons are meaningful.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -134,3 +135,25 @@ def test_long_prompt_never_stalls_decode(loaded: LoadedModel) -> None:
         assert any(d.request_id == "short" and d.token_ids for d in deltas)
         steps += 1
     assert steps >= 200 // SMALL.max_num_batched_tokens
+
+
+def test_pipelined_steps_equal_lockstep(loaded: LoadedModel) -> None:
+    """Planning step N+1 before reading step N back changes no token (greedy, seeded,
+    penalised rows; joins and aborts), only when tokens become visible."""
+    prompts = _prompts(6, seed=8)
+    params = [
+        _greedy(9),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=7, ignore_eos=True),
+        _greedy(3, repetition_penalty=1.5, frequency_penalty=0.4),
+    ] * 2
+    reqs = [GenerationRequest(f"r{i}", tuple(p), params[i]) for i, p in enumerate(prompts)]
+    joins = {0: reqs[:3], 4: reqs[3:]}
+    runs = []
+    for pipeline in (True, False):
+        config = dataclasses.replace(SMALL, pipeline_steps=pipeline)
+        runs.append(_drive(LLMEngine(loaded, config), joins, aborts={6: ["r4"]}))
+    pipelined, lockstep = runs
+    aborted = pipelined.pop("r4", []), lockstep.pop("r4", [])
+    assert pipelined == lockstep
+    # The abort lands at the same step, when the pipelined engine has shown one token less.
+    assert aborted[0] == aborted[1][: len(aborted[0])]

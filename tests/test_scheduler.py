@@ -14,12 +14,16 @@ EOS = frozenset({0})
 
 
 def _scheduler(budget_bytes: int = 10**9, **kw) -> Scheduler:
-    cfg = EngineConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 16, "max_prefill_chunk": 8, **kw})
+    cfg = EngineConfig(
+        **{"max_num_seqs": 4, "max_num_batched_tokens": 16, "max_prefill_chunk": 8, **kw}
+    )
     return Scheduler(cfg, MemoryBudget(budget_bytes, StateCosts(10, 100)), max_context=1000)
 
 
 def _req(rid: str, prompt_len: int, max_tokens: int = 4, n: int = 1) -> GenerationRequest:
-    return GenerationRequest(rid, tuple(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), n)
+    return GenerationRequest(
+        rid, tuple(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), n
+    )
 
 
 def _run(s: Scheduler, out: SchedulerOutput, token: int = 7) -> list:

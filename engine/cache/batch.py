@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.cache.kv import FullPrecisionKV, KVStore
+from engine.cache.prefix import PrefixKV
 from engine.cache.ssm import SSMState
 from models.config import TextConfig
 
-LayerStore = KVStore | SSMState
+LayerStore = KVStore | PrefixKV | SSMState
 
 
 class BatchState:
@@ -19,7 +20,7 @@ class BatchState:
 
     @classmethod
     def empty(
-        cls, cfg: TextConfig, kv_factory: Callable[[], KVStore] = FullPrecisionKV
+        cls, cfg: TextConfig, kv_factory: Callable[[], KVStore | PrefixKV] = FullPrecisionKV
     ) -> BatchState:
         """Fresh state for rows that have seen no token yet."""
         layers: list[LayerStore] = [

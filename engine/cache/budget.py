@@ -19,12 +19,18 @@ class StateCosts:
 
     kv_bytes_per_token: int  # all full-attention layers, keys + values
     ssm_bytes_per_row: int  # all DeltaNet layers: conv tail + float32 recurrent state
+    kv_prefix_bytes_per_row: int = 0  # full-precision prefix of quantized KV (start > 0)
 
     @classmethod
     def for_model(
-        cls, cfg: TextConfig, kv_bytes_per_element_pair: float, dtype_size: int
+        cls,
+        cfg: TextConfig,
+        kv_bytes_per_element_pair: float,
+        dtype_size: int,
+        kv_prefix_tokens: int = 0,
     ) -> StateCosts:
-        """kv_bytes_per_element_pair: bytes one K element plus one V element take."""
+        """kv_bytes_per_element_pair: bytes one K element plus one V element take;
+        kv_prefix_tokens: tokens per row also stored at full precision (dtype_size)."""
         num_full = sum(cfg.is_full_attention(i) for i in range(cfg.num_hidden_layers))
         num_linear = cfg.num_hidden_layers - num_full
         kv = num_full * cfg.num_key_value_heads * cfg.head_dim * kv_bytes_per_element_pair
@@ -32,7 +38,8 @@ class StateCosts:
             cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim * 4
         )
         conv = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * dtype_size
-        return cls(int(round(kv)), num_linear * (recurrent + conv))
+        prefix = num_full * cfg.num_key_value_heads * cfg.head_dim * 2 * dtype_size
+        return cls(int(round(kv)), num_linear * (recurrent + conv), kv_prefix_tokens * prefix)
 
 
 class MemoryBudget:
@@ -44,7 +51,8 @@ class MemoryBudget:
         self.reserved = 0
 
     def row_bytes(self, num_tokens: int) -> int:
-        return self.costs.ssm_bytes_per_row + num_tokens * self.costs.kv_bytes_per_token
+        fixed = self.costs.ssm_bytes_per_row + self.costs.kv_prefix_bytes_per_row
+        return fixed + num_tokens * self.costs.kv_bytes_per_token
 
     def can_reserve(self, nbytes: int) -> bool:
         return self.reserved + nbytes <= self.total

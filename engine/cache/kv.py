@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from kernels.attention import attention
+from kernels.quant_attention import fold_queries
+
 _GROW = 256  # columns allocated at a time, so appends rarely copy the whole store
 
 
@@ -72,6 +75,17 @@ class KVStore:
         left_pad: tuple[int, ...] | None,
     ) -> mx.array:
         """AttentionState.attend: append [B, Hkv, L, D] and attend causally."""
+        arrays, mask = self.store(keys, values, left_pad)
+        return self.attend_stored(queries, arrays, scale, mask)
+
+    def store(
+        self, keys: mx.array, values: mx.array, left_pad: tuple[int, ...] | None
+    ) -> tuple[list[mx.array], mx.array | str | None]:
+        """Append this step's [B, Hkv, L, D] K/V (row b has left_pad[b] padding tokens).
+
+        Returns the stored arrays in use ([B, Hkv, size, X] each) and the mask of the
+        step's L queries over them (None, "causal", or bool [B, 1, L, size]).
+        """
         batch, length = keys.shape[0], keys.shape[2]
         if not self.left_pad:
             self.left_pad = [0] * batch
@@ -83,7 +97,16 @@ class KVStore:
                 self.left_pad[b] += pad
         self._append(self.encode(keys, values))
         arrays = [a[:, :, : self.size] for a in self.arrays]
-        return self.attend_stored(queries, arrays, scale, self._mask(length))
+        return arrays, self._mask(length)
+
+    # -- split attention: one softmax over several stores (see engine/cache/prefix.py) ----
+    def scores(self, queries: mx.array, arrays: list[mx.array], scale: float) -> mx.array:
+        """Unmasked float32 scores [B, Hkv, rep * L, S] of queries [B, Hq, L, D]."""
+        raise NotImplementedError
+
+    def weighted_sum(self, probs: mx.array, arrays: list[mx.array]) -> mx.array:
+        """probs [B, Hkv, rep * L, S] over the stored values -> [B, Hkv, rep * L, D]."""
+        raise NotImplementedError
 
     def _append(self, new: list[mx.array]) -> None:
         length = new[0].shape[2]
@@ -184,4 +207,12 @@ class FullPrecisionKV(KVStore):
         self, queries: mx.array, arrays: list[mx.array], scale: float, mask: mx.array | None
     ) -> mx.array:
         keys, values = arrays
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        return attention(queries, keys, values, scale, mask)
+
+    def scores(self, queries: mx.array, arrays: list[mx.array], scale: float) -> mx.array:
+        keys = arrays[0]
+        folded = fold_queries(queries.astype(mx.float32) * scale, keys.shape[1])
+        return folded @ keys.astype(mx.float32).swapaxes(-1, -2)
+
+    def weighted_sum(self, probs: mx.array, arrays: list[mx.array]) -> mx.array:
+        return probs @ arrays[1].astype(mx.float32)
