@@ -18,10 +18,10 @@ def _inputs() -> mx.array:
 def test_exp_matches_reference() -> None:
     """Relative error <= 2e-6 where e^x is a normal float32 (|x| <= 80)."""
     x = _inputs()
-    keep = mx.abs(x) <= 80
-    ours, ref = np.array(fastmath.exp(x)), np.array(fastmath.exp_reference(x))
+    keep = np.array(mx.abs(x) <= 80)
+    ours, ref = np.array(fastmath.exp(x))[keep], np.array(fastmath.exp_reference(x))[keep]
     rel = np.abs(ours - ref) / np.maximum(np.abs(ref), 1e-30)
-    assert rel[np.array(keep)].max() <= 2e-6
+    assert rel.max() <= 2e-6
 
 
 def test_sigmoid_and_silu_match_reference() -> None:
