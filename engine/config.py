@@ -45,7 +45,7 @@ class EngineConfig:
     max_waiting: int = 256  # queued requests before new ones get 429
     memory_budget_bytes: int = 0  # row state (KV + DeltaNet); 0 = derive from free memory
     max_context: int = 0  # 0 = the model's max_position_embeddings
-    pack_token_wise: bool = True  # one MLP matmul over all groups' tokens
+    pack_token_wise: bool = False  # one MLP matmul over all groups' tokens (no measured win)
     pipeline_steps: bool = True  # plan step N+1 before reading step N's tokens back
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
 

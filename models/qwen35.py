@@ -78,7 +78,7 @@ class Qwen35Model(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._rope = MRoPE(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section)
-        self.pack_token_wise = True
+        self.pack_token_wise = False  # the engine sets it from EngineConfig
 
     def __call__(self, groups: list[ForwardGroup]) -> list[mx.array]:
         """Run every group through the stack; returns the final-normed hidden [B, L, H] of
