@@ -115,7 +115,7 @@ async def _wait_ready(base: str, proc: subprocess.Popen, timeout: float = 300) -
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}")
             try:
-                if (await client.get(f"{base}/v1/models", timeout=2)).status_code == 200:
+                if (await client.get(f"{base}/health", timeout=2)).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -215,8 +215,11 @@ async def _bench(kind: str, model: Path, args: argparse.Namespace) -> list[dict]
     proc = _start(kind, model, port, Path(args.logdir) / f"{kind}.log")
     try:
         await _wait_ready(base, proc)
-        async with httpx.AsyncClient() as c:
-            served = (await c.get(f"{base}/v1/models")).json()["data"][0]["id"]
+        # mlx_lm.server lists hub-cache models, not the one it serves: name it by its path.
+        served = str(model)
+        if kind == "deltaserve":
+            async with httpx.AsyncClient() as c:
+                served = (await c.get(f"{base}/v1/models")).json()["data"][0]["id"]
         await _load(base, served, 2, 2)  # warm-up
         rows = []
         for conc in args.concurrency:

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from kernels.attention import attention
+
 __all__ = [
     "DEQUANT_ROWS",
     "Mask",
@@ -123,7 +125,7 @@ def affine_attention(
     if (hq // k_q.shape[1]) * length >= DEQUANT_ROWS:
         keys = mx.dequantize(k_q, k_s, k_b, group_size=group_size, bits=bits)
         values = mx.dequantize(v_q, v_s, v_b, group_size=group_size, bits=bits)
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+        return attention(q, keys, values, scale, mask)
     folded = fold_queries(q * scale, k_q.shape[1])
     scores = affine_scores(folded, k_q, k_s, k_b, group_size, bits)
     probs = masked_softmax(scores, mask, length)
