@@ -1,0 +1,43 @@
+"""The Metal/CUDA loading path (weights kept quantized, QuantizedLinear matmuls), run on
+the CPU by pretending the device is not the CPU: same logits as the dequantized CPU path."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import models.build as build
+from engine.cache.batch import BatchState
+from models.state import ForwardGroup, text_positions
+from models.testing import cached_checkpoint
+
+
+def _logits(loaded: build.LoadedModel, tokens: mx.array) -> np.ndarray:
+    states = BatchState.empty(loaded.config).layers
+    positions = text_positions([0], tokens.shape[1])
+    hidden = loaded.model([ForwardGroup(tokens, positions, states)])[0]
+    return np.array(loaded.model.logits(hidden))
+
+
+@pytest.mark.parametrize("name", ["tiny-mlx-4bit", "tiny-moe-mlx-4bit"])
+def test_kept_quantized_matches_dequantized(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Relative logit error <= 1e-4: both paths use the same 4-bit values, only the matmul
+    kernel differs (quantized_matmul vs dequantize-then-BLAS); MoE experts are dequantized
+    at load on both paths."""
+    path = str(cached_checkpoint(name))
+    tokens = mx.array([[1, 2, 3, 248045, 77, 4000]])
+    reference = _logits(build.load_model(path), tokens)
+    monkeypatch.setattr(build, "on_cpu", lambda: False)
+    kept = build.load_model(path, dtype=mx.float32)
+    assert kept.quantized
+    assert (
+        type(
+            kept.model.layers[0].mlp.gate_proj
+            if "moe" not in name
+            else kept.model.layers[0].mlp.gate
+        ).__name__
+        == "QuantizedLinear"
+    )
+    ours = _logits(kept, tokens)
+    assert np.abs(ours - reference).max() / np.abs(reference).max() <= 1e-4
