@@ -31,13 +31,7 @@ def test_kept_quantized_matches_dequantized(name: str, monkeypatch: pytest.Monke
     monkeypatch.setattr(build, "on_cpu", lambda: False)
     kept = build.load_model(path, dtype=mx.float32)
     assert kept.quantized
-    assert (
-        type(
-            kept.model.layers[0].mlp.gate_proj
-            if "moe" not in name
-            else kept.model.layers[0].mlp.gate
-        ).__name__
-        == "QuantizedLinear"
-    )
+    mlp = kept.model.layers[0].mlp
+    assert type(mlp.gate if "moe" in name else mlp.gate_proj).__name__ == "QuantizedLinear"
     ours = _logits(kept, tokens)
     assert np.abs(ours - reference).max() / np.abs(reference).max() <= 1e-4
