@@ -42,7 +42,7 @@ class ModelRunner:
         logits = self.model.logits(mx.concatenate(last, axis=0)) if last else None
         # Start computing now (states of every group, even chunks that sample nothing, so
         # no lazy graph carries over to the next step); the sampler's work queues behind.
-        pending = [a for g in groups for a in _state_arrays(g)]
+        pending = [a for g in groups for layer in g.states for a in layer.state_arrays()]
         mx.async_eval(*pending, *([logits] if logits is not None else []))
         return logits
 
@@ -73,14 +73,3 @@ def _decode_tokens(out: SchedulerOutput, prev_tokens: mx.array | None) -> mx.arr
     sources = mx.array([max(src, 0) for src in out.decode_sources], dtype=mx.int32)
     pending = mx.array([src >= 0 for src in out.decode_sources])
     return mx.where(pending, prev_tokens.astype(mx.int32)[sources], known)[:, None]
-
-
-def _state_arrays(group: ForwardGroup) -> list[mx.array]:
-    arrays = []
-    for layer in group.states:
-        for name in ("conv", "ssm"):
-            value = getattr(layer, name, None)
-            if value is not None:
-                arrays.append(value)
-        arrays.extend(getattr(layer, "arrays", None) or [])
-    return arrays

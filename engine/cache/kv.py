@@ -23,8 +23,9 @@ from kernels.quant_attention import fold_queries
 _GROW = 256  # columns allocated at a time, so appends rarely copy the whole store
 
 
-def _copy(x: mx.array) -> mx.array:
-    # Arithmetic forces a fresh buffer: a slice or contiguous() may alias and pin a batch.
+def fresh_copy(x: mx.array) -> mx.array:
+    """A copy in its own buffer. Arithmetic forces one: a slice or contiguous() may alias
+    and pin the whole batch it came from."""
     return x + mx.zeros((), dtype=x.dtype)
 
 
@@ -52,6 +53,10 @@ class KVStore:
         if self.arrays is None:
             return 0
         return sum(a.shape[1] * a.shape[3] * a.dtype.size for a in self.arrays)
+
+    def state_arrays(self) -> list[mx.array]:
+        """Every stored array (the runner evaluates these after each step)."""
+        return list(self.arrays or [])
 
     def empty_like(self) -> KVStore:
         """A new, empty store of the same kind and settings."""
@@ -144,7 +149,7 @@ class KVStore:
         trim = min(pads)
         if self.arrays is not None:
             idx = mx.array(keep)
-            self.arrays = [_copy(a[idx][:, :, trim : self.size]) for a in self.arrays]
+            self.arrays = [fresh_copy(a[idx][:, :, trim : self.size]) for a in self.arrays]
         self.left_pad = [p - trim for p in pads]
         self.size -= trim
 
@@ -153,7 +158,7 @@ class KVStore:
         out = self.empty_like()
         pad = self.left_pad[row]
         if self.arrays is not None:
-            out.arrays = [_copy(a[row : row + 1, :, pad : self.size]) for a in self.arrays]
+            out.arrays = [fresh_copy(a[row : row + 1, :, pad : self.size]) for a in self.arrays]
         out.left_pad = [0]
         out.size = self.size - pad
         return out

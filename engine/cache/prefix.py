@@ -21,15 +21,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engine.cache.kv import FullPrecisionKV, KVStore
+from engine.cache.kv import FullPrecisionKV, KVStore, fresh_copy
 from kernels.quant_attention import apply_mask, unfold_output
 
 _DENSE = FullPrecisionKV()  # stateless: its scores / weighted_sum serve the prefix part
-
-
-def _copy(x: mx.array) -> mx.array:
-    # Arithmetic forces a fresh buffer (a slice could pin the whole batch).
-    return x + mx.zeros((), dtype=x.dtype)
 
 
 class PrefixKV:
@@ -43,11 +38,9 @@ class PrefixKV:
         self.plen: list[int] = []  # per row, prefix tokens stored (<= start)
 
     # -- interface shared with KVStore ------------------------------------------------------
-    @property
-    def arrays(self) -> list[mx.array] | None:
+    def state_arrays(self) -> list[mx.array]:
         """Every stored array (the runner evaluates these after each step)."""
-        arrays = [*(self.inner.arrays or []), *(self.prefix or [])]
-        return arrays or None
+        return [*self.inner.state_arrays(), *(self.prefix or [])]
 
     @property
     def num_rows(self) -> int:
@@ -153,14 +146,14 @@ class PrefixKV:
             return
         if self.prefix is not None:
             idx = mx.array(keep)
-            self.prefix = [_copy(a[idx]) for a in self.prefix]
+            self.prefix = [fresh_copy(a[idx]) for a in self.prefix]
         self.plen = [self.plen[i] for i in keep]
 
     def extract(self, row: int) -> PrefixKV:
         """An independent B=1 copy of `row`."""
         out = PrefixKV(self.start, self.inner.extract(row))
         if self.prefix is not None:
-            out.prefix = [_copy(a[row : row + 1]) for a in self.prefix]
+            out.prefix = [fresh_copy(a[row : row + 1]) for a in self.prefix]
         out.plen = [self.plen[row]]
         return out
 

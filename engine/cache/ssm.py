@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-
-def _copy(x: mx.array) -> mx.array:
-    return x + mx.zeros((), dtype=x.dtype)
+from engine.cache.kv import fresh_copy
 
 
 class SSMState:
@@ -33,14 +31,14 @@ class SSMState:
             self._num_rows = len(keep)
             return
         idx = mx.array(keep)
-        self.conv, self.ssm = _copy(self.conv[idx]), _copy(self.ssm[idx])
+        self.conv, self.ssm = fresh_copy(self.conv[idx]), fresh_copy(self.ssm[idx])
 
     def extract(self, row: int) -> SSMState:
         """An independent B=1 copy of `row`."""
         out = SSMState(1)
         if self.conv is not None:
-            out.conv = _copy(self.conv[row : row + 1])
-            out.ssm = _copy(self.ssm[row : row + 1])
+            out.conv = fresh_copy(self.conv[row : row + 1])
+            out.ssm = fresh_copy(self.ssm[row : row + 1])
         return out
 
     def merge(self, other: SSMState) -> None:
@@ -64,6 +62,10 @@ class SSMState:
     @staticmethod
     def _filled(x: mx.array | None, rows: int, template: mx.array) -> mx.array:
         return x if x is not None else mx.zeros((rows, *template.shape[1:]), template.dtype)
+
+    def state_arrays(self) -> list[mx.array]:
+        """Every stored array (the runner evaluates these after each step)."""
+        return [a for a in (self.conv, self.ssm) if a is not None]
 
     def nbytes(self) -> int:
         if self.conv is None:
