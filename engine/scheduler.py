@@ -76,6 +76,9 @@ class Scheduler:
     # -- intake -------------------------------------------------------------------------
     def add(self, gen: GenerationRequest, eos_ids: frozenset[int]) -> None:
         """Queue a request; raise InvalidRequestError if it can never run."""
+        live = [*self.waiting, *self.rows.values()]
+        if any(r.request_id == gen.request_id for r in live):
+            raise InvalidRequestError(f"request id {gen.request_id!r} is already in use", None)
         total = len(gen.prompt_ids) + gen.params.max_tokens
         if total > self.max_context:
             raise InvalidRequestError(

@@ -92,6 +92,17 @@ def test_request_that_can_never_fit_is_rejected() -> None:
         _scheduler().add(_req("long", 900, max_tokens=200), EOS)
 
 
+def test_duplicate_request_id_rejected() -> None:
+    """A second live request with the same id would share rows: refused before queueing."""
+    s = _scheduler()
+    s.add(_req("a", 3), EOS)
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        s.add(_req("a", 3), EOS)
+    _run(s, s.schedule())  # running now, still live
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        s.add(_req("a", 3), EOS)
+
+
 def test_queue_full() -> None:
     s = _scheduler(max_waiting=2)
     s.add(_req("a", 1), EOS)
