@@ -33,6 +33,7 @@ class EngineClient(Protocol):
     """What the server may call. All methods are safe from the asyncio thread."""
 
     max_context: int  # prompt + max_tokens must not exceed this
+    eos_token_ids: tuple[int, ...]  # ids that end a generation (resolved by the loader)
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Submit and stream deltas until every choice has finished.

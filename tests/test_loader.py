@@ -18,6 +18,7 @@ from models.loader import (
     biases_name,
     expected_weight_names,
     load_checkpoint,
+    resolve_eos_ids,
     scales_name,
 )
 from models.testing import cached_checkpoint
@@ -232,3 +233,23 @@ def test_hub_id_offline_is_a_clear_error(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ERR checkpoint 'Qwen/Qwen3.5-0.8B'"), out.stdout
     assert "Hugging Face Hub" in out.stdout
+
+
+def test_eos_ids_from_generation_config_first() -> None:
+    """Published layout: config.json names <|endoftext|> only; generation_config.json adds
+    <|im_end|>, and the loader hands the engine both."""
+    path = cached_checkpoint("tiny")
+    assert json.loads((path / "config.json").read_text())["text_config"]["eos_token_id"] == 248044
+    assert resolve_eos_ids(path) == (248046, 248044)
+    assert load_checkpoint(path, mx.float32).config["eos_token_id"] == [248046, 248044]
+
+
+def test_eos_ids_fall_back_to_config_then_tokenizer(tmp_path: Path) -> None:
+    """Without generation_config.json: config.json (top level and text_config), then the
+    tokenizer's eos_token looked up among its added tokens."""
+    src = cached_checkpoint("tiny")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((src / name).read_bytes())
+    raw = {"text_config": {"eos_token_id": [7, 8]}, "eos_token_id": 9}
+    assert resolve_eos_ids(tmp_path, raw) == (9, 7, 8)
+    assert resolve_eos_ids(tmp_path, {}) == (248046,)  # tokenizer_config: <|im_end|>

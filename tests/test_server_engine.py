@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.types import SamplingParams
 from models.testing import cached_checkpoint
+from models.testing.tokenizer import IM_END_ID
 from server.app import create_app
 from server.frontend.tokenizer import TextTokenizer
 from server.settings import ModelSettings, SamplingDefaults, ServerSettings, Settings
@@ -36,7 +37,7 @@ def engine() -> Iterator[AsyncEngine]:
 
 @pytest.fixture(scope="module")
 def tokenizer(engine: AsyncEngine) -> TextTokenizer:
-    return TextTokenizer(engine.model_path)
+    return TextTokenizer(engine.model_path, engine.eos_token_ids)
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +86,24 @@ def test_greedy_http_equals_offline_engine(
     visible = [t for t in offline.token_ids if t not in tokenizer.hidden_token_ids]
     assert got["choices"][0]["text"] == tokenizer.decode(visible)
     assert got["usage"]["completion_tokens"] == 24
+
+
+def test_chat_stops_at_im_end(server: LiveServer, engine: AsyncEngine) -> None:
+    """On a published-layout checkpoint (config.json names only <|endoftext|>) a chat
+    answer ends at <|im_end|> with finish_reason "stop" (no ignore_eos)."""
+    assert IM_END_ID in engine.eos_token_ids
+    body = {
+        "model": MODEL,
+        "max_tokens": 16,
+        "temperature": 0,
+        "logit_bias": {str(IM_END_ID): 100},
+        "messages": [{"role": "user", "content": "Say hello"}],
+    }
+    got = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+    assert got["choices"][0]["finish_reason"] == "stop"
+    # The peaked test head can outbid +100 for a token or two; without <|im_end|> as a
+    # stop id the answer would run to max_tokens ("length").
+    assert got["usage"]["completion_tokens"] < body["max_tokens"]
 
 
 def test_64_concurrent_streams_complete(server: LiveServer) -> None:

@@ -7,7 +7,6 @@ rest of the server never touches transformers.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,13 +34,15 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 class TextTokenizer:
     """Encode/decode text and render chat prompts for one model directory."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, eos_token_ids: Sequence[int]) -> None:
+        """eos_token_ids: the ids that end generation, as the engine resolved them from
+        the checkpoint (hidden from output text)."""
         self.model_dir = Path(model_dir)
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         # The raw `tokenizers` object: faster than the wrapper, and safe to share between
         # threads (render_chat runs in a thread pool).
         self._backend = getattr(self._tokenizer, "backend_tokenizer", None)
-        self.eos_token_ids: tuple[int, ...] = _eos_token_ids(self.model_dir, self._tokenizer)
+        self.eos_token_ids = tuple(eos_token_ids)
         added = self._tokenizer.added_tokens_decoder
         specials = {i for i, token in added.items() if token.special}
         specials |= set(self._tokenizer.all_special_ids)
@@ -136,27 +137,6 @@ def ends_in_reasoning(prompt: str) -> bool:
     """Whether the last turn of `prompt` opened `<think>` without closing it."""
     last_turn = prompt[prompt.rfind(IM_START) :] if IM_START in prompt else prompt
     return last_turn.rfind(THINK_OPEN) > last_turn.rfind(THINK_CLOSE)
-
-
-def _eos_token_ids(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:
-    """EOS ids: generation_config.json, then config.json, then the tokenizer's own."""
-    found: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        path = model_dir / name
-        if path.is_file():
-            config = json.loads(path.read_text(encoding="utf-8"))
-            found += _as_ids(config.get("eos_token_id"))
-            found += _as_ids(config.get("text_config", {}).get("eos_token_id"))
-    found += _as_ids(tokenizer.eos_token_id)
-    return tuple(dict.fromkeys(found))
-
-
-def _as_ids(value: Any) -> list[int]:
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, int)]
-    return []
 
 
 def _byte_level_decoder() -> dict[str, int]:

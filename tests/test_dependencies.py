@@ -1,0 +1,68 @@
+"""Every third-party module the product imports is a declared runtime dependency.
+
+The server once imported jinja2 without declaring it: the test extra pulled it in, so CI
+stayed green while `scripts/setup` (runtime dependencies only) crashed on a fresh clone.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import tomllib
+from importlib.metadata import packages_distributions
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("server", "engine", "models", "kernels")
+# Imported only inside functions that tests call, never on a serving path.
+TEST_ONLY = {"mlx_lm": "models/testing/checkpoint.py converts test checkpoints with it"}
+
+
+def _imported_top_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _declared_runtime() -> set[str]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    names = set()
+    for spec in project["dependencies"]:
+        name = re.match(r"[A-Za-z0-9_.-]+", spec).group(0)
+        names.add(_normalize(name))
+    return names
+
+
+def test_every_runtime_import_is_declared() -> None:
+    """Modules imported under server/ engine/ models/ kernels/ that are neither ours nor
+    the standard library map to a distribution listed in [project].dependencies."""
+    modules = set()
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            modules |= _imported_top_modules(path)
+    third_party = modules - set(sys.stdlib_module_names) - set(PACKAGES) - {"__future__"}
+    dists = packages_distributions()
+    declared = _declared_runtime()
+    undeclared = {}
+    for module in sorted(third_party - set(TEST_ONLY)):
+        providers = {_normalize(d) for d in dists.get(module, [module])}
+        if not providers & declared:
+            undeclared[module] = sorted(providers)
+    assert not undeclared, f"imported but not in [project].dependencies: {undeclared}"
+
+
+def test_every_runtime_dependency_has_a_lower_bound() -> None:
+    """Each runtime requirement says the oldest version it was written against."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    unbounded = [spec for spec in project["dependencies"] if ">=" not in spec]
+    assert not unbounded, unbounded
