@@ -6,6 +6,7 @@ of AsyncEngine for serving. Not thread-safe: exactly one thread calls into it.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from engine.cache.batch import BatchState
-from engine.cache.budget import MemoryBudget, StateCosts
+from engine.cache.budget import MemoryBudget, StateCosts, default_budget_bytes
 from engine.cache.factory import kv_bytes_per_element_pair, kv_prefix_tokens, kv_store_factory
 from engine.cache.rows import RowStates
 from engine.config import EngineConfig
@@ -23,6 +24,8 @@ from engine.sampler import SampledBatch, Sampler, SamplingRow
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.types import GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
 from models.build import LoadedModel, on_cpu
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,6 +60,7 @@ class LLMEngine:
         pair = kv_bytes_per_element_pair(kv, dtype_size, cfg.head_dim)
         costs = StateCosts.for_model(cfg, pair, dtype_size, kv_prefix_tokens(kv))
         self.budget = MemoryBudget(self._budget_bytes(), costs)
+        self._log_budget()
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.scheduler = Scheduler(self.config, self.budget, self.max_context)
         kv_factory = kv_store_factory(self.config.kv_cache)
@@ -68,12 +72,19 @@ class LLMEngine:
     def _budget_bytes(self) -> int:
         if self.config.memory_budget_bytes:
             return self.config.memory_budget_bytes
-        # Default: half of what is left after the weights (device memory on GPU, RAM on CPU).
-        if on_cpu():
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        else:
-            total = int(mx.device_info().get("memory_size", 0))
-        return max(256 * 2**20, (total - self.loaded.weight_bytes()) // 2)
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        info = dict(mx.device_info())
+        return default_budget_bytes(info, host, self.loaded.weight_bytes(), on_cpu())
+
+    def _log_budget(self) -> None:
+        row = self.budget.row_bytes(self.max_context)
+        log.info(
+            "row-state budget %.2f GiB: %d rows of the full %d-token context (%.1f MiB each)",
+            self.budget.total / 2**30,
+            self.budget.total // row,
+            self.max_context,
+            row / 2**20,
+        )
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request: GenerationRequest) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.api import QueueFullError
-from engine.cache.budget import MemoryBudget, StateCosts
+from engine.cache.budget import MemoryBudget, StateCosts, default_budget_bytes
 from engine.config import EngineConfig
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.types import GenerationRequest, InvalidRequestError, SamplingParams
@@ -134,3 +134,28 @@ def test_n_choices_fork_after_one_prefill() -> None:
     out = s.schedule()
     assert out.forks == (("p/1", "p/0"), ("p/2", "p/0"))
     assert out.decode_row_ids == ("p/0", "p/1", "p/2")
+
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize(
+    ("info", "on_cpu", "expected"),
+    [
+        # CUDA (mlx-cuda 0.32): total_memory / free_memory, measured after the weights loaded
+        ({"total_memory": 140 * GIB, "free_memory": 120 * GIB}, False, 60 * GIB),
+        # Metal: the recommended working set, minus the weights
+        (
+            {"memory_size": 64 * GIB, "max_recommended_working_set_size": 48 * GIB},
+            False,
+            (48 - 2) * GIB // 2,
+        ),
+        ({"memory_size": 64 * GIB}, False, (64 - 2) * GIB // 2),  # older Metal: all memory
+        ({"device_name": "AMD EPYC"}, True, (24 - 2) * GIB // 2),  # CPU: host RAM
+        ({"total_memory": 3 * GIB, "free_memory": 100 * 2**20}, False, 256 * 2**20),  # floor
+    ],
+)
+def test_default_budget_reads_each_backend(info: dict, on_cpu: bool, expected: int) -> None:
+    """The default row-state budget comes from the device's real memory on every backend
+    (a budget read from Metal's key on CUDA fell to its 256 MiB floor)."""
+    assert default_budget_bytes(info, 24 * GIB, 2 * GIB, on_cpu) == expected

@@ -42,6 +42,33 @@ class StateCosts:
         return cls(int(round(kv)), num_linear * (recurrent + conv), kv_prefix_tokens * prefix)
 
 
+MIN_BUDGET_BYTES = 256 * 2**20
+
+
+def default_budget_bytes(
+    device_info: dict, host_bytes: int, weight_bytes: int, on_cpu: bool
+) -> int:
+    """Row-state budget when none is configured: half of the memory left for it.
+
+    CPU: host RAM minus the weights. CUDA (`mx.device_info()` has total_memory /
+    free_memory): free memory as measured after loading, so the weights are already out
+    of it. Metal (memory_size, max_recommended_working_set_size): the working set the
+    OS recommends for the GPU (else all unified memory) minus the weights. Unknown keys
+    fall back to host RAM minus the weights, never to the floor alone.
+    """
+    if on_cpu:
+        left = host_bytes - weight_bytes
+    elif "free_memory" in device_info or "total_memory" in device_info:
+        total = int(device_info.get("total_memory", 0))
+        left = int(device_info.get("free_memory", total - weight_bytes))
+    elif "memory_size" in device_info:
+        total = int(device_info.get("max_recommended_working_set_size", 0))
+        left = (total or int(device_info["memory_size"])) - weight_bytes
+    else:
+        left = host_bytes - weight_bytes
+    return max(MIN_BUDGET_BYTES, left // 2)
+
+
 class MemoryBudget:
     """Reserve/release bytes against a fixed total."""
 
