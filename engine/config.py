@@ -47,6 +47,9 @@ class EngineConfig:
     max_context: int = 0  # 0 = the model's max_position_embeddings
     pack_token_wise: bool = False  # one MLP matmul over all groups' tokens (no measured win)
     pipeline_steps: bool = True  # plan step N+1 before reading step N's tokens back
+    # Decode step as one mx.compile'd call (engine/decode.py); unset: on for Metal/CUDA
+    # (launch-bound), off on CPU (no measured win: tiny B=16 206 vs 201 tok/s)
+    compile_decode: bool | None = None
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
 
     def __post_init__(self) -> None:

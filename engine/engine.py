@@ -18,6 +18,7 @@ from engine.cache.budget import MemoryBudget, StateCosts, default_budget_bytes
 from engine.cache.factory import kv_bytes_per_element_pair, kv_prefix_tokens, kv_store_factory
 from engine.cache.rows import RowStates
 from engine.config import EngineConfig
+from engine.decode import CompiledDecode
 from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampler import SampledBatch, Sampler, SamplingRow
@@ -65,7 +66,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.budget, self.max_context)
         kv_factory = kv_store_factory(self.config.kv_cache)
         self.states = RowStates(lambda: BatchState.empty(cfg, kv_factory))
-        self.runner = ModelRunner(loaded.model, self.states)
+        self.runner = ModelRunner(loaded.model, self.states, self._compiled_decode())
         self.sampler = Sampler()
         self._inflight: _InFlight | None = None
 
@@ -75,6 +76,15 @@ class LLMEngine:
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         info = dict(mx.device_info())
         return default_budget_bytes(info, host, self.loaded.weight_bytes(), on_cpu())
+
+    def _compiled_decode(self) -> CompiledDecode | None:
+        enabled = self.config.compile_decode
+        if enabled is None:
+            enabled = not on_cpu()
+        if enabled and self.config.kv_cache.kind != "fp" and self.config.kv_cache.start:
+            log.warning("compiled decode is off: kv_cache.start > 0 has no compiled form")
+            return None
+        return CompiledDecode(self.loaded.model) if enabled else None
 
     def _log_budget(self) -> None:
         row = self.budget.row_bytes(self.max_context)

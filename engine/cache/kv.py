@@ -20,7 +20,16 @@ import mlx.core as mx
 from kernels.attention import attention
 from kernels.quant_attention import fold_queries
 
-_GROW = 256  # columns allocated at a time, so appends rarely copy the whole store
+# Columns allocated at a time. Every op that rebuilds the arrays (append growth, merge,
+# filter) leaves free columns up to the next multiple, so decode appends write in place and
+# copy the whole batch only when a row crosses a multiple of _GROW tokens. Stable
+# capacities also keep the compiled decode step (engine/decode.py) on few shapes.
+_GROW = 256
+
+
+def round_capacity(columns: int) -> int:
+    """The capacity (a multiple of _GROW, at least one free column) for `columns` in use."""
+    return (columns // _GROW + 1) * _GROW
 
 
 def fresh_copy(x: mx.array) -> mx.array:
@@ -113,19 +122,32 @@ class KVStore:
         """probs [B, Hkv, rep * L, S] over the stored values -> [B, Hkv, rep * L, D]."""
         raise NotImplementedError
 
+    @property
+    def capacity(self) -> int:
+        """Columns allocated (used + free)."""
+        return 0 if self.arrays is None else int(self.arrays[0].shape[2])
+
+    def reserve(self, columns: int) -> None:
+        """Make room for `columns` more columns (copies the store only when it grows).
+        Needs existing arrays: their shapes say what the new columns look like."""
+        assert self.arrays is not None, "reserve() on a store that holds nothing yet"
+        if self.size + columns > self.capacity:
+            self.arrays = self._grown(self.arrays, self.size + columns)
+
+    def _grown(self, template: list[mx.array], needed: int) -> list[mx.array]:
+        capacity = round_capacity(needed - 1)
+        grown = []
+        for i, t in enumerate(template):
+            a = mx.zeros((t.shape[0], t.shape[1], capacity, t.shape[3]), dtype=t.dtype)
+            if self.arrays is not None and self.size:
+                a[:, :, : self.size] = self.arrays[i][:, :, : self.size]
+            grown.append(a)
+        return grown
+
     def _append(self, new: list[mx.array]) -> None:
-        length = new[0].shape[2]
-        needed = self.size + length
-        if self.arrays is None or needed > self.arrays[0].shape[2]:
-            capacity = ((needed + _GROW - 1) // _GROW) * _GROW
-            grown = []
-            for i, n in enumerate(new):
-                shape = (n.shape[0], n.shape[1], capacity, n.shape[3])
-                a = mx.zeros(shape, dtype=n.dtype)
-                if self.arrays is not None and self.size:
-                    a[:, :, : self.size] = self.arrays[i][:, :, : self.size]
-                grown.append(a)
-            self.arrays = grown
+        needed = self.size + new[0].shape[2]
+        if needed > self.capacity:
+            self.arrays = self._grown(new, needed)
         for a, n in zip(self.arrays, new, strict=True):
             a[:, :, self.size : needed] = n
         self.size = needed
@@ -149,7 +171,7 @@ class KVStore:
         trim = min(pads)
         if self.arrays is not None:
             idx = mx.array(keep)
-            self.arrays = [fresh_copy(a[idx][:, :, trim : self.size]) for a in self.arrays]
+            self.arrays = [_with_headroom(a[idx][:, :, trim : self.size]) for a in self.arrays]
         self.left_pad = [p - trim for p in pads]
         self.size -= trim
 
@@ -177,7 +199,10 @@ class KVStore:
         else:
             mine = self._padded_to(size, template)
             theirs = other._padded_to(size, template)
-            arrays = [mx.concatenate([a, b], axis=0) for a, b in zip(mine, theirs, strict=True)]
+            arrays = [
+                _with_headroom(mx.concatenate([a, b], axis=0))
+                for a, b in zip(mine, theirs, strict=True)
+            ]
         self.left_pad = [p + size - self.size for p in self.left_pad] + [
             p + size - other.size for p in other.left_pad
         ]
@@ -200,6 +225,12 @@ class KVStore:
         if self.arrays is None:
             return 0
         return self.num_rows * self.size * self.bytes_per_token()
+
+
+def _with_headroom(used: mx.array) -> mx.array:
+    """A fresh copy of `used` [B, Hkv, size, X] with free columns up to round_capacity."""
+    extra = round_capacity(used.shape[2]) - used.shape[2]
+    return mx.pad(used, [(0, 0), (0, 0), (0, extra), (0, 0)])
 
 
 class FullPrecisionKV(KVStore):
