@@ -30,7 +30,7 @@ def _pct(values: list[float], q: float) -> float:
 class Ours:
     name = "deltaserve"
 
-    def __init__(self, path: str, budget: int, chunk: int, pack: bool = True) -> None:
+    def __init__(self, path: str, budget: int, chunk: int, pack: bool = True, **kw) -> None:
         from engine.config import EngineConfig
         from engine.engine import LLMEngine
         from models.build import load_model
@@ -41,6 +41,7 @@ class Ours:
             max_num_batched_tokens=budget,
             max_prefill_chunk=chunk,
             pack_token_wise=pack,
+            **kw,
         )
         self.make = lambda: LLMEngine(self.loaded, self.config)
 
@@ -104,22 +105,26 @@ def throughput(impl, batch: int, gen_lo: int, gen_hi: int, plo: int, phi: int) -
     gens = [rng.randint(gen_lo, gen_hi) for _ in range(batch)]
     impl.run(_prompts(2, 8, 16, seed=99), [4, 4], lambda i, t: None)  # warm-up
     first: dict[int, float] = {}
-    count = 0
+    stamps: list[float] = []
 
     def on_token(i: int, now: float) -> None:
-        nonlocal count
-        count += 1
+        stamps.append(now)
         first.setdefault(i, now)
 
     start = time.perf_counter()
     impl.run(prompts, gens, on_token)
     wall = time.perf_counter() - start
     ttft = [t - start for t in first.values()]
+    # Decode rate: tokens after every row has its first one, over that window.
+    all_started = max(first.values())
+    decode = [t for t in stamps if t > all_started]
+    decode_window = (max(decode) - all_started) if decode else float("nan")
     return {
         "impl": impl.name,
         "batch": batch,
-        "tokens": count,
-        "tok_s": count / wall,
+        "tokens": len(stamps),
+        "tok_s": len(stamps) / wall,
+        "decode_tok_s": len(decode) / decode_window if decode else float("nan"),
         "ttft_p50_s": _pct(ttft, 0.5),
         "wall_s": wall,
     }

@@ -11,7 +11,8 @@ Shapes (MLX convention, state kept as [Dv, Dk] per value head, always float32):
 Value head h reads q/k head h // (Hv // Hk) (repeat-interleave). Per step and value head:
     S <- exp(g) S ; delta = beta (v - S k) ; S <- S + delta k^T ; y = S q
 
-`gated_delta` dispatches: L == 1 -> `gated_delta_step` (decode); Metal without mask ->
+`gated_delta` dispatches: L == 1 -> `gated_delta_step_fused` (decode: one CUDA/Metal kernel
+that reads and writes the state once; `gated_delta_step` on CPU); Metal without mask ->
 `mx.fast.gated_delta_update` (Apple's kernels); otherwise `gated_delta_chunked` (WY/UT
 form, float32 matmuls; the prefill path on CPU and CUDA). `gated_delta_reference` is the
 plain per-step loop the tests compare against; nothing dispatches to it.
@@ -361,7 +362,10 @@ def gated_delta(
     A masked step leaves the state exactly unchanged and yields y = 0.
     """
     if v.shape[1] == 1:
-        return gated_delta_step(q, k, v, g, beta, state, mask)
+        # Imported here: the fused module builds on gated_delta_step (its CPU path).
+        from kernels.gated_delta_fused import gated_delta_step_fused
+
+        return gated_delta_step_fused(q, k, v, g, beta, state, mask)
     if _use_metal_fast(k, v, mask):
         return _gated_delta_fast(q, k, v, g, beta, state)
     return gated_delta_chunked(q, k, v, g, beta, state, mask)

@@ -6,6 +6,7 @@ import mlx.core as mx
 import pytest
 
 import kernels.gated_delta as gd
+import kernels.gated_delta_fused as fused
 from kernels.gated_delta import (
     _gated_delta_fast,
     gated_delta,
@@ -232,12 +233,13 @@ def test_dispatch_on_metal(
     monkeypatch: pytest.MonkeyPatch, hk: int, hv: int, d: int, masked: bool, expect: str
 ) -> None:
     """With Metal present the dispatcher uses mx.fast only where it has a real kernel;
-    everything else goes to the chunked path, never to a per-token loop."""
+    everything else goes to the chunked path, never to a per-token loop; decode (L = 1)
+    goes to the fused step."""
     calls: list[str] = []
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)
     monkeypatch.setattr(gd, "_gated_delta_fast", lambda *a: calls.append("fast") or a[:2])
     monkeypatch.setattr(gd, "gated_delta_chunked", lambda *a: calls.append("chunked") or a[:2])
-    monkeypatch.setattr(gd, "gated_delta_step", lambda *a: calls.append("step") or a[:2])
+    monkeypatch.setattr(fused, "gated_delta_step_fused", lambda *a: calls.append("step") or a[:2])
     x = make_inputs(1, 3, hk, hv, d)
     gd.gated_delta(*x, mx.ones((1, 3), mx.bool_) if masked else None)
     gd.gated_delta(*(t[:, :1] for t in x[:5]), x[5])
