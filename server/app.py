@@ -48,6 +48,15 @@ def fingerprint(settings: Settings) -> str:
     return "fp_" + hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
+def begin_shutdown(app: FastAPI) -> None:
+    """End every generation in flight now, each with a 503 "shutting down" error.
+
+    Streams get an error event then [DONE]; waiting responses get a 503. Called when the
+    HTTP server starts shutting down, so it never waits on token streams (see server.cli).
+    """
+    app.state.deltaserve.stopping.set()
+
+
 def create_app(engine: EngineClient, tokenizer: TextTokenizer, settings: Settings) -> FastAPI:
     """Build the app around a running engine and the model's tokenizer."""
 

@@ -1,8 +1,13 @@
-"""`deltaserve serve`: settings → engine → tokenizer → app → uvicorn.
+"""`deltaserve serve`: settings → model location → engine → tokenizer → app → uvicorn.
 
-Ctrl-C (SIGINT) or SIGTERM: uvicorn stops accepting, lets in-flight requests finish for
-up to GRACEFUL_SHUTDOWN_S (then cancels them, which aborts their engine requests), the
-app's lifespan calls engine.shutdown(), and the process exits 0.
+Mistakes an operator makes at start-up (bad config, no model, a model that cannot be
+found) end in one `deltaserve: error: ...` line on stderr and exit status 2, before
+anything slow (OpenBLAS re-exec, MLX) runs.
+
+Ctrl-C (SIGINT) or SIGTERM: uvicorn stops accepting, every open generation ends at once
+with a 503 "shutting down" error (streams: an error event, then [DONE]; see
+server.app.begin_shutdown), the app's lifespan calls engine.shutdown(), and the process
+exits 0. GRACEFUL_SHUTDOWN_S only bounds requests that are not generating yet.
 """
 
 from __future__ import annotations
@@ -10,99 +15,136 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
+import signal
+import socket
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
-from kernels.blas import blas_summary, ensure_openblas
-from server.settings import ConfigError, Settings, add_arguments, load_settings
+import uvicorn
 
-GRACEFUL_SHUTDOWN_S = 10.0
+from kernels.blas import ensure_openblas
+from server.flags import Shown, add_arguments, effective_defaults
+from server.settings import ConfigError, Settings, load_settings
+from server.startup import (
+    ModelNotFound,
+    log_startup,
+    missing_model_message,
+    not_a_checkpoint_message,
+)
+
+GRACEFUL_SHUTDOWN_S = 1
 logger = logging.getLogger("deltaserve")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The CLI: one subcommand so far, whose flags come from the config dataclasses."""
+def build_parser(shown: Shown | None = None) -> argparse.ArgumentParser:
+    """The CLI: one subcommand so far, whose flags come from the config dataclasses.
+
+    `shown` holds the config-file / env values that --help reports as each flag's default.
+    """
     parser = argparse.ArgumentParser(prog="deltaserve")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    add_arguments(serve)
+    serve = commands.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Serve a Qwen3.5 checkpoint over an OpenAI-compatible HTTP API. "
+        "Precedence: flag > DELTASERVE_* env > config file > built-in.",
+    )
+    add_arguments(serve, shown)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `deltaserve` console script."""
-    args = build_parser().parse_args(argv)
+    """Entry point of the `deltaserve` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(effective_defaults(argv, os.environ)).parse_args(argv)
     try:
         settings = load_settings(args)
     except ConfigError as e:
         print(f"deltaserve: config error: {e}", file=sys.stderr)
         return 2
-    if not settings.model.path:
-        print(
-            "deltaserve: no model: pass --model PATH_OR_HUB_ID (or set model.path)", file=sys.stderr
-        )
+    try:
+        checkpoint = locate_model(settings.model.path)
+    except ModelNotFound as e:
+        print(f"deltaserve: error: {e}", file=sys.stderr)
         return 2
     # Before anything imports mlx: on Linux CPU this may re-exec us with OpenBLAS.
     ensure_openblas()
+    quiet_third_party_logs()
     level = "DEBUG" if settings.server.log_level == "trace" else settings.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # uvicorn re-raises the captured SIGINT once it has shut down cleanly: that is exit 0.
+    # SIGTERM (docker stop, systemd) ends the server like Ctrl-C: uvicorn restores this
+    # handler and re-raises the signal after its graceful shutdown, and the default
+    # action would then kill us with status 143 instead of exiting 0.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     with contextlib.suppress(KeyboardInterrupt):
-        serve(settings)
+        serve(settings, checkpoint)
     return 0
 
 
-def serve(settings: Settings) -> None:
-    """Load the model, start the engine thread and serve until a shutdown signal."""
-    import uvicorn
+def locate_model(path_or_id: str) -> Path:
+    """The local checkpoint directory (hub ids are downloaded), or ModelNotFound."""
+    # The cli is the composition root, so it may reach models/ directly; hub.py imports
+    # neither mlx nor the engine, which keeps this check fast.
+    from models.hub import CheckpointNotFoundError, resolve_checkpoint
 
+    if not path_or_id:
+        raise ModelNotFound(missing_model_message("", None))
+    try:
+        checkpoint = resolve_checkpoint(path_or_id)
+    except CheckpointNotFoundError as e:
+        raise ModelNotFound(missing_model_message(path_or_id, e)) from None
+    if not (checkpoint / "config.json").is_file():
+        raise ModelNotFound(not_a_checkpoint_message(path_or_id, checkpoint))
+    return checkpoint
+
+
+def quiet_third_party_logs() -> None:
+    """Silence start-up noise that is not ours; call before transformers is imported.
+
+    transformers warns "PyTorch was not found..." on import: the server only uses its
+    tokenizers, so that advice is noise. An explicit user setting wins.
+    """
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+def serve(settings: Settings, checkpoint: Path) -> None:
+    """Load the model, start the engine thread and serve until a shutdown signal."""
     from engine.async_engine import AsyncEngine
-    from server.app import create_app
+    from server.app import begin_shutdown, create_app
     from server.frontend.tokenizer import TextTokenizer
 
     logger.info("model: %s (served as %s)", settings.model.path, settings.model.name)
-    engine = AsyncEngine.start(settings.model.path, settings.engine, name=settings.model.name)
-    tokenizer = TextTokenizer(engine.model_path)
-    _log_startup(engine, settings)
+    engine = AsyncEngine.start(str(checkpoint), settings.engine, name=settings.model.name)
+    tokenizer = TextTokenizer(engine.model_path, engine.eos_token_ids)
+    log_startup(engine, settings)
     app = create_app(engine, tokenizer, settings)
     config = uvicorn.Config(
         app,
         host=settings.server.host,
         port=settings.server.port,
         log_level=settings.server.log_level,
-        timeout_graceful_shutdown=int(GRACEFUL_SHUTDOWN_S),
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    uvicorn.Server(config).run()
+    StreamEndingServer(config, lambda: begin_shutdown(app)).run()
 
 
-def _log_startup(engine: Any, settings: Settings) -> None:
-    """The lines an operator checks first: what runs where, how fast, in how much memory."""
-    stats = engine.stats()
-    # dtype lives on the loaded model inside the engine; read it without importing mlx.
-    loaded = getattr(getattr(engine, "engine", None), "loaded", None)
-    logger.info("checkpoint: %s", engine.model_path)
-    logger.info("dtype: %s", getattr(loaded, "dtype", "unknown"))
-    logger.info("%s", blas_summary())  # backend + measured GEMM throughput
-    logger.info(
-        "memory budget for row state: %.2f GiB (%d KV bytes/token); max context %d",
-        stats.state_bytes_budget / 2**30,
-        stats.kv_bytes_per_token,
-        engine.max_context,
-    )
-    kv = settings.engine.kv_cache
-    logger.info(
-        "kv cache: %s (bits %d, key/value bits %d/%d, start %d)",
-        kv.kind,
-        kv.bits,
-        kv.key_bits,
-        kv.value_bits,
-        kv.start,
-    )
-    auth = "on" if settings.server.api_key else "off"
-    logger.info(
-        "listening on http://%s:%d (api key %s)", settings.server.host, settings.server.port, auth
-    )
+class StreamEndingServer(uvicorn.Server):
+    """uvicorn.Server that ends open generations as soon as shutdown starts.
+
+    Plain uvicorn waits for in-flight requests (up to the graceful timeout), then cancels
+    them, which logs a CancelledError traceback and cuts streams without an ending. A
+    token stream may run for minutes, so waiting helps no one: end them now, cleanly.
+    """
+
+    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_shutdown = on_shutdown
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._on_shutdown()
+        await super().shutdown(sockets)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ class ServerState:
     model_name: str
     fingerprint: str  # system_fingerprint: changes when the engine config does
     created: int = field(default_factory=lambda: int(time.time()))
+    # Set once shutdown begins (server.app.begin_shutdown): every generation ends with a
+    # 503 at its next read instead of holding the shutdown up.
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def server_state(request: Request) -> ServerState:

@@ -50,7 +50,9 @@ class GenerationRun:
         self.choices = choices
         self.index_offset = index_offset  # completions: prompt k's choices start at k * n
         self._timer = timer
-        self._ticker = Ticker(state.engine.generate(request), state.settings.server.keepalive)
+        self._ticker = Ticker(
+            state.engine.generate(request), state.settings.server.keepalive, state.stopping
+        )
         self._is_open = [True] * request.n  # choices whose end the caller has not seen
         self._num_output = [0] * request.n
         self._engine_done = [False] * request.n

@@ -11,14 +11,20 @@ The YAML file is `--config PATH`, else `$DELTASERVE_CONFIG`, else ./config.yaml 
 exists. Every key has exactly one flag and one env var, both derived from the field
 (`FLAG_NAMES` lists the few renamed ones); the env var is the flag upper-cased with a
 DELTASERVE_ prefix (--kv-bits -> DELTASERVE_KV_BITS). Each layer gets its own section
-only: the engine receives `settings.engine`, an `engine.config.EngineConfig`.
+only: the engine receives `settings.engine`, an `engine.config.EngineConfig`. The flags
+themselves (help text, metavars, choices) are built in server/flags.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
+import io
 import os
+import re
+import textwrap
+import tokenize
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,7 +50,7 @@ class ModelSettings:
     """Which checkpoint to serve and under which name."""
 
     path: str = ""  # local directory or hub id
-    served_name: str = ""  # the `model` clients send; "" = derived from path
+    served_name: str = ""  # the `model` name clients send; "" = the hub id or directory name
 
     @property
     def name(self) -> str:
@@ -59,11 +65,11 @@ class ModelSettings:
 class ServerSettings:
     """HTTP front door."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = "127.0.0.1"  # address to bind; 0.0.0.0 = every interface
+    port: int = 8000  # TCP port; 0 = any free port
     api_key: str | None = None  # when set, requests need `Authorization: Bearer <key>`
-    cors_origins: tuple[str, ...] = ()  # allowed browser origins; () = no CORS headers
-    log_level: str = "info"
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed (a,b); none = no CORS headers
+    log_level: str = "info"  # uvicorn's and deltaserve's log level
     keepalive: float = 5.0  # seconds between SSE comments while no token has come
 
     def __post_init__(self) -> None:
@@ -79,10 +85,10 @@ class ServerSettings:
 class SamplingDefaults:
     """What a request gets for the sampling fields it leaves out."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = disabled
-    max_tokens: int = 2048  # also capped by the context left after the prompt
+    temperature: float = 1.0  # sampling temperature; 0 = greedy
+    top_p: float = 1.0  # nucleus sampling mass; 1 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    max_tokens: int = 2048  # completion length cap; also capped by the context left
 
     def __post_init__(self) -> None:
         # The engine's own checks, so the ranges are written once (engine/types.py).
@@ -110,21 +116,69 @@ FLAG_NAMES = {
     "engine.kv_cache.kind": "kv-cache",
 }
 SECTION_PREFIXES = {"engine.kv_cache": "kv-", "sampling": "default-"}
+# A key's description is its field's trailing comment. KVCacheConfig (engine/config.py)
+# documents its fields in the class docstring instead, and max_context's comment only
+# gives the meaning of 0, so those are described here.
+DESCRIPTIONS = {
+    "engine.max_context": "longest prompt + completion in tokens; 0 = the model's maximum",
+    "engine.kv_cache.kind": "KV store of the attention layers",
+    "engine.kv_cache.bits": "affine: bits per quantized KV value",
+    "engine.kv_cache.group_size": "affine: values sharing one scale and bias",
+    "engine.kv_cache.key_bits": "turboquant: bits per key code",
+    "engine.kv_cache.value_bits": "turboquant: bits per value code",
+    "engine.kv_cache.start": "affine/turboquant: leading tokens of a row kept unquantized",
+}
+# Keys with a fixed set of values, shown in --help. The dataclasses still validate (and
+# tests/test_server_settings.py checks these lists against them).
+CHOICES: dict[str, tuple[Any, ...]] = {
+    "server.log_level": LOG_LEVELS,
+    "engine.kv_cache.kind": ("fp", "affine", "turboquant"),
+    "engine.kv_cache.bits": (4, 8),
+    "engine.kv_cache.group_size": (32, 64, 128),
+}
 
 
 @dataclass(frozen=True)
 class ConfigKey:
-    """One leaf of Settings: its dotted key, flag, env var, type and default."""
+    """One leaf of Settings: its dotted key, flag, env var, type, default and description."""
 
     key: str  # "engine.kv_cache.bits"
     flag: str  # "--kv-bits"
     env: str  # "DELTASERVE_KV_BITS"
     type: Any
     default: Any
+    description: str = ""  # one line for --help
+    choices: tuple[Any, ...] = ()  # the allowed values, when there is a fixed set
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """{field name: its comment}, read from cls's source: the comment at the end of the
+    field's line, else the comment lines right above it (joined into one line)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # no source (frozen app, REPL class): no descriptions
+        return {}
+    # tokenize, not a regex, so a "#" inside a default string is never taken as a comment.
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    comment_at = {t.start[0]: t.string for t in tokens if t.type == tokenize.COMMENT}
+    comments: dict[str, str] = {}
+    above: list[str] = []
+    for number, line in enumerate(source.splitlines(), start=1):
+        comment = comment_at.get(number, "")
+        text = comment.lstrip("#").strip()
+        if comment and line.strip() == comment:
+            above.append(text)
+            continue
+        field_name = re.match(r"\s+(\w+)\s*:", line)
+        if field_name and (text or above):
+            comments[field_name.group(1)] = text or " ".join(above)
+        above = []
+    return comments
 
 
 def _leaves(cls: type, prefix: str) -> list[ConfigKey]:
     hints = typing.get_type_hints(cls)
+    comments = _field_comments(cls)
     keys: list[ConfigKey] = []
     for f in dataclasses.fields(cls):
         key = f"{prefix}.{f.name}" if prefix else f.name
@@ -134,7 +188,12 @@ def _leaves(cls: type, prefix: str) -> list[ConfigKey]:
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         name = FLAG_NAMES.get(key, SECTION_PREFIXES.get(prefix, "") + f.name.replace("_", "-"))
         env = ENV_PREFIX + name.upper().replace("-", "_")
-        keys.append(ConfigKey(key, f"--{name}", env, hints[f.name], default))
+        description = DESCRIPTIONS.get(key, comments.get(f.name, ""))
+        keys.append(
+            ConfigKey(
+                key, f"--{name}", env, hints[f.name], default, description, CHOICES.get(key, ())
+            )
+        )
     return keys
 
 
@@ -224,19 +283,45 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
         raise ConfigError(f"invalid {prefix} config: {e}") from None
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add --config and one flag per config key to `parser` (all default to unset)."""
-    parser.add_argument("--config", metavar="PATH", help="config.yaml to read")
+def config_path(flag_value: str | None, env: Mapping[str, str]) -> str | None:
+    """The YAML file to read: --config, else $DELTASERVE_CONFIG, else ./config.yaml if present."""
+    path = flag_value or env.get(ENV_PREFIX + "CONFIG")
+    if path is None and Path("config.yaml").is_file():
+        path = "config.yaml"
+    return path
+
+
+def layered_values(
+    path: str | None, env: Mapping[str, str], args: argparse.Namespace | None = None
+) -> dict[str, tuple[Any, str]]:
+    """Every key set in the file, env or flags: its type-checked value and its source.
+
+    Later layers overwrite earlier ones (file < env < flag); keys set nowhere are absent,
+    so the dataclass defaults apply. `--help` shows these values as the effective defaults.
+    """
+    values: dict[str, tuple[Any, str]] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"cannot read config file {path}: {e}") from None
+        values.update((k, (v, path)) for k, v in _flatten_yaml(data, "", path).items())
     for ck in CONFIG_KEYS:
-        shown = ck.default if ck.default not in ((), None, "") else "unset"
-        help_text = f"{ck.key} (default: {shown}; env {ck.env})"
-        dest = ck.key.replace(".", "__")
-        if ck.type is bool:
-            parser.add_argument(
-                ck.flag, dest=dest, action=argparse.BooleanOptionalAction, help=help_text
+        if ck.env in env:
+            values[ck.key] = (_parse_scalar(env[ck.env], ck.type), ck.env)
+        flag_value = getattr(args, dest(ck), None)
+        if flag_value is not None:
+            parsed = (
+                flag_value if isinstance(flag_value, bool) else _parse_scalar(flag_value, ck.type)
             )
-        else:
-            parser.add_argument(ck.flag, dest=dest, metavar="VALUE", help=help_text)
+            values[ck.key] = (parsed, ck.flag)
+    by_key = {ck.key: ck for ck in CONFIG_KEYS}
+    return {key: (_check_type(v, by_key[key], src), src) for key, (v, src) in values.items()}
+
+
+def dest(ck: ConfigKey) -> str:
+    """The argparse attribute a key's flag is stored under."""
+    return ck.key.replace(".", "__")
 
 
 def load_settings(
@@ -244,28 +329,6 @@ def load_settings(
 ) -> Settings:
     """Merge defaults < config.yaml < DELTASERVE_* env < flags into frozen Settings."""
     env = os.environ if env is None else env
-    args = args or argparse.Namespace()
-    values: dict[str, tuple[Any, str]] = {}
-    config_path = getattr(args, "config", None) or env.get(ENV_PREFIX + "CONFIG")
-    if config_path is None and Path("config.yaml").is_file():
-        config_path = "config.yaml"
-    if config_path is not None:
-        try:
-            data = yaml.safe_load(Path(config_path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"cannot read config file {config_path}: {e}") from None
-        values.update(
-            (k, (v, config_path)) for k, v in _flatten_yaml(data, "", config_path).items()
-        )
-    for ck in CONFIG_KEYS:
-        if ck.env in env:
-            values[ck.key] = (_parse_scalar(env[ck.env], ck.type), ck.env)
-        flag_value = getattr(args, ck.key.replace(".", "__"), None)
-        if flag_value is not None:
-            parsed = (
-                flag_value if isinstance(flag_value, bool) else _parse_scalar(flag_value, ck.type)
-            )
-            values[ck.key] = (parsed, ck.flag)
-    by_key = {ck.key: ck for ck in CONFIG_KEYS}
-    checked = {key: _check_type(v, by_key[key], src) for key, (v, src) in values.items()}
-    return _build(Settings, checked, "")
+    path = config_path(getattr(args, "config", None), env)
+    values = layered_values(path, env, args)
+    return _build(Settings, {key: value for key, (value, _) in values.items()}, "")

@@ -6,6 +6,9 @@ Framing (what OpenAI clients parse):
     : keep-alive\\n\\n        a comment, sent while no token has come for `keepalive` s
     data: {"error": {...}}\\n\\n   a failure after the stream started (then [DONE])
     data: [DONE]\\n\\n        the end
+
+Server shutdown is such a failure: a Ticker given the server's `stop` event raises
+ShuttingDown (a 503) at once, so open streams end with an error event and [DONE].
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from server.errors import as_api_error
+from server.errors import APIError, as_api_error
 
 T = TypeVar("T")
 
@@ -39,6 +42,14 @@ class _Tick:
 TICK = _Tick()
 
 
+class ShuttingDown(APIError):
+    """The server began shutting down while this request was generating."""
+
+    def __init__(self) -> None:
+        message = "the server is shutting down; retry the request"
+        super().__init__(503, message, code="server_shutting_down")
+
+
 def sse_data(payload: BaseModel | dict[str, Any]) -> bytes:
     """One `data:` event with a compact JSON payload."""
     if isinstance(payload, BaseModel):
@@ -52,13 +63,18 @@ class Ticker(Generic[T]):
     """Reads an async iterator, returning TICK whenever `interval` s pass without an item.
 
     The pending read survives a tick (it runs in its own task), so a slow source such as
-    a long prefill is never cancelled mid-read just because a keep-alive went out.
+    a long prefill is never cancelled mid-read just because a keep-alive went out. Once
+    `stop` is set, reads raise ShuttingDown instead of waiting for the source.
     """
 
-    def __init__(self, source: AsyncIterator[T], interval: float) -> None:
+    def __init__(
+        self, source: AsyncIterator[T], interval: float, stop: asyncio.Event | None = None
+    ) -> None:
         self._source = source
         self._interval = interval
+        self._stop = stop
         self._pending: asyncio.Task[tuple[bool, T | None]] | None = None
+        self._stop_wait: asyncio.Task[bool] | None = None  # one per ticker, not per read
 
     async def _read(self) -> tuple[bool, T | None]:
         try:
@@ -69,12 +85,22 @@ class Ticker(Generic[T]):
     async def next(self) -> T | _Tick:
         """The next item, or TICK once the interval passed without one.
 
-        Raises StopAsyncIteration at the end and re-raises the source's errors.
+        Raises StopAsyncIteration at the end, re-raises the source's errors, and raises
+        ShuttingDown once `stop` is set.
         """
+        if self._stop is not None and self._stop.is_set():
+            raise ShuttingDown
         if self._pending is None:
             self._pending = asyncio.ensure_future(self._read())
-        done, _ = await asyncio.wait({self._pending}, timeout=self._interval)
-        if not done:
+        waiting: set[asyncio.Future[Any]] = {self._pending}
+        if self._stop is not None:
+            if self._stop_wait is None:
+                self._stop_wait = asyncio.ensure_future(self._stop.wait())
+            waiting.add(self._stop_wait)
+        await asyncio.wait(waiting, timeout=self._interval, return_when=asyncio.FIRST_COMPLETED)
+        if self._stop is not None and self._stop.is_set():
+            raise ShuttingDown
+        if not self._pending.done():
             return TICK
         task, self._pending = self._pending, None
         has_item, item = task.result()
@@ -84,6 +110,9 @@ class Ticker(Generic[T]):
 
     async def aclose(self) -> None:
         """Cancel a pending read, then close the source (its finally blocks run)."""
+        if self._stop_wait is not None:
+            self._stop_wait.cancel()
+            self._stop_wait = None
         if self._pending is not None:
             self._pending.cancel()
             with contextlib.suppress(BaseException):

@@ -12,7 +12,8 @@ import yaml
 
 from engine.config import EngineConfig, KVCacheConfig
 from server.cli import build_parser
-from server.settings import CONFIG_KEYS, ConfigError, Settings, add_arguments, load_settings
+from server.flags import add_arguments
+from server.settings import CONFIG_KEYS, ConfigError, ServerSettings, Settings, load_settings
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -176,3 +177,27 @@ def _get(settings: Settings, key: str) -> object:
     for part in key.split("."):
         value = getattr(value, part)
     return tuple(value) if isinstance(value, list) else value
+
+
+def test_listed_choices_match_the_dataclass_checks() -> None:
+    """--help's choices are exactly what the dataclasses accept (kv kind, bits, group
+    size, log level), so the lists in server/settings.py cannot drift."""
+    build = {
+        "engine.kv_cache.kind": lambda v: KVCacheConfig(kind=v),
+        "engine.kv_cache.bits": lambda v: KVCacheConfig(kind="affine", bits=v),
+        "engine.kv_cache.group_size": lambda v: KVCacheConfig(group_size=v),
+        "server.log_level": lambda v: ServerSettings(log_level=v),
+    }
+    outside = {
+        "engine.kv_cache.kind": "int4",
+        "engine.kv_cache.bits": 6,
+        "engine.kv_cache.group_size": 16,
+        "server.log_level": "loud",
+    }
+    with_choices = {ck.key: ck.choices for ck in CONFIG_KEYS if ck.choices}
+    assert set(with_choices) == set(build)
+    for key, choices in with_choices.items():
+        for value in choices:
+            build[key](value)
+        with pytest.raises(ValueError):
+            build[key](outside[key])
