@@ -104,8 +104,9 @@ def main() -> None:
 
 def _print_table(shape: str, prompt: int, gen: int, table: list) -> None:
     print(
-        f"\n| shape | B | ours tok/s | mlx-lm tok/s | ratio | ours decode tok/s | mlx-lm decode tok/s "
-        f"| decode ratio | ours TTFT p50 s | mlx-lm TTFT p50 s | ours % HBM roofline |"
+        "\n| shape | B | ours tok/s | mlx-lm tok/s | ratio | ours decode tok/s "
+        "| mlx-lm decode tok/s | decode ratio | ours TTFT p50 s | mlx-lm TTFT p50 s "
+        "| ours % HBM roofline |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for batch, r in table:

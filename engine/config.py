@@ -50,6 +50,9 @@ class EngineConfig:
     # Decode step as one mx.compile'd call (engine/decode.py); unset: on for Metal/CUDA
     # (launch-bound), off on CPU (no measured win: tiny B=16 206 vs 201 tok/s)
     compile_decode: bool | None = None
+    # Prefill chunks of several prompts as one left-padded group; unset: on for Metal/CUDA
+    # (op-bound there), off on CPU (padding costs FLOPs there)
+    batch_prefill: bool | None = None
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
 
     def __post_init__(self) -> None:

@@ -66,7 +66,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.budget, self.max_context)
         kv_factory = kv_store_factory(self.config.kv_cache)
         self.states = RowStates(lambda: BatchState.empty(cfg, kv_factory))
-        self.runner = ModelRunner(loaded.model, self.states, self._compiled_decode())
+        batch_prefill = self.config.batch_prefill
+        if batch_prefill is None:
+            batch_prefill = not on_cpu()
+        self.runner = ModelRunner(loaded.model, self.states, self._compiled_decode(), batch_prefill)
         self.sampler = Sampler()
         self._inflight: _InFlight | None = None
 

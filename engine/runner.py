@@ -2,27 +2,46 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 
 from engine.cache.rows import RowStates
 from engine.decode import CompiledDecode
 from engine.request import Request
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import PrefillChunk, SchedulerOutput
 from models.qwen35 import Qwen35Model
 from models.state import ForwardGroup, text_positions
 
 
+@dataclass
+class _Cohort:
+    """Prefill chunks that run as one left-padded [P, L] group."""
+
+    chunk_indices: list[int]  # positions in SchedulerOutput.prefill
+    row_ids: list[str]
+
+
 class ModelRunner:
-    """Builds groups (the decode batch [B, 1] and one [1, C] group per prefill chunk),
-    runs the model once, and returns logits [N, V] for the rows that sample. With
-    `compiled` the decode batch runs through that compiled step instead of a group."""
+    """Builds groups (the decode batch [B, 1] and the step's prefill chunks), runs the
+    model once, and returns logits [N, V] for the rows that sample.
+
+    compiled: the decode batch runs through that compiled step instead of a group.
+    batch_prefill: chunks run as few left-padded groups (cohorts) instead of one [1, C]
+    group each: on the GPU a prefill forward costs its op count, not its tokens.
+    """
 
     def __init__(
-        self, model: Qwen35Model, states: RowStates, compiled: CompiledDecode | None = None
+        self,
+        model: Qwen35Model,
+        states: RowStates,
+        compiled: CompiledDecode | None = None,
+        batch_prefill: bool = False,
     ) -> None:
         self.model = model
         self.states = states
         self.compiled = compiled
+        self.batch_prefill = batch_prefill
 
     def execute(
         self, out: SchedulerOutput, rows: dict[str, Request], prev_tokens: mx.array | None
@@ -33,25 +52,26 @@ class ModelRunner:
         whose input is still pending."""
         self.states.sync(out.decode_row_ids, out.freed_row_ids, out.forks)
         decode_logits = self._compiled_decode(out, prev_tokens)
-        groups = self._groups(out, rows, prev_tokens, with_decode=decode_logits is None)
-        hidden = self.model(groups) if groups else []
-        last = []  # [1, H] per sampling row, in sample order
-        offset = 0
+        groups = []
         if out.decode_row_ids and decode_logits is None:
-            last.append(hidden[0][:, -1])
-            offset = 1
-        for chunk, h in zip(out.prefill, hidden[offset:], strict=True):
-            if chunk.sample_row_ids:
-                last.append(mx.repeat(h[:, -1], len(chunk.sample_row_ids), axis=0))
+            groups.append(self._decode_group(out, prev_tokens))
+        cohorts = self._cohorts(out.prefill)
+        groups += [self._prefill_group(out.prefill, c, rows) for c in cohorts]
+        hidden = self.model(groups) if groups else []
+        prefill_hidden = hidden[len(groups) - len(cohorts) :]
+        last = [hidden[0][:, -1]] if out.decode_row_ids and decode_logits is None else []
+        last += self._last_prefill_hidden(out.prefill, cohorts, prefill_hidden)
         logits = self.model.logits(mx.concatenate(last, axis=0)) if last else None
         if decode_logits is not None:
             parts = [decode_logits] + ([logits] if logits is not None else [])
             logits = mx.concatenate(parts, axis=0) if len(parts) > 1 else decode_logits
-        # Start computing now (states of every group, even chunks that sample nothing, so
-        # no lazy graph carries over to the next step); the sampler's work queues behind.
-        layers = [layer for g in groups for layer in g.states]
+        layers = [layer for g in groups[: len(groups) - len(cohorts)] for layer in g.states]
         if decode_logits is not None:
             layers += self.states.decode.layers
+        for cohort, group in zip(cohorts, groups[len(groups) - len(cohorts) :], strict=True):
+            layers += self._scatter(cohort, group)
+        # Start computing now (states of every group, even chunks that sample nothing, so
+        # no lazy graph carries over to the next step); the sampler's work queues behind.
         pending = [a for layer in layers for a in layer.state_arrays()]
         mx.async_eval(*pending, *([logits] if logits is not None else []))
         return logits
@@ -68,26 +88,67 @@ class ModelRunner:
         tokens = _decode_tokens(out, prev_tokens)
         return self.compiled(tokens, out.decode_positions, self.states.decode)
 
-    def _groups(
-        self,
-        out: SchedulerOutput,
-        rows: dict[str, Request],
-        prev_tokens: mx.array | None,
-        with_decode: bool,
-    ) -> list[ForwardGroup]:
-        groups = []
-        if out.decode_row_ids and with_decode:
-            tokens = _decode_tokens(out, prev_tokens)
-            positions = text_positions(list(out.decode_positions), 1)
-            groups.append(ForwardGroup(tokens, positions, self.states.decode.layers))
-        for chunk in out.prefill:
-            req = rows[chunk.row_id]
-            ids = req.prompt_ids[chunk.start : chunk.start + chunk.length]
-            tokens = mx.array([ids], dtype=mx.int32)
-            positions = text_positions([chunk.start], chunk.length)
-            state = self.states.prefill_state(chunk.row_id)
-            groups.append(ForwardGroup(tokens, positions, state.layers))
-        return groups
+    def _decode_group(self, out: SchedulerOutput, prev_tokens: mx.array | None) -> ForwardGroup:
+        tokens = _decode_tokens(out, prev_tokens)
+        positions = text_positions(list(out.decode_positions), 1)
+        return ForwardGroup(tokens, positions, self.states.decode.layers)
+
+    def _cohorts(self, chunks: tuple[PrefillChunk, ...]) -> list[_Cohort]:
+        """Which chunks share a group. Left padding may only precede a row's first token
+        (engine/cache/kv.py), so first chunks of any lengths batch together, and later
+        chunks only with others of the same length (no padding)."""
+        by_key: dict[object, _Cohort] = {}
+        for i, chunk in enumerate(chunks):
+            key = "first" if chunk.start == 0 else chunk.length
+            if not self.batch_prefill:
+                key = i
+            cohort = by_key.setdefault(key, _Cohort([], []))
+            cohort.chunk_indices.append(i)
+            cohort.row_ids.append(chunk.row_id)
+        return list(by_key.values())
+
+    def _prefill_group(
+        self, chunks: tuple[PrefillChunk, ...], cohort: _Cohort, rows: dict[str, Request]
+    ) -> ForwardGroup:
+        """[P, L] tokens right-aligned (row p left-padded to the longest chunk)."""
+        members = [chunks[i] for i in cohort.chunk_indices]
+        length = max(c.length for c in members)
+        pads = [length - c.length for c in members]
+        ids = [
+            [0] * pad + rows[c.row_id].prompt_ids[c.start : c.start + c.length]
+            for c, pad in zip(members, pads, strict=True)
+        ]
+        tokens = mx.array(ids, dtype=mx.int32)
+        offsets = [c.start - pad for c, pad in zip(members, pads, strict=True)]
+        positions = text_positions(offsets, length)
+        if len(members) == 1:
+            state = self.states.prefill_state(members[0].row_id)
+        else:
+            state = self.states.cohort_state(cohort.row_ids)
+        return ForwardGroup(tokens, positions, state.layers, tuple(pads) if any(pads) else None)
+
+    def _scatter(self, cohort: _Cohort, group: ForwardGroup) -> list:
+        """After a batched chunk: each row's state back to its own prefill state."""
+        if len(cohort.row_ids) == 1:
+            return group.states
+        self.states.split_cohort(cohort.row_ids, group.states)
+        return [layer for r in cohort.row_ids for layer in self.states.prefill[r].layers]
+
+    @staticmethod
+    def _last_prefill_hidden(
+        chunks: tuple[PrefillChunk, ...], cohorts: list[_Cohort], hidden: list[mx.array]
+    ) -> list[mx.array]:
+        """[1, H] per sampling row of the final chunks, in chunk order (forks repeat)."""
+        where = {}
+        for cohort, h in zip(cohorts, hidden, strict=True):
+            for p, i in enumerate(cohort.chunk_indices):
+                where[i] = (h, p)
+        last = []
+        for i, chunk in enumerate(chunks):
+            if chunk.sample_row_ids:
+                h, p = where[i]
+                last.append(mx.repeat(h[p : p + 1, -1], len(chunk.sample_row_ids), axis=0))
+        return last
 
 
 def _decode_tokens(out: SchedulerOutput, prev_tokens: mx.array | None) -> mx.array:

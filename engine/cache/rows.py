@@ -1,9 +1,10 @@
 """Which row state belongs to which request: the decode batch and per-prompt prefill states.
 
 The runner keeps one BatchState for the decode batch (rows in the scheduler's order) and a
-B=1 BatchState per prompt that is still prefilling. `sync` applies the scheduler's row
-changes: forks copy a prefilled row, freed rows are dropped, rows whose prefill completed
-join the decode batch at its end.
+B=1 BatchState per prompt that is still prefilling; a batched prefill chunk merges several
+of those into a cohort for one forward and splits them back after it. `sync` applies the
+scheduler's row changes: forks copy a prefilled row, freed rows are dropped, rows whose
+prefill completed join the decode batch at its end.
 """
 
 from __future__ import annotations
@@ -27,6 +28,21 @@ class RowStates:
         if row_id not in self.prefill:
             self.prefill[row_id] = self._new_state()
         return self.prefill[row_id]
+
+    def cohort_state(self, row_ids: Sequence[str]) -> BatchState:
+        """One batch holding copies of the prefill states of `row_ids`, in that order, for
+        a batched prefill chunk; split_cohort hands the rows back afterwards."""
+        state = self._new_state()
+        for row_id in row_ids:
+            state.merge(self.prefill_state(row_id))
+        return state
+
+    def split_cohort(self, row_ids: Sequence[str], layers: list) -> None:
+        """Each row of a cohort's layers (after its chunk ran) becomes that row's own
+        prefill state again (independent copies: none pins the cohort's arrays)."""
+        cohort = BatchState(layers)
+        for i, row_id in enumerate(row_ids):
+            self.prefill[row_id] = cohort.extract(i)
 
     def sync(
         self,

@@ -1,8 +1,9 @@
-"""The compiled decode step (engine/decode.py) is the uncompiled one, token for token.
+"""The GPU defaults, run on the CPU: the compiled decode step (engine/decode.py) and
+batched prefill (engine/runner.py cohorts) give the plain path's tokens, token for token.
 
-Runs the real engine both ways on the peaked tiny checkpoints, for every KV kind the
-compiled step supports, with joins, leaves, aborts and batch sizes that change every few
-steps (each a new trace), and checks batched == alone under compilation too.
+Runs the real engine both ways on the peaked tiny checkpoints, for every KV kind, with
+joins, leaves, aborts and batch sizes that change every few steps (each a new trace), and
+checks batched == alone with both on.
 """
 
 from __future__ import annotations
@@ -36,8 +37,12 @@ def loaded(request: pytest.FixtureRequest) -> LoadedModel:
     return load_model(str(cached_checkpoint(request.param)))
 
 
-def _config(compiled: bool, kv: KVCacheConfig = KINDS["fp"]) -> EngineConfig:
-    return dataclasses.replace(BASE, compile_decode=compiled, kv_cache=kv)
+def _config(
+    compiled: bool, kv: KVCacheConfig = KINDS["fp"], batch_prefill: bool = False
+) -> EngineConfig:
+    return dataclasses.replace(
+        BASE, compile_decode=compiled, kv_cache=kv, batch_prefill=batch_prefill
+    )
 
 
 def _requests(count: int, seed: int, max_tokens: int = 12) -> list[GenerationRequest]:
@@ -80,12 +85,25 @@ def test_compiled_equals_uncompiled(loaded: LoadedModel, kind: str) -> None:
 
 
 def test_compiled_batched_equals_alone(loaded: LoadedModel) -> None:
-    """Under compilation a request's tokens do not depend on the rows beside it."""
+    """With both GPU paths on, a request's tokens do not depend on the rows beside it
+    (alone: plain decode, one group per chunk)."""
     requests = _requests(6, seed=7)
-    batched = _drive(LLMEngine(loaded, _config(True)), requests)
+    batched = _drive(LLMEngine(loaded, _config(True, batch_prefill=True)), requests)
     for req in requests:
-        alone = _drive(LLMEngine(loaded, _config(True)), [req])
+        alone = _drive(LLMEngine(loaded, _config(False)), [req])
         assert batched[req.request_id] == alone[req.request_id], req.request_id
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "affine8_start16"])
+def test_batched_prefill_equals_one_group_per_chunk(loaded: LoadedModel, kind: str) -> None:
+    """Chunks of several prompts in one left-padded group (first chunks of any length;
+    later chunks of equal length) give the tokens of one group per chunk, every KV kind."""
+    kv = KINDS.get(kind) or KVCacheConfig(kind="affine", bits=8, start=16)
+    requests = _requests(10, seed=11)
+    plain = _drive(LLMEngine(loaded, _config(False, kv)), requests, abort="r5")
+    batched_engine = LLMEngine(loaded, _config(False, kv, batch_prefill=True))
+    assert batched_engine.runner.batch_prefill
+    assert _drive(batched_engine, requests, abort="r5") == plain
 
 
 def test_compiled_step_grows_the_store_past_its_capacity(loaded: LoadedModel) -> None:
