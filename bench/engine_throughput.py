@@ -103,7 +103,9 @@ def throughput(impl, batch: int, gen_lo: int, gen_hi: int, plo: int, phi: int) -
     prompts = _prompts(batch, plo, phi, seed=batch)
     rng = random.Random(batch + 1)
     gens = [rng.randint(gen_lo, gen_hi) for _ in range(batch)]
-    impl.run(_prompts(2, 8, 16, seed=99), [4, 4], lambda i, t: None)  # warm-up
+    # Warm-up on the measured shapes (same prompts and batch, 4 tokens each): steady state
+    # for both, not first-use kernel compilation (NVRTC / Metal JIT) for ours.
+    impl.run(prompts, [4] * batch, lambda i, t: None)
     first: dict[int, float] = {}
     stamps: list[float] = []
 
