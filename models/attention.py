@@ -7,6 +7,7 @@ import mlx.nn as nn
 
 from kernels import fastmath
 from models.config import TextConfig
+from models.fused import fuse_into
 from models.layers import MRoPE, RMSNorm
 from models.state import AttentionState
 
@@ -28,6 +29,16 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
+    def _project(self, x: mx.array) -> list[mx.array]:
+        """[query | gate] [B, L, Hq * 2 * hd], keys and values [B, L, Hkv * hd]."""
+        if "qkv_proj" in self:
+            return self.qkv_proj(x)
+        return [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
+
+    def fuse_projections(self) -> None:
+        """After loading: q, k and v projections as one matmul (models/fused.py)."""
+        fuse_into(self, ["q_proj", "k_proj", "v_proj"], "qkv_proj")
+
     def __call__(
         self,
         x: mx.array,
@@ -40,10 +51,11 @@ class GatedAttention(nn.Module):
         b, length, _ = x.shape
         hd = self.head_dim
         # q_proj emits [query | gate] per head: [B, L, Hq, 2 * hd]
-        q_and_gate = self.q_proj(x).reshape(b, length, self.num_heads, 2 * hd)
+        q_and_gate, keys, values = self._project(x)
+        q_and_gate = q_and_gate.reshape(b, length, self.num_heads, 2 * hd)
         queries, gate = q_and_gate[..., :hd], q_and_gate[..., hd:]
-        keys = self.k_proj(x).reshape(b, length, self.num_kv_heads, hd)
-        values = self.v_proj(x).reshape(b, length, self.num_kv_heads, hd)
+        keys = keys.reshape(b, length, self.num_kv_heads, hd)
+        values = values.reshape(b, length, self.num_kv_heads, hd)
         # -> [B, heads, L, hd]
         queries = self.q_norm(queries).transpose(0, 2, 1, 3)
         keys = self.k_norm(keys).transpose(0, 2, 1, 3)

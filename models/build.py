@@ -53,6 +53,7 @@ def load_model(path_or_id: str, dtype: mx.Dtype | None = None) -> LoadedModel:
         _quantize_like(model, ckpt.quantization)
     model.load_weights(list(ckpt.weights.items()), strict=True)
     mx.eval(model.parameters())
+    model.fuse_projections()
     model_dtype = ckpt.weights["embed_tokens.weight"].dtype
     if model_dtype not in (mx.float32, mx.float16, mx.bfloat16):
         model_dtype = compute_dtype or mx.bfloat16

@@ -8,6 +8,7 @@ import mlx.nn as nn
 from kernels import fastmath
 from kernels.gated_delta import gated_delta
 from models.config import TextConfig
+from models.fused import fuse_into
 from models.layers import GatedRMSNorm
 from models.state import RecurrentState
 
@@ -61,6 +62,16 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
 
+    def _project(self, x: mx.array) -> list[mx.array]:
+        """qkv [B, L, conv_dim], z [B, L, value_dim], b and a [B, L, Hv]."""
+        if "in_proj" in self:
+            return self.in_proj(x)
+        return [self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)]
+
+    def fuse_projections(self) -> None:
+        """After loading: the four input projections as one matmul (models/fused.py)."""
+        fuse_into(self, ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"], "in_proj")
+
     def _conv(self, x: mx.array, state: RecurrentState, mask, left_pad) -> mx.array:
         """Causal depthwise conv over [state tail, x]; updates state.conv. x [B, L, C]."""
         b, length, c = x.shape
@@ -83,19 +94,20 @@ class GatedDeltaNet(nn.Module):
     ) -> mx.array:
         """x [B, L, H] -> [B, L, H]; mask [B, L] (True = real) keeps pads out of the state."""
         b, length, _ = x.shape
-        qkv = self._conv(self.in_proj_qkv(x), state, mask, left_pad)
+        qkv, z, beta_in, a_in = self._project(x)
+        qkv = self._conv(qkv, state, mask, left_pad)
         q = qkv[..., : self.key_dim].reshape(b, length, self.num_k_heads, self.head_k_dim)
         k = qkv[..., self.key_dim : 2 * self.key_dim].reshape(q.shape)
         v = qkv[..., 2 * self.key_dim :].reshape(b, length, self.num_v_heads, self.head_v_dim)
         q = _l2_normalize(q.astype(mx.float32)) * (self.head_k_dim**-0.5)
         k = _l2_normalize(k.astype(mx.float32))
-        beta = fastmath.sigmoid(self.in_proj_b(x).astype(mx.float32))
-        a = self.in_proj_a(x).astype(mx.float32) + self.dt_bias
+        beta = fastmath.sigmoid(beta_in.astype(mx.float32))
+        a = a_in.astype(mx.float32) + self.dt_bias
         g = -mx.exp(self.A_log) * mx.logaddexp(a, mx.zeros_like(a))  # log-decay <= 0
         ssm = state.ssm
         if ssm is None:
             ssm = mx.zeros((b, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
         y, state.ssm = gated_delta(q, k, v, g, beta, ssm, mask)
-        z = self.in_proj_z(x).reshape(b, length, self.num_v_heads, self.head_v_dim)
+        z = z.reshape(b, length, self.num_v_heads, self.head_v_dim)
         y = self.norm(y, z).reshape(b, length, self.value_dim)
         return self.out_proj(y)

@@ -6,6 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kernels import fastmath
+from models.fused import fuse_into
 
 
 class RMSNorm(nn.Module):
@@ -97,7 +98,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(fastmath.silu(self.gate_proj(x)) * self.up_proj(x))
+        if "gate_up_proj" in self:
+            gate, up = self.gate_up_proj(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(fastmath.silu(gate) * up)
+
+    def fuse_projections(self) -> None:
+        """After loading: gate and up projections as one matmul (models/fused.py)."""
+        fuse_into(self, ["gate_proj", "up_proj"], "gate_up_proj")
 
 
 class SwitchExperts(nn.Module):

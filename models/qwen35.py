@@ -111,6 +111,15 @@ class Qwen35Model(nn.Module):
             for part, h in zip(mx.split(flat, splits, axis=0), hidden, strict=True)
         ]
 
+    def fuse_projections(self) -> None:
+        """After loading: each layer's projections of one input as one matmul (fewer
+        kernel launches per step; see models/fused.py). HF names are gone afterwards."""
+        for layer in self.layers:
+            mixer = layer.self_attn if layer.is_full_attention else layer.linear_attn
+            mixer.fuse_projections()
+            mlp = layer.mlp.shared_expert if isinstance(layer.mlp, SparseMoE) else layer.mlp
+            mlp.fuse_projections()
+
     def logits(self, hidden: mx.array) -> mx.array:
         """Final-normed hidden [..., H] -> logits [..., V] (float32)."""
         if self.config.tie_word_embeddings:

@@ -32,6 +32,6 @@ def test_kept_quantized_matches_dequantized(name: str, monkeypatch: pytest.Monke
     kept = build.load_model(path, dtype=mx.float32)
     assert kept.quantized
     mlp = kept.model.layers[0].mlp
-    assert type(mlp.gate if "moe" in name else mlp.gate_proj).__name__ == "QuantizedLinear"
+    assert type(mlp.gate if "moe" in name else mlp.gate_up_proj.proj).__name__ == "QuantizedLinear"
     ours = _logits(kept, tokens)
     assert np.abs(ours - reference).max() / np.abs(reference).max() <= 1e-4

@@ -60,9 +60,15 @@ class RowStates:
         if len(keep) != len(self.decode_ids):
             self.decode.filter(keep)
             self.decode_ids = [self.decode_ids[i] for i in keep]
-        for row_id in decode_row_ids[len(self.decode_ids) :]:
-            self.decode.merge(self.prefill.pop(row_id))
-            self.decode_ids.append(row_id)
+        joining = list(decode_row_ids[len(self.decode_ids) :])
+        if joining:
+            # Gather the joining rows first: the decode batch is copied once per step, not
+            # once per joining row.
+            joined = self.prefill.pop(joining[0])
+            for row_id in joining[1:]:
+                joined.merge(self.prefill.pop(row_id))
+            self.decode.merge(joined)
+            self.decode_ids += joining
         assert self.decode_ids == list(decode_row_ids), "decode batch order diverged"
 
     def reset(self) -> None:
