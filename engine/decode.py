@@ -84,7 +84,9 @@ class CompiledDecode:
 
     def __call__(self, tokens: mx.array, offsets: Sequence[int], state: BatchState) -> mx.array:
         """tokens [B, 1] int32 (possibly lazy), offsets: each row's rotary position.
-        Returns logits [B, V] (float32) and stores the new state arrays in `state`."""
+        `state` may hold dead rows after the B live ones (a bucketed batch); they run on
+        token 0 and are never read. Returns logits [B, V] (float32) and stores the new
+        state arrays in `state`."""
         stores = state.layers
         kv = [s for s in stores if isinstance(s, KVStore)]
         ssm = [s for s in stores if isinstance(s, SSMState)]
@@ -97,7 +99,11 @@ class CompiledDecode:
             "KV stores of one batch disagree on their columns"
         )
         flat = [a for s in kv for a in s.arrays] + [a for s in ssm for a in (s.conv, s.ssm)]
-        left_pad = mx.array(kv[0].left_pad if kv else [0] * tokens.shape[0], dtype=mx.int32)
+        live, rows = tokens.shape[0], state.num_rows
+        if rows > live:  # dead rows that hold the batch at its bucket size (RowStates)
+            tokens = mx.concatenate([tokens, mx.zeros((rows - live, 1), tokens.dtype)])
+            offsets = [*offsets, *([0] * (rows - live))]
+        left_pad = mx.array(kv[0].left_pad if kv else [0] * rows, dtype=mx.int32)
         self._stores = stores
         logits, *new = self._fn(
             tokens, mx.array(offsets, dtype=mx.int32), left_pad, mx.array([size], mx.int32), *flat
@@ -108,7 +114,7 @@ class CompiledDecode:
             store.size += 1
         for store in ssm:
             (store.conv, store.ssm), new = new[:2], new[2:]
-        return logits
+        return logits[:live] if rows > live else logits
 
     def _forward(
         self, tokens: mx.array, offsets: mx.array, left_pad: mx.array, size: mx.array, *flat

@@ -10,13 +10,14 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import mlx.core as mx
 
 from engine.cache.batch import BatchState
 from engine.cache.budget import MemoryBudget, StateCosts, default_budget_bytes
 from engine.cache.factory import kv_bytes_per_element_pair, kv_prefix_tokens, kv_store_factory
-from engine.cache.rows import RowStates
+from engine.cache.rows import RowStates, decode_bucket
 from engine.config import EngineConfig
 from engine.decode import CompiledDecode
 from engine.request import Request
@@ -65,7 +66,11 @@ class LLMEngine:
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.scheduler = Scheduler(self.config, self.budget, self.max_context)
         kv_factory = kv_store_factory(self.config.kv_cache)
-        self.states = RowStates(lambda: BatchState.empty(cfg, kv_factory))
+        compiled = self._compiled_decode()
+        # A compiled step retraces per batch size: hold the decode batch at bucket sizes.
+        max_rows = self.config.max_num_seqs
+        bucket = partial(decode_bucket, max_rows=max_rows) if compiled else None
+        self.states = RowStates(lambda: BatchState.empty(cfg, kv_factory), bucket)
         batch_prefill = self.config.batch_prefill
         if batch_prefill is None:
             batch_prefill = not on_cpu()

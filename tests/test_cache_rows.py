@@ -3,11 +3,14 @@ to the same row stored alone, and batched attention equals per-row attention."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from engine.cache.kv import FullPrecisionKV, KVStore
+from engine.cache.rows import decode_bucket
 from engine.cache.ssm import SSMState
 
 HKV, HQ, D = 2, 4, 16
@@ -130,3 +133,38 @@ def test_ssm_row_ops_round_trip() -> None:
         single = batch.extract(row)
         np.testing.assert_array_equal(np.array(single.conv), np.array(original.conv))
         np.testing.assert_array_equal(np.array(single.ssm), np.array(original.ssm))
+
+
+def test_decode_bucket_sizes() -> None:
+    """Few distinct batch sizes (each a trace of the compiled step), capped by max rows."""
+    sizes = {decode_bucket(n, 64) for n in range(1, 65)}
+    assert sizes == {1, 2, 4, 8, 12, 16, 24, 32, 48, 64}
+    assert all(decode_bucket(n, 64) >= n for n in range(1, 100))
+    assert decode_bucket(50, 50) == 50 and decode_bucket(3, 2) == 3
+
+
+def test_bucketed_decode_batch_pads_with_dead_rows_and_drops_them() -> None:
+    """RowStates holds the decode batch at its bucket size: dead rows (no tokens, zero
+    state) after the live ones; a join or a leave drops them before re-padding, so live
+    rows keep their order and contents."""
+    from engine.cache.batch import BatchState
+    from engine.cache.rows import RowStates
+
+    def fresh() -> BatchState:
+        return BatchState([FullPrecisionKV(), SSMState()])
+
+    states = RowStates(fresh, partial(decode_bucket, max_rows=16))
+    for i, n in enumerate((3, 5, 7)):
+        state = states.prefill_state(f"r{i}")
+        store, _ = _row_store(n, seed=i)
+        ssm = SSMState(1)
+        ssm.conv, ssm.ssm = mx.full((1, 3, 4), float(i + 1)), mx.full((1, 2, 2, 2), float(i + 1))
+        state.layers[:] = [store, ssm]
+    states.sync(["r0", "r1", "r2"], [], [])
+    kv, ssm = states.decode.layers
+    assert states.decode.num_rows == 4 and kv.lengths() == [3, 5, 7, 0]
+    assert ssm.conv[:, 0, 0].tolist() == [1.0, 2.0, 3.0, 0.0]
+    states.sync(["r0", "r2"], ["r1"], [])
+    kv, ssm = states.decode.layers
+    assert states.decode.num_rows == 2 and kv.lengths() == [3, 7]
+    assert ssm.conv[:, 0, 0].tolist() == [1.0, 3.0]

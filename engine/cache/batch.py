@@ -47,5 +47,10 @@ class BatchState:
         for mine, theirs in zip(self.layers, other.layers, strict=True):
             mine.merge(theirs)
 
+    def pad_rows(self, count: int) -> None:
+        """Append `count` dead rows to every layer (KVStore and SSMState only)."""
+        for layer in self.layers:
+            layer.pad_rows(count)
+
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)

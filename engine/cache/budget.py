@@ -2,8 +2,10 @@
 
 Plain Python (no arrays): admission reserves a row's worst case (its DeltaNet state plus
 KV for prompt + max_tokens) and finishing releases it, so running rows never run out.
-Left padding in the decode batch can add columns beyond a row's own tokens; the store
-trims shared padding on every filter, and the budget leaves headroom for the rest.
+Not reserved per row, and covered only by the default budget being half of the memory
+left: left padding in the decode batch (columns beyond a row's own tokens; trimmed where
+every row shares it), KV capacity headroom (up to 256 free columns per store), and the
+dead rows that hold a compiled decode batch at its bucket size (engine/cache/rows.py).
 """
 
 from __future__ import annotations

@@ -220,6 +220,16 @@ class KVStore:
             return used
         return [mx.pad(a, [(0, 0), (0, 0), (extra, 0), (0, 0)]) for a in used]
 
+    def pad_rows(self, count: int) -> None:
+        """Append `count` dead rows: no tokens (every column is their padding) and zero
+        storage. They keep a batch at a fixed size (see RowStates); filter drops them."""
+        self.left_pad += [self.size] * count
+        if self.arrays is not None and count:
+            self.arrays = [
+                mx.concatenate([a, mx.zeros((count, *a.shape[1:]), a.dtype)], axis=0)
+                for a in self.arrays
+            ]
+
     def nbytes(self) -> int:
         """Bytes of stored columns in use (all rows, padding included)."""
         if self.arrays is None:

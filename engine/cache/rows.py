@@ -17,8 +17,13 @@ from engine.cache.batch import BatchState
 class RowStates:
     """Owner of every row's state inside the engine thread."""
 
-    def __init__(self, new_state: Callable[[], BatchState]) -> None:
+    def __init__(
+        self, new_state: Callable[[], BatchState], bucket: Callable[[int], int] | None = None
+    ) -> None:
+        """bucket: when given, the decode batch is held at bucket(live rows) rows, the
+        rest dead (see decode_bucket): a compiled step then sees few distinct shapes."""
         self._new_state = new_state
+        self._bucket = bucket
         self.decode = new_state()
         self.decode_ids: list[str] = []
         self.prefill: dict[str, BatchState] = {}
@@ -57,10 +62,10 @@ class RowStates:
             self.prefill.pop(row_id, None)
         wanted = set(decode_row_ids)
         keep = [i for i, r in enumerate(self.decode_ids) if r in wanted]
-        if len(keep) != len(self.decode_ids):
-            self.decode.filter(keep)
+        joining = list(decode_row_ids[len(keep) :])
+        if len(keep) != len(self.decode_ids) or (joining and keep != self._all_rows()):
+            self.decode.filter(keep)  # also drops dead rows before rows join
             self.decode_ids = [self.decode_ids[i] for i in keep]
-        joining = list(decode_row_ids[len(self.decode_ids) :])
         if joining:
             # Gather the joining rows first: the decode batch is copied once per step, not
             # once per joining row.
@@ -69,7 +74,12 @@ class RowStates:
                 joined.merge(self.prefill.pop(row_id))
             self.decode.merge(joined)
             self.decode_ids += joining
+        if self._bucket is not None and self.decode_ids:
+            self.decode.pad_rows(self._bucket(len(self.decode_ids)) - self.decode.num_rows)
         assert self.decode_ids == list(decode_row_ids), "decode batch order diverged"
+
+    def _all_rows(self) -> list[int]:
+        return list(range(self.decode.num_rows))
 
     def reset(self) -> None:
         """Drop every row (after a failed step the states may be half-written)."""
@@ -79,3 +89,19 @@ class RowStates:
 
     def nbytes(self) -> int:
         return self.decode.nbytes() + sum(s.nbytes() for s in self.prefill.values())
+
+
+def decode_bucket(num_rows: int, max_rows: int) -> int:
+    """Rows the decode batch is held at: 1, 2, 4, 8, then steps of 1.5x / 2x (12, 16, 24,
+    32, 48, 64, 96, ...), never above max(num_rows, max_rows). Dead rows cost their
+    compute and state memory (at most a third of the batch past 8 rows); a new batch
+    size costs a new trace of the compiled step (seconds of kernel JIT on first use)."""
+    size = 1
+    while size < num_rows:
+        if size < 8:
+            size *= 2
+        elif size & (size - 1) == 0:  # a power of two: 8 -> 12, 16 -> 24, ...
+            size = size * 3 // 2
+        else:  # 12 -> 16, 24 -> 32, ...
+            size = size * 4 // 3
+    return max(num_rows, min(size, max_rows))

@@ -59,6 +59,16 @@ class SSMState:
         self.conv = mx.concatenate(conv, axis=0)
         self.ssm = mx.concatenate(ssm, axis=0)
 
+    def pad_rows(self, count: int) -> None:
+        """Append `count` dead rows of zero state (see KVStore.pad_rows)."""
+        if self.conv is None:
+            self._num_rows += count
+        elif count:
+            self.conv, self.ssm = (
+                mx.concatenate([a, mx.zeros((count, *a.shape[1:]), a.dtype)])
+                for a in (self.conv, self.ssm)
+            )
+
     @staticmethod
     def _filled(x: mx.array | None, rows: int, template: mx.array) -> mx.array:
         return x if x is not None else mx.zeros((rows, *template.shape[1:]), template.dtype)
