@@ -9,8 +9,9 @@ The traced function is pure. Each layer's stored arrays go in and come out as va
 KV stores write the step's column with slice_update at `size` (an array, so the write
 position is data, not a Python constant baked into the trace) and attend over their whole
 capacity with a mask built from arrays; DeltaNet conv and recurrent state are replaced.
-Shapes change only when the batch changes (a join or a leave) or a store grows past a
-multiple of its capacity step (engine/cache/kv.py), so few traces exist at a time.
+Shapes change only when the batch crosses a bucket size (RowStates holds it at 1, 2, 4,
+8, 12, 16, 24, ... rows) or a store grows past a multiple of its capacity step
+(engine/cache/kv.py), so few traces exist.
 
 Supported row state: every KVStore kind (full precision, affine, TurboQuant). PrefixKV
 (kv_cache.start > 0) keeps the uncompiled path; `supports` says which applies.

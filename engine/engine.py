@@ -74,7 +74,7 @@ class LLMEngine:
         batch_prefill = self.config.batch_prefill
         if batch_prefill is None:
             batch_prefill = not on_cpu()
-        self.runner = ModelRunner(loaded.model, self.states, self._compiled_decode(), batch_prefill)
+        self.runner = ModelRunner(loaded.model, self.states, compiled, batch_prefill)
         self.sampler = Sampler()
         self._inflight: _InFlight | None = None
 
@@ -89,7 +89,8 @@ class LLMEngine:
         enabled = self.config.compile_decode
         if enabled is None:
             enabled = not on_cpu()
-        if enabled and self.config.kv_cache.kind != "fp" and self.config.kv_cache.start:
+        kv = self.config.kv_cache
+        if enabled and kv.kind != "fp" and kv.start:  # PrefixKV (see kv_store_factory)
             log.warning("compiled decode is off: kv_cache.start > 0 has no compiled form")
             return None
         return CompiledDecode(self.loaded.model) if enabled else None
