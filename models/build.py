@@ -10,7 +10,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from models.config import TextConfig
-from models.loader import Checkpoint, biases_name, load_checkpoint, scales_name
+from models.layers import EXPERT_PROJECTIONS, SparseMoE
+from models.loader import Checkpoint, CheckpointError, biases_name, load_checkpoint
 from models.qwen35 import Qwen35Model
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ def load_model(path_or_id: str, dtype: mx.Dtype | None = None) -> LoadedModel:
     cfg = TextConfig.from_dict(ckpt.config)
     model = Qwen35Model(cfg)
     if ckpt.quantization:
-        _dequantize_experts(ckpt, compute_dtype or mx.bfloat16)
+        _quantize_experts(model, ckpt)
         _quantize_like(model, ckpt.quantization)
     model.load_weights(list(ckpt.weights.items()), strict=True)
     mx.eval(model.parameters())
@@ -60,24 +61,51 @@ def load_model(path_or_id: str, dtype: mx.Dtype | None = None) -> LoadedModel:
     return LoadedModel(model, cfg, ckpt.path, model_dtype, bool(ckpt.quantization), ckpt)
 
 
-def _dequantize_experts(ckpt: Checkpoint, dtype: mx.Dtype) -> None:
-    """Stacked MoE experts run through gather_mm, which has no quantized twin wired here
-    yet (gather_qmm): dequantize them at load, loudly, so such checkpoints still load."""
-    names = [n for n in ckpt.quantization if ".experts." in n and not n.startswith("mtp.")]
-    for name in names:
-        spec = ckpt.quantization.pop(name)
-        scales = ckpt.weights.pop(scales_name(name))
-        biases = ckpt.weights.pop(biases_name(name), None)
-        ckpt.weights[name] = mx.dequantize(
-            ckpt.weights[name], scales, biases, group_size=spec["group_size"], bits=spec["bits"]
-        ).astype(dtype)
-    if names:
-        log.warning(
-            "MoE experts dequantized to %s at load (%d tensors): quantized expert matmuls "
-            "are not implemented yet, so they use more memory than the checkpoint",
-            dtype,
-            len(names),
+def _quantize_experts(model: Qwen35Model, ckpt: Checkpoint) -> None:
+    """Give each MoE layer whose stacked experts the checkpoint quantized the packed form
+    (QuantizedSwitchExperts, gather_qmm): they stay as small as in the checkpoint.
+
+    The loader names a stacked packed weight X with X.scales / X.biases beside it; in the
+    module tree X is then a submodule, so its packed weight is renamed X.weight (and its
+    quantization entry with it: scales_name / biases_name still find the same tensors).
+    """
+    quantization = ckpt.quantization or {}
+    handled: set[str] = set()
+    for i, layer in enumerate(model.layers):
+        if not isinstance(layer.mlp, SparseMoE):
+            continue
+        names = {p: f"layers.{i}.mlp.experts.{p}" for p in EXPERT_PROJECTIONS}
+        specs = {p: quantization.get(name) for p, name in names.items()}
+        if all(spec is None for spec in specs.values()):
+            continue
+        _check_expert_specs(names, specs, ckpt.weights)
+        layer.mlp.quantize_experts(specs)
+        for name in names.values():
+            ckpt.weights[f"{name}.weight"] = ckpt.weights.pop(name)
+            quantization[f"{name}.weight"] = quantization.pop(name)
+            handled.add(name)
+    stray = [n for n in quantization if ".experts." in n and not n.startswith("mtp.")]
+    stray = [n for n in stray if n.removesuffix(".weight") not in handled]
+    if stray:
+        raise CheckpointError(f"quantized expert tensors outside any MoE layer: {stray}")
+
+
+def _check_expert_specs(names: dict[str, str], specs: dict, weights: dict) -> None:
+    """Reject expert specs QuantizedSwitchExperts cannot hold, rather than dequantizing."""
+    plain = [names[p] for p, spec in specs.items() if spec is None]
+    if plain:
+        raise CheckpointError(
+            f"{plain} are not quantized but the other projections of those experts are; "
+            "quantized experts need gate_proj, up_proj and down_proj all quantized"
         )
+    for p, spec in specs.items():
+        mode = spec.get("mode", "affine")
+        has_biases = biases_name(names[p]) in weights
+        if has_biases != (mode == "affine"):
+            raise CheckpointError(
+                f"{names[p]}: mode {mode!r} {'with' if has_biases else 'without'} biases; "
+                "expected biases exactly for 'affine'"
+            )
 
 
 def _quantize_like(model: Qwen35Model, quantization: dict) -> None:

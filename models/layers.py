@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -109,6 +111,28 @@ class MLP(nn.Module):
         fuse_into(self, ["gate_proj", "up_proj"], "gate_up_proj")
 
 
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# (name, sorted rows [M, 1, in], their expert ids [M]) -> [M, 1, out]
+ExpertProjection = Callable[[str, mx.array, mx.array], mx.array]
+
+
+def _switch_glu(x: mx.array, indices: mx.array, project: ExpertProjection) -> mx.array:
+    """SwiGLU of each token through each of its k experts. x [N, H], indices [N, k] -> [N, k, H].
+
+    The N*k (token, expert) rows are sorted by expert so that the gathered matmul walks each
+    expert's weights once, in order (sorted_indices=True), then put back in token order.
+    """
+    n, k = indices.shape
+    flat = mx.stop_gradient(indices).reshape(-1)
+    order = mx.argsort(flat)
+    inverse = mx.argsort(order)
+    rows = x[order // k][:, None, :]  # [N*k, 1, H]; sorted row r is token order[r] // k
+    idx = flat[order]
+    act = fastmath.silu(project("gate_proj", rows, idx)) * project("up_proj", rows, idx)
+    out = project("down_proj", act, idx)  # [N*k, 1, H]
+    return out[inverse].reshape(n, k, -1)
+
+
 class SwitchExperts(nn.Module):
     """E stacked SwiGLU experts; each token runs its top-k experts via gather_mm."""
 
@@ -120,23 +144,65 @@ class SwitchExperts(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x [N, H], indices [N, k] -> [N, k, H]."""
-        n, k = indices.shape
-        xs = mx.broadcast_to(x[:, None, None, :], (n, k, 1, x.shape[-1]))
-        # Sorting tokens by expert lets gather_mm walk each expert's weights once.
-        flat = indices.reshape(-1)
-        order = mx.argsort(flat)
-        inverse = mx.argsort(order)
-        xs = xs.reshape(n * k, 1, -1)[order]
-        idx = flat[order]
-        gate = mx.gather_mm(
-            xs, self.gate_proj.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True
+        return _switch_glu(x, indices, self._project)
+
+    def _project(self, name: str, rows: mx.array, idx: mx.array) -> mx.array:
+        weight = self[name].swapaxes(-1, -2)  # [E, in, out]
+        return mx.gather_mm(rows, weight, rhs_indices=idx, sorted_indices=True)
+
+
+class QuantizedExpertLinear(nn.Module):
+    """One projection of E stacked experts, kept MLX-quantized; rows run through gather_qmm.
+
+    weight [E, out, in * bits / 32] uint32, scales (and, for "affine", biases)
+    [E, out, in / group_size]: mlx-lm's QuantizedSwitchLinear layout, one spec per projection
+    (mixed-bit recipes give down_proj more bits than gate/up).
+    """
+
+    def __init__(self, num_experts: int, out_dims: int, in_dims: int, spec: dict) -> None:
+        super().__init__()
+        self.group_size, self.bits = int(spec["group_size"]), int(spec["bits"])
+        self.mode = spec.get("mode", "affine")
+        # Placeholders with the checkpoint's shapes; load_weights replaces them.
+        self.weight = mx.zeros((num_experts, out_dims, in_dims * self.bits // 32), mx.uint32)
+        self.scales = mx.zeros((num_experts, out_dims, in_dims // self.group_size))
+        if self.mode == "affine":  # the mx/nv fp formats have no biases
+            self.biases = mx.zeros(self.scales.shape)
+        self.freeze()
+
+    def __call__(self, rows: mx.array, idx: mx.array) -> mx.array:
+        """rows [M, 1, in] sorted by expert, idx [M] -> [M, 1, out]."""
+        return mx.gather_qmm(
+            rows,
+            self.weight,
+            self.scales,
+            self.get("biases"),
+            rhs_indices=idx,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+            sorted_indices=True,
         )
-        up = mx.gather_mm(xs, self.up_proj.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True)
-        act = fastmath.silu(gate) * up
-        out = mx.gather_mm(
-            act, self.down_proj.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True
-        )
-        return out[inverse].reshape(n, k, -1)
+
+
+class QuantizedSwitchExperts(nn.Module):
+    """SwitchExperts whose stacked weights stay packed (gather_qmm, no dequantized copy)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, specs: dict) -> None:
+        """specs: projection name -> {"group_size", "bits", "mode"} (Checkpoint.quantization)."""
+        super().__init__()
+        e = num_experts
+        self.gate_proj = QuantizedExpertLinear(e, intermediate, hidden, specs["gate_proj"])
+        self.up_proj = QuantizedExpertLinear(e, intermediate, hidden, specs["up_proj"])
+        self.down_proj = QuantizedExpertLinear(e, hidden, intermediate, specs["down_proj"])
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """x [N, H], indices [N, k] -> [N, k, H]."""
+        return _switch_glu(x, indices, self._project)
+
+    def _project(self, name: str, rows: mx.array, idx: mx.array) -> mx.array:
+        return self[name](rows, idx)
 
 
 class SparseMoE(nn.Module):
@@ -152,6 +218,12 @@ class SparseMoE(nn.Module):
         self.experts = SwitchExperts(num_experts, hidden, intermediate)
         self.shared_expert = MLP(hidden, shared)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def quantize_experts(self, specs: dict) -> None:
+        """Before loading a quantized checkpoint: hold the experts packed (specs: projection
+        name -> its quantization spec), as QuantizedSwitchExperts."""
+        num_experts, intermediate, hidden = self.experts.gate_proj.shape  # [E, I, H]
+        self.experts = QuantizedSwitchExperts(num_experts, hidden, intermediate, specs)
 
     def __call__(self, x: mx.array) -> mx.array:
         """x [N, H] (tokens already flattened) -> [N, H]."""

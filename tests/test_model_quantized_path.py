@@ -23,8 +23,8 @@ def _logits(loaded: build.LoadedModel, tokens: mx.array) -> np.ndarray:
 @pytest.mark.parametrize("name", ["tiny-mlx-4bit", "tiny-moe-mlx-4bit"])
 def test_kept_quantized_matches_dequantized(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Relative logit error <= 1e-4: both paths use the same 4-bit values, only the matmul
-    kernel differs (quantized_matmul vs dequantize-then-BLAS); MoE experts are dequantized
-    at load on both paths."""
+    kernel differs (quantized_matmul / gather_qmm vs dequantize-then-BLAS); the kept path
+    keeps MoE experts packed too (tests/test_model_quantized_moe.py goes further)."""
     path = str(cached_checkpoint(name))
     tokens = mx.array([[1, 2, 3, 248045, 77, 4000]])
     reference = _logits(build.load_model(path), tokens)
@@ -33,5 +33,7 @@ def test_kept_quantized_matches_dequantized(name: str, monkeypatch: pytest.Monke
     assert kept.quantized
     mlp = kept.model.layers[0].mlp
     assert type(mlp.gate if "moe" in name else mlp.gate_up_proj.proj).__name__ == "QuantizedLinear"
+    if "moe" in name:
+        assert type(mlp.experts).__name__ == "QuantizedSwitchExperts"
     ours = _logits(kept, tokens)
     assert np.abs(ours - reference).max() / np.abs(reference).max() <= 1e-4

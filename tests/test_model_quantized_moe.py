@@ -1,0 +1,170 @@
+"""Quantized MoE experts stay packed on the Metal/CUDA path (QuantizedSwitchExperts,
+gather_qmm), run here on the CPU by pretending the device is not the CPU: same logits and
+greedy tokens as the CPU path, which dequantizes the same 4-bit checkpoint to float32."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+import engine.engine as engine_module
+import models.build as build
+from engine.cache.batch import BatchState
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.types import SamplingParams
+from models.layers import QuantizedSwitchExperts, SparseMoE, SwitchExperts
+from models.loader import Checkpoint, CheckpointError
+from models.state import ForwardGroup, text_positions
+from models.testing import cached_checkpoint
+
+NAME = "tiny-moe-mlx-4bit"
+# Both paths use the same 4-bit values; only the kernel differs (gather_qmm vs dequantize
+# then gather_mm / BLAS), so the difference is float32 summation order: 1e-4 of the
+# largest logit, as for the dense quantized path (tests/test_model_quantized_path.py).
+REL_TOL = 1e-4
+PROMPTS = [[1, 2, 3, 248045, 77, 4000], [9000, 12, 5, 88, 131000, 7, 7, 7, 42, 100, 2048]]
+
+
+@pytest.fixture(scope="module")
+def reference() -> build.LoadedModel:
+    """The CPU path: everything dequantized to float32 at load."""
+    return build.load_model(str(cached_checkpoint(NAME)))
+
+
+@pytest.fixture(scope="module")
+def kept() -> build.LoadedModel:
+    """The Metal/CUDA path (keep_quantized), in float32 so only the kernels differ."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build, "on_cpu", lambda: False)
+        return build.load_model(str(cached_checkpoint(NAME)), dtype=mx.float32)
+
+
+def _logits(loaded: build.LoadedModel, tokens: mx.array) -> np.ndarray:
+    """Teacher-forced logits of rows tokens [B, L] from an empty state -> [B, L, V]."""
+    states = BatchState.empty(loaded.config).layers
+    positions = text_positions([0] * tokens.shape[0], tokens.shape[1])
+    hidden = loaded.model([ForwardGroup(tokens, positions, states)])[0]
+    return np.array(loaded.model.logits(hidden))
+
+
+def _moe_layers(loaded: build.LoadedModel) -> list[SparseMoE]:
+    return [layer.mlp for layer in loaded.model.layers if isinstance(layer.mlp, SparseMoE)]
+
+
+def _expert_bytes(loaded: build.LoadedModel) -> int:
+    params = [mlp.experts.parameters() for mlp in _moe_layers(loaded)]
+    return sum(v.nbytes for p in params for _, v in nn.utils.tree_flatten(p))
+
+
+def test_experts_stay_packed(kept: build.LoadedModel, reference: build.LoadedModel) -> None:
+    """Every MoE layer holds QuantizedSwitchExperts with uint32 packed weights; no float
+    expert weight exists anywhere in the model."""
+    assert kept.quantized and _moe_layers(kept)
+    for mlp in _moe_layers(kept):
+        assert type(mlp.experts) is QuantizedSwitchExperts
+        for proj in (mlp.experts.gate_proj, mlp.experts.up_proj, mlp.experts.down_proj):
+            assert proj.weight.dtype == mx.uint32 and proj.bits == 4 and proj.mode == "affine"
+    names = [k for k, _ in nn.utils.tree_flatten(kept.model.parameters()) if ".experts." in k]
+    assert names and all(k.endswith((".weight", ".scales", ".biases")) for k in names)
+    assert all(type(m.experts) is SwitchExperts for m in _moe_layers(reference))
+
+
+def test_weight_bytes_reflect_packed_experts(
+    kept: build.LoadedModel, reference: build.LoadedModel
+) -> None:
+    """4-bit experts with float32 scales/biases per 64 weights take 0.16 of their float32
+    size (0.5 + 8/64 bytes of 4): well under 0.2 of it; the whole model well under half."""
+    assert _expert_bytes(kept) <= 0.2 * _expert_bytes(reference)
+    assert kept.weight_bytes() <= 0.5 * reference.weight_bytes()
+
+
+@pytest.mark.parametrize("shape", [(3, 16), (1, 1)], ids=["many-tokens", "single-token"])
+def test_logits_match_dequantized(
+    kept: build.LoadedModel, reference: build.LoadedModel, shape: tuple[int, int]
+) -> None:
+    """48 tokens x top-2 = 96 expert rows through the sort-by-expert path, and one token
+    (2 rows): relative logit error <= REL_TOL against the float32 reference."""
+    tokens = mx.array(np.random.default_rng(0).integers(100, 240000, size=shape), mx.int32)
+    ours, ref = _logits(kept, tokens), _logits(reference, tokens)
+    assert np.abs(ours - ref).max() / np.abs(ref).max() <= REL_TOL
+
+
+@pytest.mark.parametrize("gpu_defaults", [False, True], ids=["cpu-defaults", "gpu-defaults"])
+def test_greedy_tokens_match_dequantized(
+    kept: build.LoadedModel,
+    reference: build.LoadedModel,
+    gpu_defaults: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Greedy continuations through the engine are token-exact against the float32
+    reference (the checkpoint's logits are peaked, so rounding cannot flip a choice);
+    gpu-defaults also runs the compiled decode step and batched prefill over gather_qmm."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = [c.token_ids for c in LLMEngine(reference, EngineConfig()).generate(PROMPTS, params)]
+    config = EngineConfig()
+    if gpu_defaults:
+        monkeypatch.setattr(engine_module, "on_cpu", lambda: False)
+        config = dataclasses.replace(config, memory_budget_bytes=1 << 30)  # no GPU to size
+    got = [c.token_ids for c in LLMEngine(kept, config).generate(PROMPTS, params)]
+    assert got == expected
+    assert len(set(expected[0])) > 1  # a real continuation, not one repeated token
+
+
+def test_half_quantized_experts_are_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Experts quantized in only some projections raise a clear error, never a silent
+    dequantization."""
+    real = build.load_checkpoint
+
+    def drop_down_proj_quantization(*args: object, **kwargs: object) -> Checkpoint:
+        ckpt = real(*args, **kwargs)
+        name = "layers.0.mlp.experts.down_proj"
+        spec = ckpt.quantization.pop(name)
+        scales = ckpt.weights.pop(f"{name}.scales")
+        biases = ckpt.weights.pop(f"{name}.biases")
+        ckpt.weights[name] = mx.dequantize(ckpt.weights[name], scales, biases, **spec)
+        return ckpt
+
+    monkeypatch.setattr(build, "on_cpu", lambda: False)
+    monkeypatch.setattr(build, "load_checkpoint", drop_down_proj_quantization)
+    with pytest.raises(CheckpointError, match="down_proj.*not quantized"):
+        build.load_model(str(cached_checkpoint(NAME)), dtype=mx.float32)
+
+
+@pytest.mark.parametrize(
+    "specs",
+    [
+        {
+            "gate_proj": (64, 4, "affine"),
+            "up_proj": (64, 4, "affine"),
+            "down_proj": (32, 8, "affine"),
+        },
+        {p: (32, 4, "mxfp4") for p in ("gate_proj", "up_proj", "down_proj")},
+    ],
+    ids=["mixed-bits-affine", "mxfp4"],
+)
+def test_quantized_experts_equal_dequantized_experts(specs: dict) -> None:
+    """Per-projection specs (mixed-bit recipes give down_proj more bits) and the fp modes
+    without biases: QuantizedSwitchExperts == SwitchExperts holding the dequantized
+    weights, on 40 tokens x top-3 with every expert hit."""
+    num_experts, hidden, intermediate = 8, 128, 64
+    dense = SwitchExperts(num_experts, hidden, intermediate)
+    spec_dicts = {
+        p: dict(zip(("group_size", "bits", "mode"), s, strict=True)) for p, s in specs.items()
+    }
+    packed = QuantizedSwitchExperts(num_experts, hidden, intermediate, spec_dicts)
+    for name, spec in spec_dicts.items():
+        weight = mx.random.normal(dense[name].shape, key=mx.random.key(len(name))) * 0.1
+        quantized = mx.quantize(weight, **spec)  # (packed, scales[, biases])
+        dense[name] = mx.dequantize(*quantized, **spec)
+        for attr, value in zip(("weight", "scales", "biases"), quantized, strict=False):
+            packed[name][attr] = value
+    x = mx.random.normal((40, hidden), key=mx.random.key(1))
+    indices = mx.argsort(mx.random.uniform(shape=(40, num_experts), key=mx.random.key(2)))[:, :3]
+    ours, ref = packed(x, indices), dense(x, indices)
+    assert ours.shape == (40, 3, hidden)
+    assert mx.abs(ours - ref).max().item() <= 1e-4 * mx.abs(ref).max().item()
