@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,8 +12,6 @@ from models.config import TextConfig
 from models.layers import EXPERT_PROJECTIONS, SparseMoE
 from models.loader import Checkpoint, CheckpointError, biases_name, load_checkpoint
 from models.qwen35 import Qwen35Model
-
-log = logging.getLogger(__name__)
 
 
 def on_cpu() -> bool:
