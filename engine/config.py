@@ -53,6 +53,9 @@ class EngineConfig:
     # Prefill chunks of several prompts as one left-padded group; unset: on for Metal/CUDA
     # (op-bound there), off on CPU (padding costs FLOPs there)
     batch_prefill: bool | None = None
+    # Latency bound: while rows decode, a step's prefill is sized (from measured step
+    # times) to take at most this factor x a decode-only step; 0 or unset = token budget only
+    max_stall_factor: float | None = 2.0
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
 
     def __post_init__(self) -> None:
@@ -66,3 +69,5 @@ class EngineConfig:
             raise ValueError("max_waiting must be >= 1")
         if self.memory_budget_bytes < 0 or self.max_context < 0:
             raise ValueError("memory_budget_bytes and max_context must be >= 0")
+        if self.max_stall_factor and self.max_stall_factor <= 1:
+            raise ValueError("max_stall_factor must be > 1 (or 0 / unset: no latency bound)")

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -51,7 +52,13 @@ class Completion:
 class LLMEngine:
     """Owns the scheduler, the row states, the runner and the sampler."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        """`clock` times the steps (the scheduler's cost model learns from it)."""
         self.config = config or EngineConfig()
         self.loaded = loaded
         cfg = loaded.config
@@ -64,7 +71,7 @@ class LLMEngine:
         self.budget = MemoryBudget(self._budget_bytes(), costs)
         self._log_budget()
         self.eos_ids = frozenset(cfg.eos_token_ids)
-        self.scheduler = Scheduler(self.config, self.budget, self.max_context)
+        self.scheduler = Scheduler(self.config, self.budget, self.max_context, clock)
         kv_factory = kv_store_factory(self.config.kv_cache)
         compiled = self._compiled_decode()
         # A compiled step retraces per batch size: hold the decode batch at bucket sizes.

@@ -2,17 +2,24 @@
 
 Pure Python: no mx.array here. Row state lives with the runner; the scheduler tells it,
 through SchedulerOutput, which rows exist, which run, and which were freed or forked.
+
+Latency bound: the scheduler times its own steps (schedule() to update(), with the
+engine's clock) and feeds a StepCostModel, which sizes the prefill of steps that hold
+decode rows (config.max_stall_factor).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.api import QueueFullError
 from engine.cache.budget import MemoryBudget
 from engine.config import EngineConfig
 from engine.request import Request, Status
+from engine.step_cost import StepCostModel
 from engine.types import GenerationRequest, InvalidRequestError, RequestOutput, TokenLogprob
 
 
@@ -55,10 +62,21 @@ class SchedulerOutput:
         return not self.decode_row_ids and not self.prefill
 
 
+# Smallest prefill a step with decode rows gets (so prefill always progresses), and the
+# smallest slice the prefill allowance is split into (so it is not spread over tiny groups).
+MIN_PREFILL_TOKENS = 16
+
+
 class Scheduler:
     """FIFO admission bounded by rows and memory; phase-free chunked prefill."""
 
-    def __init__(self, config: EngineConfig, budget: MemoryBudget, max_context: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        budget: MemoryBudget,
+        max_context: int,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.config = config
         self.budget = budget
         self.max_context = max_context
@@ -72,6 +90,10 @@ class Scheduler:
         self._pending: dict[str, int] = {}  # row -> index in the last step's samples
         self._num_steps = 0
         self._pending_step = -1  # the step whose samples `_pending` refers to
+        self.step_cost = StepCostModel()
+        self._clock = clock
+        self._started: dict[int, float] = {}  # step -> when it was planned
+        self._last_done = float("-inf")  # when the last step was updated
 
     # -- intake -------------------------------------------------------------------------
     def add(self, gen: GenerationRequest, eos_ids: frozenset[int]) -> None:
@@ -123,25 +145,19 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step under the token budget.
 
-        Every decoding row runs one token. The rest of the budget goes to prefill chunks,
-        oldest prompt first, then to admitting waiting requests (which start prefilling in
-        this same step). A long prompt therefore advances a chunk per step while the
-        decode rows keep producing tokens: nobody waits for a whole prompt.
+        Every decoding row runs one token. Prefill gets an allowance: the rest of the token
+        budget, cut (when rows decode and step costs are known) to what keeps this step
+        within max_stall_factor x a decode-only step. Prompts being prefilled, oldest
+        first, then waiting requests (admitted now, prefilling in this same step) share it
+        fairly. A long prompt therefore advances every step while the decode rows keep
+        producing tokens at a bounded pace: nobody waits for a whole prompt.
         """
+        started = self._clock()
         for req in self._promote_next:
             self._promote(req)
         self._promote_next = []
-        budget = self.config.max_num_batched_tokens - len(self.decoding)
-        chunks: list[PrefillChunk] = []
-        for req in self.prefilling:
-            if budget <= 0:
-                break
-            chunks.append(self._chunk(req, budget))
-            budget -= chunks[-1].length
-        while budget > 0 and self.waiting and self._can_admit(self.waiting[0]):
-            req = self._admit(self.waiting.popleft())
-            chunks.append(self._chunk(req, budget))
-            budget -= chunks[-1].length
+        chunks = self._plan_prefill(self._prefill_allowance())
+        num_prefill = sum(c.length for c in chunks)
         out = SchedulerOutput(
             decode_row_ids=tuple(r.row_id for r in self.decoding),
             decode_token_ids=tuple(
@@ -152,9 +168,11 @@ class Scheduler:
             prefill=tuple(chunks),
             freed_row_ids=tuple(self._freed),
             forks=tuple(self._forks),
-            num_tokens=self.config.max_num_batched_tokens - budget,
+            num_tokens=len(self.decoding) + num_prefill,
             step=self._num_steps,
         )
+        if not out.is_empty:
+            self._started[out.step] = started
         # The plan is committed now, so the next step can be planned before this one's
         # tokens are known: counts advance here, tokens are appended in update().
         for req in self.decoding:
@@ -169,6 +187,45 @@ class Scheduler:
         self._num_steps += 1
         self._freed, self._forks = [], []
         return out
+
+    def _prefill_allowance(self) -> int:
+        """Prefill tokens this step: the token budget, or less to bound the decode stall."""
+        budget = self.config.max_num_batched_tokens - len(self.decoding)
+        factor = self.config.max_stall_factor
+        if not factor or not self.decoding:
+            return budget  # nobody waits on this step: prefill at full speed
+        allowance = self.step_cost.prefill_allowance(len(self.decoding), factor)
+        if allowance is None:
+            return budget  # costs not learned yet
+        return min(budget, max(allowance, MIN_PREFILL_TOKENS))
+
+    def _plan_prefill(self, allowance: int) -> list[PrefillChunk]:
+        """Split `allowance` max-min fairly over the oldest prompts: a prompt needing less
+        than an equal share takes what it needs and leaves the rest to the others, so
+        short prompts finish at once and a long one still advances every step. Prompts
+        join oldest first (prefilling, then waiting) while each can get
+        min(need, MIN_PREFILL_TOKENS): no tiny slices, and nobody starves."""
+        if allowance <= 0:
+            return []
+        chosen: list[Request] = []
+        reserved = 0  # the minimum slices of the chosen
+        for req in self.prefilling:
+            reserved += min(self._prefill_demand(req), MIN_PREFILL_TOKENS)
+            if chosen and reserved > allowance:
+                break
+            chosen.append(req)
+        else:
+            while self.waiting and self._can_admit(self.waiting[0]):
+                reserved += min(self._prefill_demand(self.waiting[0]), MIN_PREFILL_TOKENS)
+                if chosen and reserved > allowance:
+                    break
+                chosen.append(self._admit(self.waiting.popleft()))
+        demands = [self._prefill_demand(r) for r in chosen]
+        shares = _fair_shares(demands, allowance)
+        return [self._chunk(r, n) for r, n in zip(chosen, shares, strict=True) if n > 0]
+
+    def _prefill_demand(self, req: Request) -> int:
+        return min(req.num_prompt - req.num_computed, self.config.max_prefill_chunk)
 
     def _chunk(self, req: Request, budget: int) -> PrefillChunk:
         length = min(req.num_prompt - req.num_computed, budget, self.config.max_prefill_chunk)
@@ -202,6 +259,7 @@ class Scheduler:
         logprobs: list[TokenLogprob | None],
     ) -> list[RequestOutput]:
         """Append the step's sampled tokens and finish rows; returns the deltas."""
+        self._observe_step_time(out)
         if out.step == self._pending_step:
             self._pending = {}  # planned and updated in lockstep: every token is known
         outputs = []
@@ -211,6 +269,17 @@ class Scheduler:
                 continue  # finished while this step was in flight: its token is dropped
             outputs.append(self._append(req, token, lp))
         return outputs
+
+    def _observe_step_time(self, out: SchedulerOutput) -> None:
+        """Feed the step's wall time to the cost model. Steps are pipelined (step N is
+        planned before N-1 is read back), so in steady state a step's time is the gap
+        between two completions; after an idle gap it starts when it was planned."""
+        done = self._clock()
+        started = self._started.pop(out.step, done)
+        seconds = done - max(started, self._last_done)
+        self._last_done = done
+        num_prefill = sum(c.length for c in out.prefill)
+        self.step_cost.observe(len(out.decode_row_ids), num_prefill, seconds)
 
     def _promote(self, req: Request) -> None:
         """Prefill done: the request and its forks join the decode batch (a choice that
@@ -269,4 +338,21 @@ class Scheduler:
         """Finish every row and queued request with an error (the step raised)."""
         victims = list(self.rows.values()) + [r for w in self.waiting for r in (w, *w.children)]
         self.waiting.clear()
+        self._started.clear()
         return [self._finish(r, "error", error) for r in victims if not r.is_finished]
+
+
+def _fair_shares(demands: list[int], total: int) -> list[int]:
+    """Max-min fair split of `total` (water-filling): the smallest demands are met first,
+    each at most an equal share of what is left; integer leftovers go oldest first."""
+    shares = [0] * len(demands)
+    left = total
+    by_demand = sorted(range(len(demands)), key=lambda i: demands[i])
+    for pos, i in enumerate(by_demand):
+        shares[i] = min(demands[i], left // (len(demands) - pos))
+        left -= shares[i]
+    for i, demand in enumerate(demands):
+        extra = min(demand - shares[i], left)
+        shares[i] += extra
+        left -= extra
+    return shares

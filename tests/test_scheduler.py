@@ -17,7 +17,10 @@ def _scheduler(budget_bytes: int = 10**9, **kw) -> Scheduler:
     cfg = EngineConfig(
         **{"max_num_seqs": 4, "max_num_batched_tokens": 16, "max_prefill_chunk": 8, **kw}
     )
-    return Scheduler(cfg, MemoryBudget(budget_bytes, StateCosts(10, 100)), max_context=1000)
+    # A clock that never moves: no step time is observed, so the latency bound stays off
+    # and these tests see the token budget alone (tests/test_scheduler_latency.py: the bound).
+    budget = MemoryBudget(budget_bytes, StateCosts(10, 100))
+    return Scheduler(cfg, budget, max_context=1000, clock=lambda: 0.0)
 
 
 def _req(rid: str, prompt_len: int, max_tokens: int = 4, n: int = 1) -> GenerationRequest:
@@ -121,6 +124,20 @@ def test_abort_frees_row_at_next_step() -> None:
     out = s.schedule()
     assert out.freed_row_ids == ("b/0",) and not out.prefill
     assert s.abort("missing") == []
+
+
+def test_waiting_prompts_share_the_prefill_budget() -> None:
+    """Prompts behind a long one are admitted in the same step and split the budget
+    max-min fairly: a short prompt takes what it needs, the long one the rest."""
+    s = _scheduler(max_num_batched_tokens=64, max_prefill_chunk=64)
+    s.add(_req("long", 100), EOS)
+    s.add(_req("short", 3), EOS)
+    out = s.schedule()
+    assert [(c.row_id, c.length) for c in out.prefill] == [("long/0", 61), ("short/0", 3)]
+    s.add(_req("c", 40), EOS)
+    _run(s, out)
+    out = s.schedule()  # short decodes now: 63 tokens for long (39 to go) and c (40)
+    assert [(c.row_id, c.length) for c in out.prefill] == [("long/0", 31), ("c/0", 32)]
 
 
 def test_n_choices_fork_after_one_prefill() -> None:

@@ -1,0 +1,215 @@
+"""Latency-bounded scheduling: a fake clock advances by a known step cost, the scheduler
+learns it, and steps holding decode rows stay within max_stall_factor x decode-only."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+
+from engine.cache.budget import MemoryBudget, StateCosts
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.scheduler import MIN_PREFILL_TOKENS, Scheduler, SchedulerOutput
+from engine.step_cost import StepCostModel
+from engine.types import GenerationRequest, SamplingParams
+from models.build import load_model
+from models.testing import cached_checkpoint
+
+EOS = frozenset({0})
+BUDGET = 512
+
+
+@dataclass
+class FakeCost:
+    """The machine's true step time: base + per_row * decode rows + per_token * prefill."""
+
+    base: float = 0.010
+    per_row: float = 0.001
+    per_token: float = 0.00005
+    now: float = 0.0  # the fake clock
+
+    def __call__(self) -> float:
+        return self.now
+
+    def decode_only(self, num_decode: int) -> float:
+        return self.base + self.per_row * num_decode
+
+    def seconds(self, out: SchedulerOutput) -> float:
+        num_prefill = sum(c.length for c in out.prefill)
+        return self.decode_only(len(out.decode_row_ids)) + self.per_token * num_prefill
+
+
+def _scheduler(cost: FakeCost, **kw) -> Scheduler:
+    cfg = EngineConfig(
+        **{"max_num_seqs": 16, "max_num_batched_tokens": BUDGET, "max_prefill_chunk": 512, **kw}
+    )
+    return Scheduler(cfg, MemoryBudget(10**9, StateCosts(10, 100)), 20000, clock=cost)
+
+
+def _req(rid: str, prompt_len: int, max_tokens: int = 4) -> GenerationRequest:
+    return GenerationRequest(
+        rid, tuple(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens)
+    )
+
+
+def _step(s: Scheduler, cost: FakeCost) -> SchedulerOutput:
+    """One step that takes the fake machine's time (planned and updated in lockstep)."""
+    out = s.schedule()
+    cost.now += cost.seconds(out)
+    s.update(out, [7] * len(out.sample_row_ids), [None] * len(out.sample_row_ids))
+    return out
+
+
+def _decoding(s: Scheduler, cost: FakeCost, rows: int = 4, steps: int = 5) -> None:
+    """Start `rows` long-running decode rows and learn what decode-only steps cost."""
+    for i in range(rows):
+        s.add(_req(f"d{i}", 8, max_tokens=1000), EOS)
+    for _ in range(steps):
+        _step(s, cost)
+
+
+def _prefill_until_done(s: Scheduler, cost: FakeCost, row_id: str) -> list[SchedulerOutput]:
+    outs = []
+    while row_id not in s.rows or s.rows[row_id].is_prefilling:
+        outs.append(_step(s, cost))
+        assert len(outs) < 500, "prefill does not progress"
+    return outs
+
+
+def test_stall_bound_holds_with_decode_rows() -> None:
+    """After learning, every step that prefills next to decode rows takes at most 2x a
+    decode-only step, and uses most of that room (not just the minimum)."""
+    cost = FakeCost()
+    s = _scheduler(cost)
+    _decoding(s, cost)
+    s.add(_req("long", 3000), EOS)
+    outs = _prefill_until_done(s, cost, "long/0")
+    for out in outs:
+        num_decode = len(out.decode_row_ids)
+        assert num_decode == 4
+        assert cost.seconds(out) <= 2 * cost.decode_only(num_decode) + 1e-12
+    assert outs[0].num_tokens - 4 == MIN_PREFILL_TOKENS  # first one: a probe
+    assert all(cost.seconds(o) >= 1.9 * cost.decode_only(4) for o in outs[1:-1])
+    assert len(outs) == 1 + math.ceil((3000 - 16) / 280)  # 280 tokens = 14 ms at 0.05 ms
+
+
+def test_no_decode_rows_prefill_uses_the_whole_budget() -> None:
+    """With nobody decoding, prefill runs at full speed even when costs are known."""
+    cost = FakeCost()
+    s = _scheduler(cost)
+    _decoding(s, cost)
+    s.add(_req("long", 3000), EOS)
+    _prefill_until_done(s, cost, "long/0")
+    assert s.step_cost.is_ready
+    for name in [r.request_id for r in s.rows.values()]:
+        s.abort(name)
+    s.add(_req("next", 3000), EOS)
+    assert [c.length for c in _step(s, cost).prefill] == [BUDGET]
+
+
+@pytest.mark.parametrize("factor", [0.0, None])
+def test_bound_off_uses_the_token_budget(factor: float | None) -> None:
+    """max_stall_factor 0 / unset: today's policy, the token budget alone."""
+    cost = FakeCost()
+    s = _scheduler(cost, max_stall_factor=factor)
+    _decoding(s, cost)
+    s.add(_req("long", 3000), EOS)
+    assert _step(s, cost).num_tokens == BUDGET
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.5, -2.0])
+def test_stall_factor_validated(factor: float) -> None:
+    with pytest.raises(ValueError, match="max_stall_factor"):
+        EngineConfig(max_stall_factor=factor)
+
+
+def test_long_prompt_finishes_while_short_prompts_keep_arriving() -> None:
+    """A new short prompt every step: each is served within two steps, and the long
+    prompt still advances every step and finishes in bounded steps (no starvation)."""
+    cost = FakeCost()
+    s = _scheduler(cost, max_num_seqs=32)
+    _decoding(s, cost)
+    s.add(_req("long", 2000), EOS)
+    arrived: dict[str, int] = {}
+    first_token: dict[str, int] = {}
+    step = 0
+    while s.rows.get("long/0") is None or s.rows["long/0"].is_prefilling:
+        name = f"s{step}"
+        s.add(_req(name, 24, max_tokens=2), EOS)
+        arrived[name] = step
+        before = s.rows["long/0"].num_computed if "long/0" in s.rows else 0
+        _step(s, cost)
+        assert s.rows["long/0"].num_computed - before >= MIN_PREFILL_TOKENS
+        first_token.update({r.request_id: step for r in s.rows.values() if r.output_ids})
+        step += 1
+        assert step <= 20, "the long prompt is starved"
+    _step(s, cost)
+    first_token.update({r.request_id: step for r in s.rows.values() if r.output_ids})
+    assert all(first_token[n] - arrived[n] <= 2 for n in arrived if n in first_token)
+    assert len(first_token) >= len(arrived) - 1  # the last arrivals may still be going
+
+
+def test_allowance_adapts_when_costs_change() -> None:
+    """Prefill gets twice as expensive: within a few steps the allowance halves and the
+    bound holds again."""
+    cost = FakeCost()
+    s = _scheduler(cost)
+    _decoding(s, cost)
+    s.add(_req("long", 15000, max_tokens=2), EOS)
+    for _ in range(4):
+        _step(s, cost)
+    before = _step(s, cost).num_tokens - 4
+    cost.per_token *= 2
+    outs = [_step(s, cost) for _ in range(12)]
+    after = outs[-1].num_tokens - 4
+    assert before == 280 and after == 140
+    assert all(cost.seconds(o) <= 2 * cost.decode_only(4) + 1e-12 for o in outs[-4:])
+
+
+def test_cost_model_ignores_outliers() -> None:
+    """One very slow decode step (a pause, a compile) barely moves the estimates."""
+    model = StepCostModel()
+    for i in range(10):
+        model.observe(4, 0, 0.014 + 0.0001 * (i % 2))
+        model.observe(4, 200, 0.024)
+    model.observe(4, 0, 1.0)
+    model.observe(4, 200, 1.0)
+    assert model.decode_seconds(4) == pytest.approx(0.014, rel=0.02)
+    assert model.token_seconds() == pytest.approx(0.00005, rel=0.05)
+
+
+def test_cost_model_fits_decode_rows_slope() -> None:
+    model = StepCostModel()
+    for rows in (1, 2, 4, 8, 4, 2):
+        model.observe(rows, 0, 0.010 + 0.001 * rows)
+    assert model.decode_seconds(16) == pytest.approx(0.026)
+
+
+def test_real_engine_default_config_tokens_unchanged() -> None:
+    """Default config (latency bound on, real clock) on the tiny model: a long prompt
+    joining decoding rows gets the same greedy tokens as with the bound off."""
+    loaded = load_model(str(cached_checkpoint("tiny")))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [[100 + 7 * i + j for j in range(5 + 9 * i)] for i in range(4)] + [
+        [1000 + (13 * j) % 5000 for j in range(600)]
+    ]
+
+    def run(config: EngineConfig) -> dict[str, list[int]]:
+        engine = LLMEngine(loaded, config)
+        tokens: dict[str, list[int]] = {}
+        for i, prompt in enumerate(prompts[:4]):
+            engine.add_request(GenerationRequest(f"r{i}", tuple(prompt), params))
+        step = 0
+        while engine.has_work():
+            if step == 6:
+                engine.add_request(GenerationRequest("long", tuple(prompts[4]), params))
+            for delta in engine.step():
+                tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+            step += 1
+        return tokens
+
+    bounded = run(EngineConfig(max_num_batched_tokens=512))
+    unbounded = run(EngineConfig(max_num_batched_tokens=512, max_stall_factor=0))
+    assert bounded == unbounded and len(bounded["long"]) == 24
