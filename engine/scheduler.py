@@ -200,29 +200,44 @@ class Scheduler:
         return min(budget, max(allowance, MIN_PREFILL_TOKENS))
 
     def _plan_prefill(self, allowance: int) -> list[PrefillChunk]:
-        """Split `allowance` max-min fairly over the oldest prompts: a prompt needing less
-        than an equal share takes what it needs and leaves the rest to the others, so
-        short prompts finish at once and a long one still advances every step. Prompts
-        join oldest first (prefilling, then waiting) while each can get
-        min(need, MIN_PREFILL_TOKENS): no tiny slices, and nobody starves."""
-        if allowance <= 0:
-            return []
-        chosen: list[Request] = []
-        reserved = 0  # the minimum slices of the chosen
-        for req in self.prefilling:
-            reserved += min(self._prefill_demand(req), MIN_PREFILL_TOKENS)
-            if chosen and reserved > allowance:
+        """Hand `allowance` out oldest first (prefilling prompts, then waiting requests,
+        admitted now), each prompt taking at most half of what is left while another
+        could follow: prompts arriving together finish in arrival order (the earliest
+        first tokens), a long prompt never holds the whole allowance against short ones
+        behind it, and the oldest always advances (nobody starves). No prompt is given a
+        slice below min(its need, MIN_PREFILL_TOKENS) unless it is the first."""
+        plan: list[tuple[Request, int]] = []
+        left = allowance
+        candidates = list(self.prefilling)  # _admit appends to self.prefilling
+        while left > 0:
+            if candidates:
+                req = candidates.pop(0)
+            elif self._admissible(left, first=not plan):
+                req = self._admit(self.waiting.popleft())
+            else:
                 break
-            chosen.append(req)
-        else:
-            while self.waiting and self._can_admit(self.waiting[0]):
-                reserved += min(self._prefill_demand(self.waiting[0]), MIN_PREFILL_TOKENS)
-                if chosen and reserved > allowance:
-                    break
-                chosen.append(self._admit(self.waiting.popleft()))
-        demands = [self._prefill_demand(r) for r in chosen]
-        shares = _fair_shares(demands, allowance)
-        return [self._chunk(r, n) for r, n in zip(chosen, shares, strict=True) if n > 0]
+            demand = self._prefill_demand(req)
+            share = min(demand, left)
+            if candidates or self.waiting:  # leave room for the next prompt
+                share = min(share, max(left // 2, MIN_PREFILL_TOKENS))
+            if plan and share < min(demand, MIN_PREFILL_TOKENS):
+                break
+            plan.append((req, share))
+            left -= share
+        # What the halving left unused goes back to the oldest prompts first.
+        topped = []
+        for req, share in plan:
+            extra = min(self._prefill_demand(req) - share, left)
+            topped.append((req, share + extra))
+            left -= extra
+        return [self._chunk(req, share) for req, share in topped]
+
+    def _admissible(self, left: int, first: bool) -> bool:
+        """Whether the oldest waiting request can be admitted and given a slice now."""
+        if not (self.waiting and self._can_admit(self.waiting[0])):
+            return False
+        need = min(self._prefill_demand(self.waiting[0]), MIN_PREFILL_TOKENS)
+        return first or need <= left
 
     def _prefill_demand(self, req: Request) -> int:
         return min(req.num_prompt - req.num_computed, self.config.max_prefill_chunk)
@@ -340,19 +355,3 @@ class Scheduler:
         self.waiting.clear()
         self._started.clear()
         return [self._finish(r, "error", error) for r in victims if not r.is_finished]
-
-
-def _fair_shares(demands: list[int], total: int) -> list[int]:
-    """Max-min fair split of `total` (water-filling): the smallest demands are met first,
-    each at most an equal share of what is left; integer leftovers go oldest first."""
-    shares = [0] * len(demands)
-    left = total
-    by_demand = sorted(range(len(demands)), key=lambda i: demands[i])
-    for pos, i in enumerate(by_demand):
-        shares[i] = min(demands[i], left // (len(demands) - pos))
-        left -= shares[i]
-    for i, demand in enumerate(demands):
-        extra = min(demand - shares[i], left)
-        shares[i] += extra
-        left -= extra
-    return shares

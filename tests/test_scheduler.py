@@ -127,8 +127,9 @@ def test_abort_frees_row_at_next_step() -> None:
 
 
 def test_waiting_prompts_share_the_prefill_budget() -> None:
-    """Prompts behind a long one are admitted in the same step and split the budget
-    max-min fairly: a short prompt takes what it needs, the long one the rest."""
+    """Prompts behind a long one are admitted in the same step and share the budget: the
+    long one takes at most half while others wait, a short one what it needs, and what
+    is left goes back to the oldest."""
     s = _scheduler(max_num_batched_tokens=64, max_prefill_chunk=64)
     s.add(_req("long", 100), EOS)
     s.add(_req("short", 3), EOS)
