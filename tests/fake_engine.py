@@ -32,7 +32,7 @@ from referencing.jsonschema import DRAFT202012
 
 from engine.api import EngineStats
 from engine.types import GenerationRequest, RequestOutput, TokenLogprob
-from models.loader import resolve_eos_ids
+from models.eos import resolve_eos_ids
 from server.frontend.tokenizer import TextTokenizer
 
 REPO = Path(__file__).resolve().parent.parent

