@@ -205,25 +205,18 @@ _OUTPUTS = ["y", "state_out"]
 
 
 @functools.cache
-def _cuda_kernel(masked: bool) -> Callable[..., list[mx.array]]:
-    source = _CUDA_SOURCE.replace("__MASKED__", "!mask[b]" if masked else "false")
-    return mx.fast.cuda_kernel(
+def _kernel(backend: str, masked: bool) -> Callable[..., list[mx.array]]:
+    """The CUDA or Metal kernel (built once per backend and mask flavour)."""
+    if backend == "cuda":
+        make, source, extra = mx.fast.cuda_kernel, _CUDA_SOURCE, {"header": _CUDA_HEADER}
+    else:
+        make, source, extra = mx.fast.metal_kernel, _METAL_SOURCE, {}
+    return make(
         name="deltaserve_gdn_step" + ("_masked" if masked else ""),
         input_names=_INPUTS + (["mask"] if masked else []),
         output_names=_OUTPUTS,
-        source=source,
-        header=_CUDA_HEADER,
-    )
-
-
-@functools.cache
-def _metal_kernel(masked: bool) -> Callable[..., list[mx.array]]:
-    source = _METAL_SOURCE.replace("__MASKED__", "!mask[b]" if masked else "false")
-    return mx.fast.metal_kernel(
-        name="deltaserve_gdn_step" + ("_masked" if masked else ""),
-        input_names=_INPUTS + (["mask"] if masked else []),
-        output_names=_OUTPUTS,
-        source=source,
+        source=source.replace("__MASKED__", "!mask[b]" if masked else "false"),
+        **extra,
     )
 
 
@@ -273,10 +266,10 @@ def _gpu_step(
     if backend == "cuda":
         rows = _BLOCK // _LANES
         grid = (b * hv * -(-dv // rows) * _BLOCK, 1, 1)
-        kernel, group = _cuda_kernel(mask is not None), (_BLOCK, 1, 1)
+        kernel, group = _kernel(backend, mask is not None), (_BLOCK, 1, 1)
         template += [("LANES", _LANES), ("BLOCK", _BLOCK)]
     else:
-        kernel, grid, group = _metal_kernel(mask is not None), (32, dv, b * hv), (32, 4, 1)
+        kernel, grid, group = _kernel(backend, mask is not None), (32, dv, b * hv), (32, 4, 1)
     y, s = kernel(
         inputs=inputs,
         template=template,
