@@ -27,6 +27,12 @@ class EngineStats:
     mlx_peak_bytes: int
     prompt_tokens_total: int
     generated_tokens_total: int
+    # Prefix cache (all 0 when it is off): bytes held now; since start, prompt tokens
+    # looked up at admission, how many of them were restored, snapshots evicted.
+    prefix_cache_bytes: int = 0
+    prefix_cache_lookup_tokens_total: int = 0
+    prefix_cache_hit_tokens_total: int = 0
+    prefix_cache_evictions_total: int = 0
 
 
 class EngineClient(Protocol):

@@ -21,6 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from engine.api import EngineStats
+from engine.cache.prefix_index import PrefixCacheStats
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.types import GenerationRequest, RequestOutput
@@ -97,6 +98,7 @@ class AsyncEngine:
     def _publish_stats(self) -> None:
         """Engine thread only: snapshot counters after each step for other threads."""
         eng = self.engine
+        cache = eng.prefix_cache.stats if eng.prefix_cache is not None else PrefixCacheStats()
         self._stats = EngineStats(
             is_alive=True,
             num_waiting=len(eng.scheduler.waiting),
@@ -108,6 +110,10 @@ class AsyncEngine:
             mlx_peak_bytes=mx.get_peak_memory(),
             prompt_tokens_total=self._counters.prompt_tokens,
             generated_tokens_total=self._counters.generated_tokens,
+            prefix_cache_bytes=cache.nbytes,
+            prefix_cache_lookup_tokens_total=cache.lookup_tokens,
+            prefix_cache_hit_tokens_total=cache.hit_tokens,
+            prefix_cache_evictions_total=cache.evictions,
         )
 
     def shutdown(self, timeout: float = 10.0) -> None:

@@ -56,6 +56,10 @@ class EngineConfig:
     # Latency bound: while rows decode, a step's prefill is sized (from measured step
     # times) to take at most this factor x a decode-only step; 0 or unset = token budget only
     max_stall_factor: float | None = 2.0
+    # Prefix cache (engine/cache/prefix_index.py)
+    prefix_cache: bool = True  # resume prompts from the cached state of an earlier prefix
+    prefix_cache_bytes: int = 0  # cap on cached state; 0 = half of the row-state budget
+    prefix_block_tokens: int = 64  # tokens per cached KV block; snapshots sit at block ends
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
 
     def __post_init__(self) -> None:
@@ -69,5 +73,7 @@ class EngineConfig:
             raise ValueError("max_waiting must be >= 1")
         if self.memory_budget_bytes < 0 or self.max_context < 0:
             raise ValueError("memory_budget_bytes and max_context must be >= 0")
+        if self.prefix_cache_bytes < 0 or self.prefix_block_tokens < 1:
+            raise ValueError("prefix_cache_bytes must be >= 0 and prefix_block_tokens >= 1")
         if self.max_stall_factor and self.max_stall_factor <= 1:
             raise ValueError("max_stall_factor must be > 1 (or 0 / unset: no latency bound)")

@@ -18,6 +18,7 @@ import mlx.core as mx
 from engine.cache.batch import BatchState
 from engine.cache.budget import MemoryBudget, StateCosts, default_budget_bytes
 from engine.cache.factory import kv_bytes_per_element_pair, kv_prefix_tokens, kv_store_factory
+from engine.cache.prefix_index import PrefixIndex
 from engine.cache.rows import RowStates, decode_bucket
 from engine.config import EngineConfig
 from engine.decode import CompiledDecode
@@ -71,13 +72,17 @@ class LLMEngine:
         self.budget = MemoryBudget(self._budget_bytes(), costs)
         self._log_budget()
         self.eos_ids = frozenset(cfg.eos_token_ids)
-        self.scheduler = Scheduler(self.config, self.budget, self.max_context, clock)
+        self.prefix_cache = self._prefix_index()
+        self.scheduler = Scheduler(
+            self.config, self.budget, self.max_context, clock, self.prefix_cache
+        )
         kv_factory = kv_store_factory(self.config.kv_cache)
         compiled = self._compiled_decode()
         # A compiled step retraces per batch size: hold the decode batch at bucket sizes.
         max_rows = self.config.max_num_seqs
         bucket = partial(decode_bucket, max_rows=max_rows) if compiled else None
-        self.states = RowStates(lambda: BatchState.empty(cfg, kv_factory), bucket)
+        block = self.config.prefix_block_tokens if self.prefix_cache else 0
+        self.states = RowStates(lambda: BatchState.empty(cfg, kv_factory), bucket, block)
         batch_prefill = self.config.batch_prefill
         if batch_prefill is None:
             batch_prefill = not on_cpu()
@@ -101,6 +106,20 @@ class LLMEngine:
             log.warning("compiled decode is off: kv_cache.start > 0 has no compiled form")
             return None
         return CompiledDecode(self.loaded.model) if enabled else None
+
+    def _prefix_index(self) -> PrefixIndex | None:
+        cfg = self.config
+        if not cfg.prefix_cache:
+            return None
+        if cfg.kv_cache.kind != "fp" and cfg.kv_cache.start:
+            log.warning("prefix cache is off: it cannot store kv_cache.start's prefix part")
+            return None
+        costs, block = self.budget.costs, cfg.prefix_block_tokens
+        max_bytes = cfg.prefix_cache_bytes or self.budget.total // 2
+        log.info("prefix cache: up to %.2f GiB, %d-token blocks", max_bytes / 2**30, block)
+        return PrefixIndex(
+            block, block * costs.kv_bytes_per_token, costs.ssm_bytes_per_row, max_bytes, self.budget
+        )
 
     def _log_budget(self) -> None:
         row = self.budget.row_bytes(self.max_context)

@@ -36,6 +36,12 @@ class Request:
     finish_reason: str | None = None
     reserved_bytes: int = 0
     children: list[Request] = field(default_factory=list)  # choices forked after prefill
+    # Prefix cache (set at admission): prompt tokens restored instead of computed, the
+    # node chain to restore them from (cleared once its chunk is planned), and the prompt
+    # positions at which to snapshot the row's state while prefilling.
+    num_cached: int = 0
+    cache_chain: tuple[int, ...] = ()
+    snapshot_at: list[int] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 

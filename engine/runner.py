@@ -51,6 +51,9 @@ class ModelRunner:
         previous step's sampled tokens [N] (possibly not computed yet), for decode rows
         whose input is still pending."""
         self.states.sync(out.decode_row_ids, out.freed_row_ids, out.forks)
+        for chunk in out.prefill:
+            if chunk.restore:
+                self.states.restore_prefix(chunk.row_id, chunk.restore)
         decode_logits = self._compiled_decode(out, prev_tokens)
         groups = []
         if out.decode_row_ids and decode_logits is None:
@@ -73,6 +76,10 @@ class ModelRunner:
         # Start computing now (states of every group, even chunks that sample nothing, so
         # no lazy graph carries over to the next step); the sampler's work queues behind.
         pending = [a for layer in layers for a in layer.state_arrays()]
+        for save in out.cache_saves:  # after _scatter: each row's own state is current
+            pending += self.states.save_prefix(save)
+        if out.cache_drop is not None:
+            self.states.drop_prefix(out.cache_drop)
         mx.async_eval(*pending, *([logits] if logits is not None else []))
         return logits
 

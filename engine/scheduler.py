@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from engine.api import QueueFullError
 from engine.cache.budget import MemoryBudget
+from engine.cache.prefix_index import CacheDrop, CacheSave, PrefixIndex
 from engine.config import EngineConfig
 from engine.request import Request, Status
 from engine.step_cost import StepCostModel
@@ -33,6 +34,8 @@ class PrefillChunk:
     # Rows that sample their first token from this chunk's last logits: empty unless the
     # chunk ends the prompt; then the request's row and its n > 1 forks.
     sample_row_ids: tuple[str, ...] = ()
+    # Prefix-cache node chain to build the row's state from before this chunk (its first)
+    restore: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,8 @@ class SchedulerOutput:
     forks: tuple[tuple[str, str], ...]  # (child, parent): copy parent's prefilled state
     num_tokens: int  # tokens run this step (<= max_num_batched_tokens)
     step: int = 0  # sequence number of this plan
+    cache_saves: tuple[CacheSave, ...] = ()  # rows to snapshot after their chunk ran
+    cache_drop: CacheDrop | None = None  # prefix-cache arrays to free after the step
 
     @property
     def sample_row_ids(self) -> list[str]:
@@ -76,7 +81,9 @@ class Scheduler:
         budget: MemoryBudget,
         max_context: int,
         clock: Callable[[], float] = time.perf_counter,
+        prefix: PrefixIndex | None = None,
     ) -> None:
+        """prefix: the prefix cache's index (None: no prefix cache)."""
         self.config = config
         self.budget = budget
         self.max_context = max_context
@@ -94,6 +101,8 @@ class Scheduler:
         self._clock = clock
         self._started: dict[int, float] = {}  # step -> when it was planned
         self._last_done = float("-inf")  # when the last step was updated
+        self.prefix = prefix
+        self._saves: list[CacheSave] = []
 
     # -- intake -------------------------------------------------------------------------
     def add(self, gen: GenerationRequest, eos_ids: frozenset[int]) -> None:
@@ -170,7 +179,10 @@ class Scheduler:
             forks=tuple(self._forks),
             num_tokens=len(self.decoding) + num_prefill,
             step=self._num_steps,
+            cache_saves=tuple(self._saves),
+            cache_drop=self.prefix.take_drops() if self.prefix is not None else None,
         )
+        self._saves = []
         if not out.is_empty:
             self._started[out.step] = started
         # The plan is committed now, so the next step can be planned before this one's
@@ -243,16 +255,31 @@ class Scheduler:
         return min(req.num_prompt - req.num_computed, self.config.max_prefill_chunk)
 
     def _chunk(self, req: Request, budget: int) -> PrefillChunk:
+        """The next chunk of `req`, ending at its next snapshot position if it gets there
+        (the row's state is saved right after the chunk)."""
         length = min(req.num_prompt - req.num_computed, budget, self.config.max_prefill_chunk)
-        is_last = req.num_computed + length == req.num_prompt
+        end = req.num_computed + length
+        if req.snapshot_at and end >= req.snapshot_at[0]:
+            end = req.snapshot_at.pop(0)
+            length = end - req.num_computed
+            assert self.prefix is not None
+            save = self.prefix.insert(req.row_id, req.prompt_ids, end)
+            if save is not None:
+                self._saves.append(save)
+        is_last = end == req.num_prompt
         samplers = (req.row_id, *(c.row_id for c in req.children)) if is_last else ()
-        return PrefillChunk(req.row_id, req.num_computed, length, samplers)
+        chunk = PrefillChunk(req.row_id, req.num_computed, length, samplers, req.cache_chain)
+        req.cache_chain = ()
+        return chunk
 
     def _can_admit(self, req: Request) -> bool:
         rows = 1 + len(req.children)
         if len(self.rows) + rows > self.config.max_num_seqs:
             return False
-        return self.budget.can_reserve(self._reservation(req))
+        need = self._reservation(req)
+        if self.prefix is not None:
+            return self.prefix.evict_for(need)  # rows come before cached prefixes
+        return self.budget.can_reserve(need)
 
     def _reservation(self, req: Request) -> int:
         return sum(self.budget.row_bytes(r.max_total_tokens()) for r in (req, *req.children))
@@ -263,6 +290,12 @@ class Scheduler:
             self.budget.reserve(r.reserved_bytes)
             r.status = Status.FORKED if r is not req else Status.RUNNING
             self.rows[r.row_id] = r
+        if self.prefix is not None:
+            hit = self.prefix.match(req.prompt_ids)
+            req.num_computed = req.num_cached = hit.tokens
+            req.cache_chain, req.snapshot_at = hit.chain, list(hit.snapshot_at)
+            for child in req.children:
+                child.num_cached = hit.tokens
         self.prefilling.append(req)
         return req
 
@@ -323,6 +356,7 @@ class Scheduler:
             finish_reason=reason,
             num_prompt_tokens=req.num_prompt,
             num_output_tokens=len(req.output_ids),
+            num_cached_tokens=req.num_cached,
         )
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
@@ -347,6 +381,7 @@ class Scheduler:
             error=error,
             num_prompt_tokens=req.num_prompt,
             num_output_tokens=len(req.output_ids),
+            num_cached_tokens=req.num_cached,
         )
 
     def fail_all(self, error: str) -> list[RequestOutput]:
@@ -354,4 +389,7 @@ class Scheduler:
         victims = list(self.rows.values()) + [r for w in self.waiting for r in (w, *w.children)]
         self.waiting.clear()
         self._started.clear()
+        self._saves = []
+        if self.prefix is not None:
+            self.prefix.reset()  # its arrays went with the row states
         return [self._finish(r, "error", error) for r in victims if not r.is_finished]

@@ -137,6 +137,7 @@ class RequestOutput:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # generated so far for this choice, including token_ids
+    num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache
 
     @property
     def finished(self) -> bool:

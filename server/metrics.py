@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -45,9 +45,29 @@ class _EngineCollector(Collector):
             "state_bytes_budget": ("row-state memory budget", stats.state_bytes_budget),
             "mlx_active_bytes": ("MLX active memory", stats.mlx_active_bytes),
             "mlx_peak_bytes": ("MLX peak memory", stats.mlx_peak_bytes),
+            "prefix_cache_bytes": (
+                "prefix cache: KV blocks + DeltaNet snapshots held (part of state bytes)",
+                stats.prefix_cache_bytes,
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"deltaserve_{name}", doc, value=value)
+        counters = {
+            "prefix_cache_lookup_tokens": (
+                "prompt tokens looked up in the prefix cache",
+                stats.prefix_cache_lookup_tokens_total,
+            ),
+            "prefix_cache_hit_tokens": (
+                "prompt tokens restored from the prefix cache (hit rate: over lookups)",
+                stats.prefix_cache_hit_tokens_total,
+            ),
+            "prefix_cache_evictions": (
+                "prefix-cache snapshots evicted",
+                stats.prefix_cache_evictions_total,
+            ),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(f"deltaserve_{name}", doc, value=value)
 
 
 class ServerMetrics:

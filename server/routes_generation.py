@@ -21,7 +21,7 @@ from server.errors import APIError
 from server.frontend.choice import ChoiceDelta, ChoiceStream, ToolCallChunk
 from server.metrics import RequestTimer
 from server.routes_common import ServerState
-from server.schemas import Usage
+from server.schemas import PromptTokensDetails, Usage
 from server.sse import TICK, Ticker
 
 
@@ -55,6 +55,7 @@ class GenerationRun:
         )
         self._is_open = [True] * request.n  # choices whose end the caller has not seen
         self._num_output = [0] * request.n
+        self._num_cached = 0  # prompt tokens the engine restored from its prefix cache
         self._engine_done = [False] * request.n
         self._first: RequestOutput | None = None  # read by start(), replayed by events()
         self._is_accepted = False  # the engine took it (no refusal on the first read)
@@ -89,6 +90,7 @@ class GenerationRun:
     def _on_output(self, out: RequestOutput) -> ChoiceEvent | None:
         i = out.index
         self._num_output[i] = max(self._num_output[i], out.num_output_tokens)
+        self._num_cached = max(self._num_cached, out.num_cached_tokens)
         self._engine_done[i] = out.finished
         if not self._is_open[i]:
             return None  # already ended by a stop string; the engine is catching up
@@ -117,7 +119,10 @@ class GenerationRun:
         """Token counts so far (final once events() has ended)."""
         prompt, completion = len(self.request.prompt_ids), sum(self._num_output)
         return Usage(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self._num_cached),
         )
 
     async def close(self) -> None:
@@ -218,10 +223,15 @@ class RunGroup:
 
     def usage(self) -> Usage:
         """Token counts summed over the runs."""
-        prompt = sum(run.usage().prompt_tokens for run in self.runs)
-        completion = sum(run.usage().completion_tokens for run in self.runs)
+        usages = [run.usage() for run in self.runs]
+        prompt = sum(u.prompt_tokens for u in usages)
+        completion = sum(u.completion_tokens for u in usages)
+        cached = sum(u.prompt_tokens_details.cached_tokens for u in usages)
         return Usage(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
 
     async def close(self) -> None:

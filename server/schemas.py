@@ -258,10 +258,15 @@ class _Out(BaseModel):
         return {k: v for k, v in data.items() if v is not None or k not in self.omit_if_none}
 
 
+class PromptTokensDetails(_Out):
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+
+
 class Usage(_Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class FunctionCall(_Out):

@@ -193,3 +193,23 @@ def test_openai_sdk_seed_logprobs_and_n(server: LiveServer) -> None:
     assert entries and all(len(e.top_logprobs) == 3 and e.logprob <= 0 for e in entries)
     many = client.chat.completions.create(n=3, seed=1, **kwargs)
     assert sorted(c.index for c in many.choices) == [0, 1, 2]
+
+
+def test_resent_chat_reports_cached_tokens_and_metrics(server: LiveServer) -> None:
+    """A chat sent twice: the second reports the prefix-cache hit in usage
+    (prompt_tokens_details.cached_tokens, as OpenAI does) and /metrics counts it."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    messages = [{"role": "user", "content": "Tell me about caching. " * 40}]
+    usages = [
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, temperature=0
+        ).usage
+        for _ in range(2)
+    ]
+    first, second = (u.prompt_tokens_details.cached_tokens for u in usages)
+    assert first == 0 and usages[0].prompt_tokens > 200
+    assert usages[0].prompt_tokens - 64 <= second < usages[0].prompt_tokens
+    metrics = httpx.get(f"{server.url}/metrics").text
+    hits = [ln for ln in metrics.splitlines() if ln.startswith("deltaserve_prefix_cache_hit")]
+    assert hits and float(hits[0].split()[1]) >= second
+    assert "deltaserve_prefix_cache_bytes " in metrics

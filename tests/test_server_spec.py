@@ -230,7 +230,10 @@ def test_sse_framing_byte_for_byte(http: httpx.Client, engine: FakeEngine) -> No
         return f'data: {{{head},"choices":{choices}}}\n\n'.encode()
 
     total = num_prompt + 3  # "Hi", " there", EOS
-    usage = f'"usage":{{"prompt_tokens":{num_prompt},"completion_tokens":3,"total_tokens":{total}}}'
+    usage = (
+        f'"usage":{{"prompt_tokens":{num_prompt},"completion_tokens":3,"total_tokens":{total},'
+        '"prompt_tokens_details":{"cached_tokens":0}}'
+    )
     expected = (
         choice('{"role":"assistant","content":""}')
         + choice('{"content":"Hi"}')

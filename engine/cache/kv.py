@@ -175,6 +175,13 @@ class KVStore:
         self.left_pad = [p - trim for p in pads]
         self.size -= trim
 
+    def load(self, columns: list[mx.array]) -> None:
+        """Become a B=1 store of `columns` (encoded arrays [1, Hkv, T, X], unpadded): a
+        prefix-cache hit (engine/cache/prefix_store.py)."""
+        self.arrays = [_with_headroom(c) for c in columns]
+        self.left_pad = [0]
+        self.size = int(columns[0].shape[2])
+
     def extract(self, row: int) -> KVStore:
         """An independent B=1 copy of `row`, without its padding."""
         out = self.empty_like()

@@ -11,19 +11,28 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import mlx.core as mx
+
 from engine.cache.batch import BatchState
+from engine.cache.prefix_index import CacheDrop, CacheSave
+from engine.cache.prefix_store import PrefixStore
 
 
 class RowStates:
     """Owner of every row's state inside the engine thread."""
 
     def __init__(
-        self, new_state: Callable[[], BatchState], bucket: Callable[[int], int] | None = None
+        self,
+        new_state: Callable[[], BatchState],
+        bucket: Callable[[int], int] | None = None,
+        prefix_block: int = 0,
     ) -> None:
         """bucket: when given, the decode batch is held at bucket(live rows) rows, the
-        rest dead (see decode_bucket): a compiled step then sees few distinct shapes."""
+        rest dead (see decode_bucket): a compiled step then sees few distinct shapes.
+        prefix_block: tokens per prefix-cache block (0: no prefix cache)."""
         self._new_state = new_state
         self._bucket = bucket
+        self.prefix = PrefixStore(prefix_block, new_state) if prefix_block else None
         self.decode = new_state()
         self.decode_ids: list[str] = []
         self.prefill: dict[str, BatchState] = {}
@@ -48,6 +57,21 @@ class RowStates:
         cohort = BatchState(layers)
         for i, row_id in enumerate(row_ids):
             self.prefill[row_id] = cohort.extract(i)
+
+    # -- prefix cache (engine/cache/prefix_store.py) ------------------------------------
+    def restore_prefix(self, row_id: str, chain: tuple[int, ...]) -> None:
+        """Start `row_id`'s prefill state from cached prefix nodes."""
+        assert self.prefix is not None and row_id not in self.prefill, "restore a new row"
+        self.prefill[row_id] = self.prefix.restore(chain)
+
+    def save_prefix(self, save: CacheSave) -> list[mx.array]:
+        """Snapshot a prefilling row into the cache; returns the new (lazy) arrays."""
+        assert self.prefix is not None
+        return self.prefix.save(self.prefill[save.row_id], save)
+
+    def drop_prefix(self, drop: CacheDrop) -> None:
+        assert self.prefix is not None
+        self.prefix.drop(drop)
 
     def sync(
         self,
@@ -86,9 +110,13 @@ class RowStates:
         self.decode = self._new_state()
         self.decode_ids = []
         self.prefill = {}
+        if self.prefix is not None:
+            self.prefix.reset()
 
     def nbytes(self) -> int:
-        return self.decode.nbytes() + sum(s.nbytes() for s in self.prefill.values())
+        """Row state plus the prefix cache's arrays."""
+        rows = self.decode.nbytes() + sum(s.nbytes() for s in self.prefill.values())
+        return rows + (self.prefix.nbytes() if self.prefix is not None else 0)
 
 
 def decode_bucket(num_rows: int, max_rows: int) -> int:

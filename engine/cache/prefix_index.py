@@ -1,0 +1,249 @@
+"""The prefix cache's index: which prompt prefixes have cached row state, and what it costs.
+
+Pure Python (the scheduler owns it; the arrays live in engine/cache/prefix_store.py under
+the same node ids). A trie of fixed-size token blocks: a node is one block of `block`
+tokens after its parent's, so the path from the root spells a prompt prefix, and looking a
+child up by its token tuple hashes the block (the chain of tuples is the hash chain).
+
+Every node stands for the full-attention KV of its block. Some nodes also hold a
+*snapshot*: every DeltaNet layer's conv tail and recurrent state after the node's last
+token. Recurrent state cannot be cut back to an earlier token, so a prompt resumes only at
+a snapshot: the deepest one on its path that leaves at least one prompt token to compute
+(its logits sample the first token). KV alone resumes nothing, hence the invariant: every
+leaf holds a snapshot, and nodes left without one below them are pruned.
+
+Where snapshots are taken (the policy of Marconi, arXiv:2411.19379): a snapshot per
+block would cost a full recurrent state per `block` tokens, so a prompt snapshots only
+  - at its last block boundary (a resent prompt, or the next turn of a chat or an agent
+    loop, which starts with this whole prompt, resumes there), and
+  - where it leaves the cached tokens (the block boundary at which it branches off a
+    cached path that has no snapshot there yet): the prefix two requests share, e.g. a
+    system prompt and tool list, so the third request on it resumes there.
+
+Memory: every byte is reserved in the engine's MemoryBudget (rows and cache share it) and
+capped at `max_bytes`. Least recently used snapshots go first when the cache is full or
+when a row must be admitted; a node's KV goes when nothing below it needs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.cache.budget import MemoryBudget
+
+
+@dataclass(eq=False)
+class _Node:
+    node_id: int
+    parent: _Node | None
+    tokens: tuple[int, ...]  # this block's token ids
+    depth: int  # blocks from the root: the node ends at token depth * block
+    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+    snapshot: bool = False
+    last_used: int = 0
+
+
+@dataclass(frozen=True)
+class CacheHit:
+    """What a prompt finds at admission. Written by PrefixIndex.match."""
+
+    chain: tuple[int, ...]  # node ids, root first, ending at the resumed snapshot
+    tokens: int  # prompt tokens covered (len(chain) * block); 0 = a miss
+    snapshot_at: tuple[int, ...]  # prompt positions (ascending) to snapshot at
+
+
+@dataclass(frozen=True)
+class CacheSave:
+    """Store a prefilled row's state. Written by the scheduler, applied by the runner
+    right after the chunk that ends at the snapshot's position."""
+
+    row_id: str
+    blocks: tuple[tuple[int, int], ...]  # (node id, block index in the row): KV to store
+    snapshot: int  # node id that keeps the row's DeltaNet state
+
+
+@dataclass(frozen=True)
+class CacheDrop:
+    """Arrays to free (after this step's restores and saves). Written by PrefixIndex."""
+
+    kv: tuple[int, ...] = ()  # node ids whose KV block goes
+    snapshots: tuple[int, ...] = ()  # node ids whose snapshot goes
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters since start (or since the last reset), for /metrics."""
+
+    lookup_tokens: int = 0  # prompt tokens of admitted requests
+    hit_tokens: int = 0  # of those, restored from the cache
+    evictions: int = 0  # snapshots evicted (LRU)
+    nbytes: int = 0  # reserved now
+
+
+class PrefixIndex:
+    """Trie of cached prompt blocks, LRU eviction and byte accounting."""
+
+    def __init__(
+        self,
+        block: int,
+        kv_block_bytes: int,
+        snapshot_bytes: int,
+        max_bytes: int,
+        budget: MemoryBudget,
+    ) -> None:
+        self.block = block
+        self.kv_block_bytes = kv_block_bytes
+        self.snapshot_bytes = snapshot_bytes
+        self.max_bytes = max_bytes
+        self.budget = budget
+        self.stats = PrefixCacheStats()
+        self._root = _Node(-1, None, (), 0)
+        self._next_id = 0
+        self._clock = 0
+        self._snapshots: dict[int, _Node] = {}  # node id -> node, for eviction
+        self._dropped_kv: list[int] = []
+        self._dropped_snapshots: list[int] = []
+
+    # -- lookup -------------------------------------------------------------------------
+    def match(self, prompt: Sequence[int]) -> CacheHit:
+        """The longest cached prefix of `prompt` to resume from, and where to snapshot."""
+        self._clock += 1
+        last = (len(prompt) - 1) // self.block  # deepest usable boundary (1 token left)
+        path = self._walk(prompt, last)
+        resume = max((i for i, n in enumerate(path) if n.snapshot), default=-1) + 1
+        for node in path[:resume]:
+            node.last_used = self._clock
+        tokens = resume * self.block
+        points = {d * self.block for d in (len(path), last) if d > resume}
+        self.stats.lookup_tokens += len(prompt)
+        self.stats.hit_tokens += tokens
+        chain = tuple(n.node_id for n in path[:resume])
+        return CacheHit(chain, tokens, tuple(sorted(points)))
+
+    def _walk(self, prompt: Sequence[int], depth: int) -> list[_Node]:
+        """Nodes matching the prompt's first `depth` blocks, root's child first."""
+        path, node = [], self._root
+        for d in range(depth):
+            node = node.children.get(self._block_of(prompt, d))
+            if node is None:
+                break
+            path.append(node)
+        return path
+
+    def _block_of(self, prompt: Sequence[int], d: int) -> tuple[int, ...]:
+        return tuple(prompt[d * self.block : (d + 1) * self.block])
+
+    # -- insertion ----------------------------------------------------------------------
+    def insert(self, row_id: str, prompt: Sequence[int], position: int) -> CacheSave | None:
+        """Add a snapshot at `position` (a block boundary) of `prompt`, creating the nodes
+        whose KV is missing. None when it exists already or finds no room."""
+        assert position % self.block == 0 and position > 0, "snapshots sit at block ends"
+        depth = position // self.block
+        path = self._walk(prompt, depth)
+        if len(path) == depth and path[-1].snapshot:
+            return None
+        missing = depth - len(path)
+        if not self._make_room(missing * self.kv_block_bytes + self.snapshot_bytes, path):
+            return None
+        node = path[-1] if path else self._root
+        for d in range(len(path), depth):
+            node = self._add_child(node, self._block_of(prompt, d))
+            path.append(node)
+        node.snapshot = True
+        self._snapshots[node.node_id] = node
+        self._reserve(self.snapshot_bytes)
+        for n in path:
+            n.last_used = self._clock
+        blocks = tuple((n.node_id, n.depth - 1) for n in path[depth - missing :])
+        return CacheSave(row_id, blocks, node.node_id)
+
+    def _add_child(self, parent: _Node, tokens: tuple[int, ...]) -> _Node:
+        node = _Node(self._next_id, parent, tokens, parent.depth + 1)
+        self._next_id += 1
+        parent.children[tokens] = node
+        self._reserve(self.kv_block_bytes)
+        return node
+
+    def _reserve(self, nbytes: int) -> None:
+        self.budget.reserve(nbytes)
+        self.stats.nbytes += nbytes
+
+    def _release(self, nbytes: int) -> None:
+        self.budget.release(nbytes)
+        self.stats.nbytes -= nbytes
+
+    # -- eviction -----------------------------------------------------------------------
+    def _make_room(self, nbytes: int, keep: Sequence[_Node] = ()) -> bool:
+        """Evict LRU snapshots (never those on `keep`) until `nbytes` more fit both the
+        cap and the budget; False (nothing evicted) when they cannot."""
+        if nbytes > self.max_bytes:
+            return False
+        protected = {n.node_id for n in keep}
+        victims = sorted(
+            (n for n in self._snapshots.values() if n.node_id not in protected),
+            key=lambda n: n.last_used,
+        )
+        freeable = sum(self._freed_by(n, protected) for n in victims)
+        if not self._fits(nbytes, freeable):
+            return False
+        for victim in victims:
+            if self._fits(nbytes, 0):
+                break
+            self._evict(victim, protected)
+        return self._fits(nbytes, 0)
+
+    def _fits(self, nbytes: int, freeable: int) -> bool:
+        within_cap = self.stats.nbytes - freeable + nbytes <= self.max_bytes
+        return within_cap and self.budget.can_reserve(nbytes - freeable)
+
+    def _freed_by(self, node: _Node, protected: set[int]) -> int:
+        """Bytes evicting `node`'s snapshot frees (only an upper bound is needed to
+        decide whether eviction can help: its KV counts if it is a leaf)."""
+        leaf = not node.children and node.node_id not in protected
+        return self.snapshot_bytes + (self.kv_block_bytes * node.depth if leaf else 0)
+
+    def evict_for(self, nbytes: int) -> bool:
+        """Free cached state until a row reservation of `nbytes` fits the budget (rows
+        come before the cache). False when even an empty cache would not make it fit."""
+        if self.budget.can_reserve(nbytes):
+            return True
+        if not self.budget.can_reserve(nbytes - self.stats.nbytes):
+            return False
+        for victim in sorted(self._snapshots.values(), key=lambda n: n.last_used):
+            self._evict(victim, set())
+            if self.budget.can_reserve(nbytes):
+                return True
+        return self.budget.can_reserve(nbytes)
+
+    def _evict(self, node: _Node, protected: set[int]) -> None:
+        node.snapshot = False
+        del self._snapshots[node.node_id]
+        self._dropped_snapshots.append(node.node_id)
+        self._release(self.snapshot_bytes)
+        self.stats.evictions += 1
+        # Prune upwards: a node without a snapshot and without children resumes nothing.
+        while node is not self._root and not node.children and not node.snapshot:
+            if node.node_id in protected:
+                break
+            assert node.parent is not None
+            del node.parent.children[node.tokens]
+            self._dropped_kv.append(node.node_id)
+            self._release(self.kv_block_bytes)
+            node = node.parent
+
+    def take_drops(self) -> CacheDrop | None:
+        """The arrays freed since the last call (the next step's output carries them)."""
+        if not self._dropped_kv and not self._dropped_snapshots:
+            return None
+        drop = CacheDrop(tuple(self._dropped_kv), tuple(self._dropped_snapshots))
+        self._dropped_kv, self._dropped_snapshots = [], []
+        return drop
+
+    def reset(self) -> None:
+        """Forget everything (the row states were lost: a step failed)."""
+        self.budget.release(self.stats.nbytes)
+        self.stats.nbytes = 0
+        self._root = _Node(-1, None, (), 0)
+        self._snapshots = {}
+        self._dropped_kv, self._dropped_snapshots = [], []

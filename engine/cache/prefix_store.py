@@ -1,0 +1,87 @@
+"""The prefix cache's arrays, under the node ids of engine/cache/prefix_index.py.
+
+Per node: its block's KV in every full-attention layer, in the store's encoded form
+(fp, affine or TurboQuant arrays, each [1, Hkv, block, X]: a hit never re-encodes), and,
+for snapshot nodes, every DeltaNet layer's conv tail [1, K-1, C] and recurrent state
+[1, Hv, Dv, Dk]. Blocks are shared by every cached prefix that passes through them.
+
+A hit builds the row's own B=1 prefill state from a chain of nodes: its KV columns are
+the blocks concatenated (one copy, because a row's attention reads one contiguous
+[B, Hkv, T, X] slab), its DeltaNet state the snapshot's arrays themselves (arrays are
+values: the row's next chunk makes new ones and the snapshot stays as it was).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from engine.cache.batch import BatchState
+from engine.cache.kv import KVStore, fresh_copy
+from engine.cache.prefix_index import CacheDrop, CacheSave
+from engine.cache.ssm import SSMState
+
+
+class PrefixStore:
+    """Node id -> arrays; save from and restore into B=1 prefill states."""
+
+    def __init__(self, block: int, new_state: Callable[[], BatchState]) -> None:
+        self.block = block
+        self._new_state = new_state
+        self.kv: dict[int, list[list[mx.array]]] = {}  # node -> per attention layer
+        self.snapshots: dict[int, list[tuple[mx.array, mx.array]]] = {}  # node -> per DeltaNet
+
+    def save(self, state: BatchState, save: CacheSave) -> list[mx.array]:
+        """Copy the new blocks' KV and the DeltaNet state out of a B=1 prefill state that
+        has just computed exactly up to the snapshot's block boundary. Returns the new
+        arrays (lazy: the caller evaluates them with the step)."""
+        new: list[mx.array] = []
+        for node_id, index in save.blocks:
+            lo = index * self.block
+            per_layer = []
+            for layer in state.layers:
+                if isinstance(layer, KVStore):
+                    assert layer.num_rows == 1 and layer.left_pad == [0], "a B=1 prefill state"
+                    per_layer.append(
+                        [fresh_copy(a[:, :, lo : lo + self.block]) for a in layer.state_arrays()]
+                    )
+            self.kv[node_id] = per_layer
+            new += [a for arrays in per_layer for a in arrays]
+        snapshot = []
+        for layer in state.layers:
+            if isinstance(layer, SSMState):
+                assert layer.conv is not None and layer.ssm is not None, "state not computed"
+                snapshot.append((layer.conv, layer.ssm))
+        self.snapshots[save.snapshot] = snapshot
+        return new
+
+    def restore(self, chain: tuple[int, ...]) -> BatchState:
+        """A fresh B=1 state holding the chain's tokens: KV blocks joined in order, the
+        DeltaNet state of the chain's last node."""
+        state = self._new_state()
+        blocks = [self.kv[node_id] for node_id in chain]
+        snapshot = iter(self.snapshots[chain[-1]])
+        kv_index = 0
+        for layer in state.layers:
+            if isinstance(layer, KVStore):
+                per_array = zip(*(b[kv_index] for b in blocks), strict=True)
+                layer.load([mx.concatenate(parts, axis=2) for parts in per_array])
+                kv_index += 1
+            elif isinstance(layer, SSMState):
+                layer.conv, layer.ssm = next(snapshot)
+        return state
+
+    def drop(self, drop: CacheDrop) -> None:
+        for node_id in drop.kv:
+            self.kv.pop(node_id, None)
+        for node_id in drop.snapshots:
+            self.snapshots.pop(node_id, None)
+
+    def reset(self) -> None:
+        self.kv, self.snapshots = {}, {}
+
+    def nbytes(self) -> int:
+        kv = sum(a.nbytes for layers in self.kv.values() for arrs in layers for a in arrs)
+        ssm = sum(c.nbytes + s.nbytes for snap in self.snapshots.values() for c, s in snap)
+        return kv + ssm

@@ -1,0 +1,154 @@
+"""The prefix cache inside the real engine: a hit changes no token, and memory adds up.
+
+Greedy outputs with the cache on (cold, then hitting) equal those of an engine without
+it, for dense and MoE checkpoints and every KV kind, for prompts that share a prefix
+ending at, before and after a block boundary. The peaked tiny checkpoints make
+token-exact comparisons meaningful (tests/test_engine_batching.py).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.config import EngineConfig, KVCacheConfig
+from engine.engine import LLMEngine
+from engine.types import GenerationRequest, SamplingParams
+from models.build import LoadedModel, load_model
+from models.testing import cached_checkpoint
+
+BLOCK = 16
+KINDS = {
+    "fp": KVCacheConfig(),
+    "affine4": KVCacheConfig(kind="affine", bits=4),
+    "affine8": KVCacheConfig(kind="affine", bits=8),
+    "tq_k8v3": KVCacheConfig(kind="turboquant", key_bits=8, value_bits=3),
+}
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-moe"])
+def loaded(request: pytest.FixtureRequest) -> LoadedModel:
+    return load_model(str(cached_checkpoint(request.param)))
+
+
+def _config(cache: bool, kv: KVCacheConfig = KINDS["fp"], **kw) -> EngineConfig:
+    return EngineConfig(
+        max_num_seqs=16,
+        max_num_batched_tokens=48,
+        max_prefill_chunk=24,
+        prefix_cache=cache,
+        prefix_block_tokens=BLOCK,
+        kv_cache=kv,
+        **kw,
+    )
+
+
+def _greedy(max_tokens: int = 8) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 240000) for _ in range(n)]
+
+
+def _sharing_prompts(seed: int = 0) -> list[list[int]]:
+    """A base prompt, itself again, then prompts leaving it at, before and after a block
+    boundary (and one a block longer)."""
+    rng = random.Random(seed)
+    base = _tokens(rng, 4 * BLOCK + 5)
+    shared = [2 * BLOCK, 2 * BLOCK - 1, 2 * BLOCK + 1, 3 * BLOCK]
+    return [base, base] + [base[:n] + _tokens(rng, 20) for n in shared] + [base + base[:BLOCK]]
+
+
+def _cached(engine: LLMEngine, prompt: list[int]) -> tuple[list[int], int]:
+    """Run one request alone; its tokens and the cached-token count it reported."""
+    engine.add_request(GenerationRequest("one", tuple(prompt), _greedy()))
+    tokens, cached = [], -1
+    while engine.has_work():
+        for delta in engine.step():
+            tokens += delta.token_ids
+            cached = delta.num_cached_tokens
+    return tokens, cached
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hits_are_token_exact(loaded: LoadedModel, kind: str) -> None:
+    if loaded.config.num_experts and kind != "fp":
+        pytest.skip("MoE runs the fp kind; the KV kinds do not depend on the MLP")
+    prompts = _sharing_prompts()
+    expected = LLMEngine(loaded, _config(False, KINDS[kind])).generate(prompts, _greedy())
+    engine = LLMEngine(loaded, _config(True, KINDS[kind]))
+    results = [_cached(engine, p) for p in prompts]
+    for prompt, want, (got, _) in zip(prompts, expected, results, strict=True):
+        assert got == want.token_ids, f"prompt of {len(prompt)} tokens"
+    cached = [c for _, c in results]
+    # cold; resent (last boundary); at 32 the first prompt left no snapshot, so these
+    # take one at their branch point (32) and the next hits it; a block longer: resumes
+    # at the base prompt's last boundary.
+    assert cached == [0, 4 * BLOCK, 0, 0, 2 * BLOCK, 2 * BLOCK, 4 * BLOCK]
+    assert engine.states.prefix.nbytes() == engine.prefix_cache.stats.nbytes
+
+
+def test_forks_of_a_hit_equal_the_uncached_forks(loaded: LoadedModel) -> None:
+    rng = random.Random(1)
+    prompt = _tokens(rng, 3 * BLOCK + 3)
+    params = SamplingParams(temperature=0.8, max_tokens=6, seed=11, ignore_eos=True)
+    engines = [LLMEngine(loaded, _config(c)) for c in (False, True, True)]
+    outputs = []
+    for engine in engines[:2]:
+        engine.add_request(GenerationRequest("warm", tuple(prompt), _greedy()))
+        while engine.has_work():
+            engine.step()
+    for engine in engines:
+        engine.add_request(GenerationRequest("n3", tuple(prompt), params, n=3))
+        tokens: dict[int, list[int]] = {}
+        while engine.has_work():
+            for delta in engine.step():
+                tokens.setdefault(delta.index, []).extend(delta.token_ids)
+        outputs.append(tokens)
+    assert engines[1].prefix_cache.stats.hit_tokens == 3 * BLOCK
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_concurrent_sharing_while_evicting_and_memory_adds_up(loaded: LoadedModel) -> None:
+    """40 requests over 3 shared prefixes arrive in waves while a small cache evicts;
+    every output equals the uncached engine's, and after every step the cache's arrays
+    are exactly what its index reserved, within the budget."""
+    rng = random.Random(2)
+    heads = [_tokens(rng, rng.choice([BLOCK, 2 * BLOCK + 3, 3 * BLOCK])) for _ in range(3)]
+    prompts = [rng.choice(heads) + _tokens(rng, rng.randrange(1, 30)) for _ in range(40)]
+    waves = {10 * w: prompts[8 * w : 8 * w + 8] for w in range(5)}
+    expected = _drive(LLMEngine(loaded, _config(False)), waves)
+    probe = LLMEngine(loaded, _config(True))
+    snapshot = probe.prefix_cache.snapshot_bytes + BLOCK * probe.budget.costs.kv_bytes_per_token
+    engine = LLMEngine(loaded, _config(True, prefix_cache_bytes=4 * snapshot))
+    got = _drive(engine, waves, check=True)
+    assert got == expected
+    stats = engine.prefix_cache.stats
+    assert stats.hit_tokens > 0 and stats.evictions > 0
+
+
+def _drive(
+    engine: LLMEngine, waves: dict[int, list[list[int]]], check: bool = False
+) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_work() or any(s >= step for s in waves):
+        for i, prompt in enumerate(waves.get(step, [])):
+            engine.add_request(GenerationRequest(f"{step}-{i}", tuple(prompt), _greedy(6)))
+        for delta in engine.step():
+            tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+        if check:
+            index = engine.prefix_cache
+            assert engine.states.prefix.nbytes() == index.stats.nbytes
+            assert engine.budget.reserved <= engine.budget.total
+        step += 1
+    return tokens
+
+
+def test_no_prefix_cache_config_builds_none(loaded: LoadedModel) -> None:
+    engine = LLMEngine(loaded, _config(False))
+    assert engine.prefix_cache is None and engine.states.prefix is None
+    start16 = KVCacheConfig(kind="affine", bits=8, start=16)
+    assert LLMEngine(loaded, _config(True, start16)).prefix_cache is None
