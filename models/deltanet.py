@@ -1,6 +1,18 @@
-"""Gated DeltaNet (linear attention) layer of Qwen3.5."""
+"""Gated DeltaNet (linear attention) layer of Qwen3.5.
+
+Everything between the input projections and out_proj (conv, L2 norms, gates, the
+recurrence, the gated norm) is one pure function, `deltanet_core`. For prefill (L > 1) on
+Metal/CUDA it runs through mx.compile, traced once per input shape and shared by every
+layer: eagerly it is ~250 small ops per layer (the chunked recurrence is most of them), and
+on the GPU an eager op costs ~8 us of graph building and launch whatever its size, so a
+prefill step was op-bound (see bench/README.md). Decode (L == 1) already runs inside the
+engine's compiled step (engine/decode.py).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache, partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -9,7 +21,7 @@ from kernels import fastmath
 from kernels.gated_delta import gated_delta
 from models.config import TextConfig
 from models.fused import fuse_into
-from models.layers import GatedRMSNorm
+from models.layers import GatedRMSNorm, gated_rms_norm
 from models.state import RecurrentState
 
 
@@ -18,11 +30,15 @@ def _l2_normalize(x: mx.array, eps: float = 1e-6) -> mx.array:
 
 
 def shifted_conv_input(
-    conv_state: mx.array, x: mx.array, mask: mx.array | None, left_pad: tuple[int, ...] | None
+    conv_state: mx.array,
+    x: mx.array,
+    mask: mx.array | None,
+    left_pad: tuple[int, ...] | mx.array | None,
 ) -> mx.array:
     """[B, K-1, C] state + [B, L, C] inputs -> [B, K-1+L, C] with each row's state adjacent
     to its first real token, so left padding never sits between a row's history and its
-    new tokens (padding moves to the far left, as zeros)."""
+    new tokens (padding moves to the far left, as zeros). left_pad: per-row pad counts
+    (tuple or [B] int32 array; only read when mask is given)."""
     if mask is None:
         return mx.concatenate([conv_state, x], axis=1)
     x = mx.where(mask[..., None], x, mx.zeros_like(x))
@@ -36,9 +52,81 @@ def shifted_conv_input(
     return mx.where((j >= pad)[..., None], gathered, mx.zeros_like(gathered))
 
 
+@dataclass(frozen=True)
+class CoreDims:
+    """The static sizes `deltanet_core` needs (hashable: one compiled trace set per dims)."""
+
+    num_k_heads: int
+    head_k_dim: int
+    num_v_heads: int
+    head_v_dim: int
+    norm_eps: float
+
+
+def deltanet_core(
+    dims: CoreDims,
+    qkv: mx.array,
+    z: mx.array,
+    beta_in: mx.array,
+    a_in: mx.array,
+    conv_state: mx.array,
+    ssm: mx.array,
+    conv_w: mx.array,
+    a_log: mx.array,
+    dt_bias: mx.array,
+    norm_w: mx.array,
+    mask: mx.array | None = None,
+    left_pad: mx.array | None = None,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Projections in, out_proj input out; a pure function of arrays (so it compiles).
+
+    qkv [B, L, conv_dim], z [B, L, value_dim], beta_in / a_in [B, L, Hv] (projection
+    outputs); conv_state [B, K-1, conv_dim]; ssm [B, Hv, Dv, Dk] float32; conv_w [C, K];
+    mask [B, L] bool and left_pad [B] int32 (both or neither). Returns y [B, L, value_dim]
+    (in qkv's dtype), the new conv tail and the new recurrent state.
+    """
+    b, length, _ = qkv.shape
+    kernel = conv_w.shape[-1]
+    key_dim = dims.num_k_heads * dims.head_k_dim
+    full = shifted_conv_input(conv_state.astype(qkv.dtype), qkv, mask, left_pad)
+    w = conv_w.astype(qkv.dtype)
+    conv = full[:, 0:length] * w[:, 0]
+    for j in range(1, kernel):
+        conv = conv + full[:, j : j + length] * w[:, j]
+    conv = fastmath.silu(conv)
+    q = conv[..., :key_dim].reshape(b, length, dims.num_k_heads, dims.head_k_dim)
+    k = conv[..., key_dim : 2 * key_dim].reshape(q.shape)
+    v = conv[..., 2 * key_dim :].reshape(b, length, dims.num_v_heads, dims.head_v_dim)
+    q = _l2_normalize(q.astype(mx.float32)) * (dims.head_k_dim**-0.5)
+    k = _l2_normalize(k.astype(mx.float32))
+    beta = fastmath.sigmoid(beta_in.astype(mx.float32))
+    a = a_in.astype(mx.float32) + dt_bias
+    g = -mx.exp(a_log) * mx.logaddexp(a, mx.zeros_like(a))  # log-decay <= 0
+    y, ssm = gated_delta(q, k, v, g, beta, ssm, mask)
+    z = z.reshape(b, length, dims.num_v_heads, dims.head_v_dim)
+    y = gated_rms_norm(y, z, norm_w, dims.norm_eps).reshape(b, length, -1)
+    return y, full[:, -(kernel - 1) :], ssm
+
+
+@cache
+def _compiled_core(dims: CoreDims):
+    """One compiled core per dims, shared by every layer of that size (one trace per
+    input shape and mask presence, replayed by all of them)."""
+    return mx.compile(partial(deltanet_core, dims))
+
+
+def compile_prefill_default() -> bool:
+    """Compiled prefill core on Metal/CUDA (op-bound there); plain ops on the CPU, where
+    an op's cost is its arithmetic and compiling only adds traces."""
+    return mx.default_device() != mx.cpu
+
+
 class GatedDeltaNet(nn.Module):
     """in_proj -> causal depthwise conv + SiLU -> L2-normed q/k -> gated delta rule ->
-    gated RMSNorm -> out_proj. State: conv tail [B, K-1, C] and recurrent [B, Hv, Dv, Dk]."""
+    gated RMSNorm -> out_proj. State: conv tail [B, K-1, C] and recurrent [B, Hv, Dv, Dk].
+
+    compile_prefill: run `deltanet_core` compiled for L > 1; None = compile_prefill_default().
+    """
 
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
@@ -50,6 +138,10 @@ class GatedDeltaNet(nn.Module):
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = cfg.conv_dim
+        self.compile_prefill: bool | None = None
+        self._dims = CoreDims(
+            self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim, cfg.rms_norm_eps
+        )
         hidden = cfg.hidden_size
         self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
         self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
@@ -72,18 +164,11 @@ class GatedDeltaNet(nn.Module):
         """After loading: the four input projections as one matmul (models/fused.py)."""
         fuse_into(self, ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"], "in_proj")
 
-    def _conv(self, x: mx.array, state: RecurrentState, mask, left_pad) -> mx.array:
-        """Causal depthwise conv over [state tail, x]; updates state.conv. x [B, L, C]."""
-        b, length, c = x.shape
-        tail = self.kernel_size - 1
-        conv_state = state.conv if state.conv is not None else mx.zeros((b, tail, c), x.dtype)
-        full = shifted_conv_input(conv_state.astype(x.dtype), x, mask, left_pad)
-        state.conv = full[:, -tail:]
-        w = self.conv1d.weight.astype(x.dtype)
-        out = full[:, 0:length] * w[:, 0]
-        for j in range(1, self.kernel_size):
-            out = out + full[:, j : j + length] * w[:, j]
-        return fastmath.silu(out)
+    def _use_compiled(self, length: int) -> bool:
+        enabled = self.compile_prefill
+        if enabled is None:
+            enabled = compile_prefill_default()
+        return enabled and length > 1
 
     def __call__(
         self,
@@ -95,19 +180,16 @@ class GatedDeltaNet(nn.Module):
         """x [B, L, H] -> [B, L, H]; mask [B, L] (True = real) keeps pads out of the state."""
         b, length, _ = x.shape
         qkv, z, beta_in, a_in = self._project(x)
-        qkv = self._conv(qkv, state, mask, left_pad)
-        q = qkv[..., : self.key_dim].reshape(b, length, self.num_k_heads, self.head_k_dim)
-        k = qkv[..., self.key_dim : 2 * self.key_dim].reshape(q.shape)
-        v = qkv[..., 2 * self.key_dim :].reshape(b, length, self.num_v_heads, self.head_v_dim)
-        q = _l2_normalize(q.astype(mx.float32)) * (self.head_k_dim**-0.5)
-        k = _l2_normalize(k.astype(mx.float32))
-        beta = fastmath.sigmoid(beta_in.astype(mx.float32))
-        a = a_in.astype(mx.float32) + self.dt_bias
-        g = -mx.exp(self.A_log) * mx.logaddexp(a, mx.zeros_like(a))  # log-decay <= 0
+        conv_state = state.conv
+        if conv_state is None:
+            conv_state = mx.zeros((b, self.kernel_size - 1, self.conv_dim), qkv.dtype)
         ssm = state.ssm
         if ssm is None:
             ssm = mx.zeros((b, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
-        y, state.ssm = gated_delta(q, k, v, g, beta, ssm, mask)
-        z = z.reshape(b, length, self.num_v_heads, self.head_v_dim)
-        y = self.norm(y, z).reshape(b, length, self.value_dim)
+        core = _compiled_core(self._dims) if self._use_compiled(length) else None
+        if core is None:
+            core = partial(deltanet_core, self._dims)
+        masked = () if mask is None else (mask, mx.array(left_pad, dtype=mx.int32))
+        weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
+        y, state.conv, state.ssm = core(qkv, z, beta_in, a_in, conv_state, ssm, *weights, *masked)
         return self.out_proj(y)

@@ -34,10 +34,15 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
-        normed = mx.fast.rms_norm(x.astype(mx.float32), None, self.eps)
-        gate = gate.astype(mx.float32)
-        out = self.weight.astype(mx.float32) * normed * fastmath.silu(gate)
-        return out.astype(x.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)
+
+
+def gated_rms_norm(x: mx.array, gate: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """weight * rmsnorm(x) * silu(gate) in float32, returned in x's dtype (a pure function,
+    so compiled callers pass the weight in)."""
+    normed = mx.fast.rms_norm(x.astype(mx.float32), None, eps)
+    out = weight.astype(mx.float32) * normed * fastmath.silu(gate.astype(mx.float32))
+    return out.astype(x.dtype)
 
 
 def mrope_axis_map(num_freqs: int, sections: tuple[int, ...]) -> list[int]:
