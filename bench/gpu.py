@@ -3,10 +3,12 @@ at the published Qwen3.5 shapes.
 
     python -m bench.gpu --shape 0.8B --batches 1 8 32 64 --prompt 128 --gen 128
     python -m bench.gpu --shape 9B --batches 1 16 64 --prompt 512 --gen 128
+    python -m bench.gpu --shape 35B-A3B-mlx-4bit --batches 1 16 --prompt 512 --gen 128
 
 Per batch size: tok/s over the whole run, decode tok/s (after every row has its first
 token), TTFT p50, and the decode rate as a share of the HBM roofline (every step reads the
-weights once plus each row's state; --hbm bytes/s). Before timing, it checks that the
+weights once, only the experts its tokens route to for MoE, plus each row's state; --hbm
+bytes/s). Before timing, it checks that the
 compiled decode step gives the uncompiled step's greedy tokens on this device. Prints JSON
 lines, then one markdown table; --out also writes the JSON lines to a file.
 """
@@ -20,9 +22,28 @@ import time
 from bench.engine_throughput import MlxLm, Ours, throughput
 
 
-def roofline_tok_s(weight_bytes: int, row_bytes: int, batch: int, hbm: float) -> float:
+def roofline_tok_s(weight_bytes: float, row_bytes: int, batch: int, hbm: float) -> float:
     """Decode tokens/s if a step cost only its memory traffic: weights + B rows of state."""
     return batch * hbm / (weight_bytes + batch * row_bytes)
+
+
+def step_weight_bytes(loaded, batch: int) -> float:
+    """Weight bytes one decode step of `batch` rows reads. Dense: all of them. MoE: all but
+    the routed experts, plus the expected number of distinct experts that B tokens with
+    top-k picks each touch, E (1 - (1 - k/E)^B) (uniform routing, as random weights give)."""
+    import mlx.nn as nn
+
+    from models.layers import SparseMoE
+
+    total = loaded.weight_bytes()
+    for layer in loaded.model.layers:
+        if isinstance(layer.mlp, SparseMoE):
+            experts = layer.mlp.experts
+            size = sum(v.nbytes for _, v in nn.utils.tree_flatten(experts.parameters()))
+            count = layer.mlp.gate.weight.shape[0]  # router rows = experts (packed or not)
+            used = count * (1 - (1 - layer.mlp.top_k / count) ** batch)
+            total -= size * (1 - used / count)
+    return total
 
 
 def check_compiled(ours: Ours, prompt_len: int) -> dict:
@@ -77,7 +98,6 @@ def main() -> None:
         ours = Ours(path, args.budget, args.chunk, pack=False)
         impls.append(ours)
         lines.append(check_compiled(ours, args.prompt))
-        weights = ours.loaded.weight_bytes()
         row = ours.make().budget.row_bytes(args.prompt + args.gen // 2)
     if args.only in (None, "mlx_lm"):
         impls.append(MlxLm(path, args.budget, args.chunk))
@@ -90,7 +110,9 @@ def main() -> None:
             r = throughput(impl, batch, args.gen, args.gen, args.prompt, args.prompt)
             if args.only != "mlx_lm":
                 r["roofline_pct"] = (
-                    100 * r["decode_tok_s"] / roofline_tok_s(weights, row, batch, args.hbm)
+                    100
+                    * r["decode_tok_s"]
+                    / roofline_tok_s(step_weight_bytes(ours.loaded, batch), row, batch, args.hbm)
                 )
             results[impl.name] = r
             lines.append(r)

@@ -19,13 +19,16 @@ from models.testing.checkpoint import (
     write_hf_checkpoint,
 )
 from models.testing.config import SHAPES, hf_config, resolve_shape, text_config
+from models.testing.quantized import write_mlx_quantized
 from models.testing.tokenizer import write_tokenizer
 
 # Bump when the writer's output changes, so stale cached checkpoints are not reused.
 CACHE_VERSION = 1
 DEFAULT_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "checkpoints"
 
-# Named checkpoints for tests. "source" + "bits": mlx-lm conversion of another entry.
+# Named checkpoints for tests. "source" + "bits": mlx-lm conversion of another entry;
+# "direct_bits": the mlx-community quantized layout written directly (models/testing/
+# quantized.py), for shapes whose bf16 source does not fit the disk.
 CACHED: dict[str, dict] = {
     "tiny": {"shape": "tiny"},
     "tiny-tied": {"shape": "tiny-tied"},
@@ -38,6 +41,7 @@ CACHED: dict[str, dict] = {
     "tiny-moe-mlx-4bit": {"source": "tiny-moe", "bits": 4},
     "tiny-inexact-mlx-8bit": {"source": "tiny-inexact", "bits": 8},
     "demo": {"shape": "small"},
+    "35B-A3B-mlx-4bit": {"shape": "35B-A3B", "direct_bits": 4},
 }
 
 
@@ -66,6 +70,8 @@ def cached_checkpoint(name: str) -> Path:
         out = staging / "ckpt"
         if "source" in spec:
             convert_to_mlx(cached_checkpoint(spec["source"]), out, spec["bits"])
+        elif "direct_bits" in spec:
+            write_mlx_quantized(out, spec["shape"], spec["direct_bits"])
         else:
             write_checkpoint(out, **spec)
         try:
@@ -90,5 +96,6 @@ __all__ = [
     "text_config",
     "write_checkpoint",
     "write_hf_checkpoint",
+    "write_mlx_quantized",
     "write_tokenizer",
 ]

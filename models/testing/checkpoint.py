@@ -48,6 +48,8 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: str  # "BF16" or "F32"
     chunks: Chunks
+    std: float = 0.0  # a projection's N(0, std) values (0: not a projection)
+    zero_centred: bool = False  # a zero-centred RMSNorm weight (gain = 1 + w)
 
     @property
     def nbytes(self) -> int:
@@ -98,19 +100,24 @@ class _Plan:
         self.writer_std = residual * writer_gain
         self.gain_grid = GAIN_STEP if exact_gains else None
 
-    def add(self, name: str, shape: tuple[int, ...], chunks: Chunks, dtype: str = "BF16") -> None:
-        self.specs.append(TensorSpec(name, shape, dtype, chunks))
+    def add(
+        self, name: str, shape: tuple[int, ...], chunks: Chunks, dtype: str = "BF16", **kw
+    ) -> None:
+        self.specs.append(TensorSpec(name, shape, dtype, chunks, **kw))
 
     def reader(self, name: str, out: int, inp: int) -> None:
         """A projection fed by a normalised input: unit gain."""
-        self.add(name, (out, inp), _normal(name, (out, inp), inp**-0.5))
+        std = inp**-0.5
+        self.add(name, (out, inp), _normal(name, (out, inp), std), std=std)
 
     def writer(self, name: str, out: int, inp: int) -> None:
         """A projection that writes into the residual stream (o_proj, out_proj, down_proj)."""
-        self.add(name, (out, inp), _normal(name, (out, inp), self.writer_std * inp**-0.5))
+        std = self.writer_std * inp**-0.5
+        self.add(name, (out, inp), _normal(name, (out, inp), std), std=std)
 
     def zero_centred_norm(self, name: str, size: int) -> None:
-        self.add(name, (size,), _normal(name, (size,), ZERO_CENTRED_STD, grid=self.gain_grid))
+        chunks = _normal(name, (size,), ZERO_CENTRED_STD, grid=self.gain_grid)
+        self.add(name, (size,), chunks, zero_centred=True)
 
 
 def _attention(p: _Plan, pre: str, s: Shape) -> None:
@@ -153,15 +160,16 @@ def _moe(p: _Plan, pre: str, s: Shape, per_expert: bool) -> None:
     gate = [_normal(f"{x}.gate_proj.weight", (inter, h), h**-0.5) for x in names]
     up = [_normal(f"{x}.up_proj.weight", (inter, h), h**-0.5) for x in names]
     down = [_normal(f"{x}.down_proj.weight", (h, inter), p.writer_std * inter**-0.5) for x in names]
+    up_std, down_std = h**-0.5, p.writer_std * inter**-0.5
     if per_expert:
         for x, g, u, d in zip(names, gate, up, down, strict=True):
-            p.add(f"{x}.gate_proj.weight", (inter, h), g)
-            p.add(f"{x}.up_proj.weight", (inter, h), u)
-            p.add(f"{x}.down_proj.weight", (h, inter), d)
+            p.add(f"{x}.gate_proj.weight", (inter, h), g, std=up_std)
+            p.add(f"{x}.up_proj.weight", (inter, h), u, std=up_std)
+            p.add(f"{x}.down_proj.weight", (h, inter), d, std=down_std)
     else:  # published layout: gate rows then up rows per expert
         fused = [part for g, u in zip(gate, up, strict=True) for part in (g, u)]
-        p.add(f"{pre}.mlp.experts.gate_up_proj", (n, 2 * inter, h), _stacked(fused))
-        p.add(f"{pre}.mlp.experts.down_proj", (n, h, inter), _stacked(down))
+        p.add(f"{pre}.mlp.experts.gate_up_proj", (n, 2 * inter, h), _stacked(fused), std=up_std)
+        p.add(f"{pre}.mlp.experts.down_proj", (n, h, inter), _stacked(down), std=down_std)
     _swiglu(p, f"{pre}.mlp.shared_expert", h, s.shared_intermediate)
     p.reader(f"{pre}.mlp.shared_expert_gate.weight", 1, h)
 
@@ -212,13 +220,14 @@ def tensor_plan(
     p = _Plan(head_std, TIED_WRITER_GAIN, exact_gains) if s.tied else _Plan(1.0, 1.0, exact_gains)
     lm, per_expert = "model.language_model", experts == "per_expert"
     embed = f"{lm}.embed_tokens.weight"
-    p.add(embed, (VOCAB_SIZE, s.hidden), _normal(embed, (VOCAB_SIZE, s.hidden), p.residual))
+    embed_chunks = _normal(embed, (VOCAB_SIZE, s.hidden), p.residual)
+    p.add(embed, (VOCAB_SIZE, s.hidden), embed_chunks, std=p.residual)
     for i in range(s.layers):
         _layer(p, f"{lm}.layers.{i}", s, (i + 1) % 4 == 0, per_expert)
     p.zero_centred_norm(f"{lm}.norm.weight", s.hidden)
     if not s.tied:
         head = (VOCAB_SIZE, s.hidden)
-        p.add("lm_head.weight", head, _normal("lm_head.weight", head, head_std))
+        p.add("lm_head.weight", head, _normal("lm_head.weight", head, head_std), std=head_std)
     _vision(p, s)
     p.reader("mtp.fc.weight", s.hidden, 2 * s.hidden)  # [embedding; hidden] -> hidden
     for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
