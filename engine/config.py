@@ -59,7 +59,10 @@ class EngineConfig:
     # Prefix cache (engine/cache/prefix_index.py)
     prefix_cache: bool = True  # resume prompts from the cached state of an earlier prefix
     prefix_cache_bytes: int = 0  # cap on cached state; 0 = half of the row-state budget
-    prefix_block_tokens: int = 64  # tokens per cached KV block; snapshots sit at block ends
+    prefix_block_tokens: int = 64  # tokens per cached KV block
+    # No snapshot before this many prompt tokens: taking one splits the prefill there (one
+    # more forward), which a short prefix does not repay
+    prefix_min_tokens: int = 512
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
 
     def __post_init__(self) -> None:
@@ -75,5 +78,7 @@ class EngineConfig:
             raise ValueError("memory_budget_bytes and max_context must be >= 0")
         if self.prefix_cache_bytes < 0 or self.prefix_block_tokens < 1:
             raise ValueError("prefix_cache_bytes must be >= 0 and prefix_block_tokens >= 1")
+        if self.prefix_min_tokens < 1:
+            raise ValueError("prefix_min_tokens must be >= 1")
         if self.max_stall_factor and self.max_stall_factor <= 1:
             raise ValueError("max_stall_factor must be > 1 (or 0 / unset: no latency bound)")

@@ -118,7 +118,12 @@ class LLMEngine:
         max_bytes = cfg.prefix_cache_bytes or self.budget.total // 2
         log.info("prefix cache: up to %.2f GiB, %d-token blocks", max_bytes / 2**30, block)
         return PrefixIndex(
-            block, block * costs.kv_bytes_per_token, costs.ssm_bytes_per_row, max_bytes, self.budget
+            block,
+            costs.kv_bytes_per_token,
+            costs.ssm_bytes_per_row,
+            max_bytes,
+            self.budget,
+            cfg.prefix_min_tokens,
         )
 
     def _log_budget(self) -> None:

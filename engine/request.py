@@ -40,6 +40,7 @@ class Request:
     # node chain to restore them from (cleared once its chunk is planned), and the prompt
     # positions at which to snapshot the row's state while prefilling.
     num_cached: int = 0
+    prefix_hint: int = 0  # GenerationRequest.prefix_hint
     cache_chain: tuple[int, ...] = ()
     snapshot_at: list[int] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)

@@ -132,6 +132,7 @@ class Scheduler:
             raise QueueFullError()
         parent, *children = choices
         parent.children = children
+        parent.prefix_hint = gen.prefix_hint
         self.waiting.append(parent)
 
     def abort(self, request_id: str) -> list[RequestOutput]:
@@ -262,10 +263,8 @@ class Scheduler:
         if req.snapshot_at and end >= req.snapshot_at[0]:
             end = req.snapshot_at.pop(0)
             length = end - req.num_computed
-            assert self.prefix is not None
-            save = self.prefix.insert(req.row_id, req.prompt_ids, end)
-            if save is not None:
-                self._saves.append(save)
+            save = self.prefix.insert(req.row_id, req.prompt_ids, end) if self.prefix else None
+            self._saves += [save] if save is not None else []
         is_last = end == req.num_prompt
         samplers = (req.row_id, *(c.row_id for c in req.children)) if is_last else ()
         chunk = PrefillChunk(req.row_id, req.num_computed, length, samplers, req.cache_chain)
@@ -276,13 +275,16 @@ class Scheduler:
         rows = 1 + len(req.children)
         if len(self.rows) + rows > self.config.max_num_seqs:
             return False
-        need = self._reservation(req)
+        new = (req, *req.children)
+        need = sum(self.budget.row_bytes(r.max_total_tokens()) for r in new)
+        need += self.budget.padding_bytes(self._lengths(*new)) - self.budget.padding
         if self.prefix is not None:
             return self.prefix.evict_for(need)  # rows come before cached prefixes
         return self.budget.can_reserve(need)
 
-    def _reservation(self, req: Request) -> int:
-        return sum(self.budget.row_bytes(r.max_total_tokens()) for r in (req, *req.children))
+    def _lengths(self, *joining: Request) -> list[int]:
+        """Worst-case tokens of every running row (and `joining`): what padding costs."""
+        return [r.max_total_tokens() for r in (*self.rows.values(), *joining)]
 
     def _admit(self, req: Request) -> Request:
         for r in (req, *req.children):
@@ -290,8 +292,9 @@ class Scheduler:
             self.budget.reserve(r.reserved_bytes)
             r.status = Status.FORKED if r is not req else Status.RUNNING
             self.rows[r.row_id] = r
+        self.budget.padding = self.budget.padding_bytes(self._lengths())
         if self.prefix is not None:
-            hit = self.prefix.match(req.prompt_ids)
+            hit = self.prefix.match(req.prompt_ids, req.prefix_hint)
             req.num_computed = req.num_cached = hit.tokens
             req.cache_chain, req.snapshot_at = hit.chain, list(hit.snapshot_at)
             for child in req.children:
@@ -364,6 +367,7 @@ class Scheduler:
         if req.row_id in self.rows:
             del self.rows[req.row_id]
             self.budget.release(req.reserved_bytes)
+            self.budget.padding = self.budget.padding_bytes(self._lengths())
             self._freed.append(req.row_id)
         if req in self.decoding:
             self.decoding.remove(req)

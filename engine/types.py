@@ -100,16 +100,23 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One generation the server asks for. `n` > 1 forks the prefilled row n times."""
+    """One generation the server asks for. `n` > 1 forks the prefilled row n times.
+
+    prefix_hint: a prompt position where later prompts are likely to continue this one
+    (a chat's history before the generation prompt: the next turn starts with it); the
+    prefix cache snapshots the row's state there too. 0 = none.
+    """
 
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     n: int = 1
+    prefix_hint: int = 0
 
     def __post_init__(self) -> None:
         _check(len(self.prompt_ids) > 0, "the prompt is empty", "messages")
         _check(1 <= self.n <= 16, "n must be in [1, 16]", "n")
+        _check(0 <= self.prefix_hint <= len(self.prompt_ids), "bad prefix_hint", "messages")
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,9 @@ async def create_chat_completion(request: Request, body: ChatBody) -> Response:
     prompt_ids, starts_in_reasoning = await run_in_threadpool(
         state.tokenizer.render_chat, messages, tools, body.chat_template_kwargs
     )
+    history = await run_in_threadpool(
+        state.tokenizer.history_length, prompt_ids, messages, tools, body.chat_template_kwargs
+    )
     params = sampling_params(
         state,
         body,
@@ -74,7 +77,9 @@ async def create_chat_completion(request: Request, body: ChatBody) -> Response:
         top_logprobs=body.top_logprobs or 0,
         field_names=_FIELD_NAMES_NEW if body.max_completion_tokens is not None else None,
     )
-    gen = GenerationRequest(new_id("chatcmpl"), tuple(prompt_ids), params, n=body.n)
+    gen = GenerationRequest(
+        new_id("chatcmpl"), tuple(prompt_ids), params, n=body.n, prefix_hint=history
+    )
     choices = [
         ChoiceStream(
             state.tokenizer, body.stop_strings(), tools, starts_in_reasoning, tools is not None

@@ -39,6 +39,7 @@ def _config(cache: bool, kv: KVCacheConfig = KINDS["fp"], **kw) -> EngineConfig:
         max_prefill_chunk=24,
         prefix_cache=cache,
         prefix_block_tokens=BLOCK,
+        prefix_min_tokens=1,
         kv_cache=kv,
         **kw,
     )
@@ -152,3 +153,31 @@ def test_no_prefix_cache_config_builds_none(loaded: LoadedModel) -> None:
     assert engine.prefix_cache is None and engine.states.prefix is None
     start16 = KVCacheConfig(kind="affine", bits=8, start=16)
     assert LLMEngine(loaded, _config(True, start16)).prefix_cache is None
+
+
+def test_budget_holds_real_bytes_with_one_long_row_and_many_short(loaded: LoadedModel) -> None:
+    """The decode batch is left-padded to its longest row: admission must count that
+    (engine/cache/budget.py), so the bytes the states really hold stay in the budget.
+    Every request finishes, the short ones wait while the long one pins the width."""
+    probe = LLMEngine(loaded, _config(False))
+    costs = probe.budget.costs
+    rng = random.Random(3)
+    long_prompt, shorts = _tokens(rng, 300), [_tokens(rng, 10) for _ in range(12)]
+    # Room for the long row and ~12 short rows by their own lengths, ~3 when padded.
+    row = probe.budget.row_bytes
+    budget = row(306) + 12 * row(16)
+    engine = LLMEngine(loaded, _config(False, memory_budget_bytes=budget))
+    waves = {0: [long_prompt], 4: shorts}
+    peak_rows = 0
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_work() or step <= 4:
+        for i, prompt in enumerate(waves.get(step, [])):
+            engine.add_request(GenerationRequest(f"{step}-{i}", tuple(prompt), _greedy(6)))
+        for delta in engine.step():
+            tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+        assert engine.states.nbytes() <= engine.budget.total
+        peak_rows = max(peak_rows, engine.scheduler.num_running)
+        step += 1
+    assert len(tokens) == 13 and all(len(t) == 6 for t in tokens.values())
+    assert 1 < peak_rows < 13 and costs.kv_bytes_per_token > 0

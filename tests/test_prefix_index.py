@@ -5,11 +5,12 @@ from __future__ import annotations
 from engine.cache.budget import MemoryBudget, StateCosts
 from engine.cache.prefix_index import PrefixIndex
 
-BLOCK, KV, SNAP = 4, 10, 100
+BLOCK, TOKEN, SNAP = 4, 3, 100
+KV = BLOCK * TOKEN
 
 
 def _index(max_bytes: int = 10**6, budget: int = 10**6) -> PrefixIndex:
-    return PrefixIndex(BLOCK, KV, SNAP, max_bytes, MemoryBudget(budget, StateCosts(1, 1)))
+    return PrefixIndex(BLOCK, TOKEN, SNAP, max_bytes, MemoryBudget(budget, StateCosts(1, 1)))
 
 
 def _fill(index: PrefixIndex, prompt: list[int], row: str = "r") -> None:
@@ -55,11 +56,11 @@ def test_insert_saves_only_missing_blocks_and_counts_bytes() -> None:
     index = _index()
     a = list(range(12)) + [1]
     save = index.insert("a", a, 12)
-    assert save is not None and [i for _, i in save.blocks] == [0, 1, 2]
+    assert save is not None and [(lo, hi) for _, lo, hi in save.blocks] == [(0, 4), (4, 8), (8, 12)]
     assert index.stats.nbytes == 3 * KV + SNAP == index.budget.reserved
     b = list(range(8)) + [9, 9, 9, 9, 9]
     save = index.insert("b", b, 12)
-    assert save is not None and [i for _, i in save.blocks] == [2]  # blocks 0, 1 shared
+    assert save is not None and [lo for _, lo, _ in save.blocks] == [8]  # 0, 4 shared
     assert index.insert("c", a, 12) is None  # already there
     assert index.stats.nbytes == 4 * KV + 2 * SNAP == index.budget.reserved
 
@@ -112,3 +113,39 @@ def test_reset_releases_every_byte() -> None:
     _fill(index, list(range(20)))
     index.reset()
     assert index.budget.reserved == 0 and index.match(list(range(20))).tokens == 0
+
+
+def test_tail_snapshot_off_a_block_boundary_is_resumed_when_it_fits() -> None:
+    index = _index()
+    history = list(range(10))  # 2 blocks + a 2-token tail
+    save = index.insert("a", history + [50, 51], 10)
+    assert save is not None and [(lo, hi) for _, lo, hi in save.blocks] == [(0, 4), (4, 8), (8, 10)]
+    assert index.stats.nbytes == 10 * TOKEN + SNAP
+    hit = index.match(history + [60, 61, 62])
+    assert hit.tokens == 10 and len(hit.chain) == 3
+    assert index.match(history).tokens == 0  # would leave no token to compute
+    assert index.match(list(range(9)) + [99, 1, 2]).tokens == 0  # tail differs
+    assert index.insert("b", history + [7], 10) is None  # already there
+
+
+def test_evicting_a_tail_frees_its_tokens_only() -> None:
+    index = _index()
+    base = list(range(8))
+    index.insert("a", base + [1], 8)
+    index.insert("b", base + [5, 6, 7], 11)
+    before = index.stats.nbytes
+    assert index.evict_for(index.budget.total - index.budget.reserved + 1)
+    drop = index.take_drops()
+    assert drop is not None
+    # LRU is the first snapshot (at 8): its node keeps its KV, the tail needs it.
+    assert drop.kv == () and index.stats.nbytes == before - SNAP
+    assert index.match(base + [5, 6, 7, 8]).tokens == 11
+
+
+def test_hint_adds_a_point_and_min_tokens_drops_early_ones() -> None:
+    index = _index()
+    prompt = list(range(23))
+    assert index.match(prompt, hint=18).snapshot_at == (18, 20)
+    assert index.match(prompt, hint=23).snapshot_at == (20,)  # no token would be left
+    index.min_tokens = 19
+    assert index.match(prompt, hint=18).snapshot_at == (20,)

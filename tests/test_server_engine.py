@@ -195,21 +195,25 @@ def test_openai_sdk_seed_logprobs_and_n(server: LiveServer) -> None:
     assert sorted(c.index for c in many.choices) == [0, 1, 2]
 
 
-def test_resent_chat_reports_cached_tokens_and_metrics(server: LiveServer) -> None:
-    """A chat sent twice: the second reports the prefix-cache hit in usage
-    (prompt_tokens_details.cached_tokens, as OpenAI does) and /metrics counts it."""
+def test_chat_turns_report_cached_tokens_and_metrics(
+    server: LiveServer, tokenizer: TextTokenizer
+) -> None:
+    """A chat resent, then continued: both resume from the prefix cache (the history
+    before the generation prompt is snapshotted), usage reports it as OpenAI does
+    (prompt_tokens_details.cached_tokens), and /metrics counts it."""
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
-    messages = [{"role": "user", "content": "Tell me about caching. " * 40}]
-    usages = [
-        client.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=4, temperature=0
-        ).usage
-        for _ in range(2)
-    ]
-    first, second = (u.prompt_tokens_details.cached_tokens for u in usages)
-    assert first == 0 and usages[0].prompt_tokens > 200
-    assert usages[0].prompt_tokens - 64 <= second < usages[0].prompt_tokens
+    user = {"role": "user", "content": "Tell me about caching. " * 150}
+    kwargs = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+    first, again = (client.chat.completions.create(messages=[user], **kwargs) for _ in "ab")
+    history = len(tokenizer.encode(tokenizer.render_chat_text([user], None, None, False)))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.usage.prompt_tokens > history > 600
+    assert again.usage.prompt_tokens_details.cached_tokens == history
+    answer = {"role": "assistant", "content": "Caching keeps work for later."}
+    follow = {"role": "user", "content": "And then?"}
+    turn2 = client.chat.completions.create(messages=[user, answer, follow], **kwargs)
+    assert turn2.usage.prompt_tokens_details.cached_tokens == history
     metrics = httpx.get(f"{server.url}/metrics").text
     hits = [ln for ln in metrics.splitlines() if ln.startswith("deltaserve_prefix_cache_hit")]
-    assert hits and float(hits[0].split()[1]) >= second
+    assert hits and float(hits[0].split()[1]) >= 2 * history
     assert "deltaserve_prefix_cache_bytes " in metrics

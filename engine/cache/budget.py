@@ -2,10 +2,13 @@
 
 Plain Python (no arrays): admission reserves a row's worst case (its DeltaNet state plus
 KV for prompt + max_tokens) and finishing releases it, so running rows never run out.
-Not reserved per row, and covered only by the default budget being half of the memory
-left: left padding in the decode batch (columns beyond a row's own tokens; trimmed where
-every row shares it), KV capacity headroom (up to 256 free columns per store), and the
-dead rows that hold a compiled decode batch at its bucket size (engine/cache/rows.py).
+The decode batch is left-padded to its longest row (engine/cache/kv.py), so it really
+holds rows x the longest row's columns: `padding` charges that difference for the rows
+running now (the scheduler sets it as rows come and go), so one long row makes short
+rows cost what they really cost. The prefix cache reserves here too.
+Not counted, and covered only by the default budget being half of the memory left: KV
+capacity headroom (up to 256 free columns per store) and the dead rows that hold a
+compiled decode batch at its bucket size (engine/cache/rows.py).
 """
 
 from __future__ import annotations
@@ -78,13 +81,22 @@ class MemoryBudget:
         self.total = total
         self.costs = costs
         self.reserved = 0
+        self.padding = 0  # KV of left padding the running rows may need (padding_bytes)
+
+    def padding_bytes(self, max_tokens: list[int]) -> int:
+        """KV bytes of the left padding that rows of these worst-case lengths can need in
+        one batch: every row padded to the longest, minus what each reserves itself."""
+        if not max_tokens:
+            return 0
+        columns = len(max_tokens) * max(max_tokens) - sum(max_tokens)
+        return columns * self.costs.kv_bytes_per_token
 
     def row_bytes(self, num_tokens: int) -> int:
         fixed = self.costs.ssm_bytes_per_row + self.costs.kv_prefix_bytes_per_row
         return fixed + num_tokens * self.costs.kv_bytes_per_token
 
     def can_reserve(self, nbytes: int) -> bool:
-        return self.reserved + nbytes <= self.total
+        return self.reserved + self.padding + nbytes <= self.total
 
     def reserve(self, nbytes: int) -> None:
         assert self.can_reserve(nbytes), "reservation over budget"

@@ -35,13 +35,21 @@ from engine.cache.budget import MemoryBudget
 
 @dataclass(eq=False)
 class _Node:
+    """A block (or a tail: fewer tokens, always a leaf with a snapshot)."""
+
     node_id: int
     parent: _Node | None
     tokens: tuple[int, ...]  # this block's token ids
-    depth: int  # blocks from the root: the node ends at token depth * block
-    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+    start: int  # prompt position of its first token (parent.end)
+    kv_bytes: int
+    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)  # full blocks
+    tails: dict[tuple[int, ...], _Node] = field(default_factory=dict)  # partial blocks
     snapshot: bool = False
     last_used: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
 
 
 @dataclass(frozen=True)
@@ -49,17 +57,17 @@ class CacheHit:
     """What a prompt finds at admission. Written by PrefixIndex.match."""
 
     chain: tuple[int, ...]  # node ids, root first, ending at the resumed snapshot
-    tokens: int  # prompt tokens covered (len(chain) * block); 0 = a miss
+    tokens: int  # prompt tokens covered by the chain; 0 = a miss
     snapshot_at: tuple[int, ...]  # prompt positions (ascending) to snapshot at
 
 
 @dataclass(frozen=True)
 class CacheSave:
-    """Store a prefilled row's state. Written by the scheduler, applied by the runner
-    right after the chunk that ends at the snapshot's position."""
+    """Store a row's state. Written by the scheduler, applied by the runner right after
+    the prefill chunk that ends at the snapshot's position."""
 
     row_id: str
-    blocks: tuple[tuple[int, int], ...]  # (node id, block index in the row): KV to store
+    blocks: tuple[tuple[int, int, int], ...]  # (node id, first, end token): KV to store
     snapshot: int  # node id that keeps the row's DeltaNet state
 
 
@@ -87,18 +95,21 @@ class PrefixIndex:
     def __init__(
         self,
         block: int,
-        kv_block_bytes: int,
+        kv_token_bytes: int,
         snapshot_bytes: int,
         max_bytes: int,
         budget: MemoryBudget,
+        min_tokens: int = 1,
     ) -> None:
+        """min_tokens: no snapshot is planned before this prompt position."""
         self.block = block
-        self.kv_block_bytes = kv_block_bytes
+        self.kv_token_bytes = kv_token_bytes
         self.snapshot_bytes = snapshot_bytes
         self.max_bytes = max_bytes
         self.budget = budget
+        self.min_tokens = min_tokens
         self.stats = PrefixCacheStats()
-        self._root = _Node(-1, None, (), 0)
+        self._root = _Node(-1, None, (), 0, 0)
         self._next_id = 0
         self._clock = 0
         self._snapshots: dict[int, _Node] = {}  # node id -> node, for eviction
@@ -106,20 +117,36 @@ class PrefixIndex:
         self._dropped_snapshots: list[int] = []
 
     # -- lookup -------------------------------------------------------------------------
-    def match(self, prompt: Sequence[int]) -> CacheHit:
-        """The longest cached prefix of `prompt` to resume from, and where to snapshot."""
+    def match(self, prompt: Sequence[int], hint: int = 0) -> CacheHit:
+        """The longest cached prefix of `prompt` to resume from, and where to snapshot
+        (`hint`: one more position, see GenerationRequest.prefix_hint)."""
         self._clock += 1
         last = (len(prompt) - 1) // self.block  # deepest usable boundary (1 token left)
         path = self._walk(prompt, last)
-        resume = max((i for i, n in enumerate(path) if n.snapshot), default=-1) + 1
-        for node in path[:resume]:
+        chain = self._resume_chain(prompt, path)
+        for node in chain:
             node.last_used = self._clock
-        tokens = resume * self.block
-        points = {d * self.block for d in (len(path), last) if d > resume}
+        tokens = chain[-1].end if chain else 0
+        points = {d * self.block for d in (len(path), last)} | {hint}
+        points = {p for p in points if max(tokens + 1, self.min_tokens) <= p < len(prompt)}
         self.stats.lookup_tokens += len(prompt)
         self.stats.hit_tokens += tokens
-        chain = tuple(n.node_id for n in path[:resume])
-        return CacheHit(chain, tokens, tuple(sorted(points)))
+        ids = tuple(n.node_id for n in chain)
+        return CacheHit(ids, tokens, tuple(sorted(points)))
+
+    def _resume_chain(self, prompt: Sequence[int], path: list[_Node]) -> list[_Node]:
+        """The deepest snapshot on `path` or in a tail below one of its nodes that leaves
+        at least one prompt token, with the nodes leading to it."""
+        best: list[_Node] = []
+        for depth, node in enumerate([self._root, *path]):
+            if node.snapshot:
+                best = path[:depth]
+            for tail in node.tails.values():
+                end = tail.end
+                fits = end < len(prompt) and tuple(prompt[tail.start : end]) == tail.tokens
+                if fits and end > (best[-1].end if best else 0):
+                    best = [*path[:depth], tail]
+        return best
 
     def _walk(self, prompt: Sequence[int], depth: int) -> list[_Node]:
         """Nodes matching the prompt's first `depth` blocks, root's child first."""
@@ -136,33 +163,47 @@ class PrefixIndex:
 
     # -- insertion ----------------------------------------------------------------------
     def insert(self, row_id: str, prompt: Sequence[int], position: int) -> CacheSave | None:
-        """Add a snapshot at `position` (a block boundary) of `prompt`, creating the nodes
-        whose KV is missing. None when it exists already or finds no room."""
-        assert position % self.block == 0 and position > 0, "snapshots sit at block ends"
-        depth = position // self.block
+        """Add a snapshot after `prompt[:position]`, creating the nodes whose KV is
+        missing (full blocks, then a tail when `position` is not a block boundary).
+        None when it exists already or finds no room."""
+        assert 0 < position <= len(prompt), "a snapshot position inside the prompt"
+        depth, tail = divmod(position, self.block)
         path = self._walk(prompt, depth)
-        if len(path) == depth and path[-1].snapshot:
-            return None
+        tail_tokens = tuple(prompt[depth * self.block : position])
+        if len(path) == depth:
+            parent = path[-1] if path else self._root
+            existing = parent.tails.get(tail_tokens) if tail else parent
+            if existing is not None and existing.snapshot:
+                return None
         missing = depth - len(path)
-        if not self._make_room(missing * self.kv_block_bytes + self.snapshot_bytes, path):
+        need = missing * self.kv_block_bytes + tail * self.kv_token_bytes + self.snapshot_bytes
+        if not self._make_room(need, path):
             return None
-        node = path[-1] if path else self._root
+        node, created = path[-1] if path else self._root, []
         for d in range(len(path), depth):
             node = self._add_child(node, self._block_of(prompt, d))
-            path.append(node)
+            created.append(node)
+        if tail:
+            node = self._add_child(node, tail_tokens)
+            created.append(node)
         node.snapshot = True
         self._snapshots[node.node_id] = node
         self._reserve(self.snapshot_bytes)
-        for n in path:
+        for n in [*path, *created]:
             n.last_used = self._clock
-        blocks = tuple((n.node_id, n.depth - 1) for n in path[depth - missing :])
+        blocks = tuple((n.node_id, n.start, n.end) for n in created)
         return CacheSave(row_id, blocks, node.node_id)
 
+    @property
+    def kv_block_bytes(self) -> int:
+        return self.block * self.kv_token_bytes
+
     def _add_child(self, parent: _Node, tokens: tuple[int, ...]) -> _Node:
-        node = _Node(self._next_id, parent, tokens, parent.depth + 1)
+        kv_bytes = len(tokens) * self.kv_token_bytes
+        node = _Node(self._next_id, parent, tokens, parent.end, kv_bytes)
         self._next_id += 1
-        parent.children[tokens] = node
-        self._reserve(self.kv_block_bytes)
+        (parent.children if len(tokens) == self.block else parent.tails)[tokens] = node
+        self._reserve(kv_bytes)
         return node
 
     def _reserve(self, nbytes: int) -> None:
@@ -201,7 +242,7 @@ class PrefixIndex:
         """Bytes evicting `node`'s snapshot frees (only an upper bound is needed to
         decide whether eviction can help: its KV counts if it is a leaf)."""
         leaf = not node.children and node.node_id not in protected
-        return self.snapshot_bytes + (self.kv_block_bytes * node.depth if leaf else 0)
+        return self.snapshot_bytes + (self.kv_token_bytes * node.end if leaf else 0)
 
     def evict_for(self, nbytes: int) -> bool:
         """Free cached state until a row reservation of `nbytes` fits the budget (rows
@@ -223,13 +264,14 @@ class PrefixIndex:
         self._release(self.snapshot_bytes)
         self.stats.evictions += 1
         # Prune upwards: a node without a snapshot and without children resumes nothing.
-        while node is not self._root and not node.children and not node.snapshot:
+        while node is not self._root and not (node.children or node.tails or node.snapshot):
             if node.node_id in protected:
                 break
             assert node.parent is not None
-            del node.parent.children[node.tokens]
+            siblings = node.parent.children if len(node.tokens) == self.block else node.parent.tails
+            del siblings[node.tokens]
             self._dropped_kv.append(node.node_id)
-            self._release(self.kv_block_bytes)
+            self._release(node.kv_bytes)
             node = node.parent
 
     def take_drops(self) -> CacheDrop | None:
@@ -244,6 +286,6 @@ class PrefixIndex:
         """Forget everything (the row states were lost: a step failed)."""
         self.budget.release(self.stats.nbytes)
         self.stats.nbytes = 0
-        self._root = _Node(-1, None, (), 0)
+        self._root = _Node(-1, None, (), 0, 0)
         self._snapshots = {}
         self._dropped_kv, self._dropped_snapshots = [], []

@@ -8,7 +8,8 @@ for snapshot nodes, every DeltaNet layer's conv tail [1, K-1, C] and recurrent s
 A hit builds the row's own B=1 prefill state from a chain of nodes: its KV columns are
 the blocks concatenated (one copy, because a row's attention reads one contiguous
 [B, Hkv, T, X] slab), its DeltaNet state the snapshot's arrays themselves (arrays are
-values: the row's next chunk makes new ones and the snapshot stays as it was).
+values: the row's next chunk makes new ones and the snapshot stays as it was). Saving
+copies (fresh_copy): a slice would pin the whole batch it came from.
 """
 
 from __future__ import annotations
@@ -32,27 +33,27 @@ class PrefixStore:
         self.kv: dict[int, list[list[mx.array]]] = {}  # node -> per attention layer
         self.snapshots: dict[int, list[tuple[mx.array, mx.array]]] = {}  # node -> per DeltaNet
 
-    def save(self, state: BatchState, save: CacheSave) -> list[mx.array]:
-        """Copy the new blocks' KV and the DeltaNet state out of a B=1 prefill state that
-        has just computed exactly up to the snapshot's block boundary. Returns the new
-        arrays (lazy: the caller evaluates them with the step)."""
+    def save(self, state: BatchState, row: int, save: CacheSave) -> list[mx.array]:
+        """Copy row `row` of `state` into the cache: the KV columns of the new nodes and
+        the DeltaNet state. The row must have computed exactly up to the snapshot's
+        position. Returns the new arrays (lazy: the caller evaluates them with the step)."""
         new: list[mx.array] = []
-        for node_id, index in save.blocks:
-            lo = index * self.block
+        for node_id, lo, hi in save.blocks:
             per_layer = []
             for layer in state.layers:
                 if isinstance(layer, KVStore):
-                    assert layer.num_rows == 1 and layer.left_pad == [0], "a B=1 prefill state"
-                    per_layer.append(
-                        [fresh_copy(a[:, :, lo : lo + self.block]) for a in layer.state_arrays()]
-                    )
+                    pad = layer.left_pad[row]
+                    cols = [a[row : row + 1, :, pad + lo : pad + hi] for a in layer.state_arrays()]
+                    per_layer.append([fresh_copy(c) for c in cols])
             self.kv[node_id] = per_layer
             new += [a for arrays in per_layer for a in arrays]
         snapshot = []
         for layer in state.layers:
             if isinstance(layer, SSMState):
                 assert layer.conv is not None and layer.ssm is not None, "state not computed"
-                snapshot.append((layer.conv, layer.ssm))
+                conv, ssm = (fresh_copy(a[row : row + 1]) for a in (layer.conv, layer.ssm))
+                snapshot.append((conv, ssm))
+                new += [conv, ssm]
         self.snapshots[save.snapshot] = snapshot
         return new
 

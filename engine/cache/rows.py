@@ -67,7 +67,7 @@ class RowStates:
     def save_prefix(self, save: CacheSave) -> list[mx.array]:
         """Snapshot a prefilling row into the cache; returns the new (lazy) arrays."""
         assert self.prefix is not None
-        return self.prefix.save(self.prefill[save.row_id], save)
+        return self.prefix.save(self.prefill[save.row_id], 0, save)
 
     def drop_prefix(self, drop: CacheDrop) -> None:
         assert self.prefix is not None

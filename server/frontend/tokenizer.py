@@ -105,11 +105,27 @@ class TextTokenizer:
         text = self.render_chat_text(messages, tools, chat_template_kwargs)
         return self.encode(text), ends_in_reasoning(text)
 
+    def history_length(
+        self,
+        prompt_ids: list[int],
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> int:
+        """Tokens of `prompt_ids` (render_chat's) that render the messages alone, without
+        the generation prompt: the next turn of this chat starts with them, so the prefix
+        cache snapshots there (GenerationRequest.prefix_hint). 0 when the template does
+        not render the history as a token prefix of the prompt."""
+        history = self.render_chat_text(messages, tools, chat_template_kwargs, False)
+        ids = self.encode(history)
+        return len(ids) if prompt_ids[: len(ids)] == ids else 0
+
     def render_chat_text(
         self,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
     ) -> str:
         """The rendered prompt text (see render_chat)."""
         if not self._tokenizer.chat_template:
@@ -124,7 +140,7 @@ class TextTokenizer:
             return self._tokenizer.apply_chat_template(
                 normalize_messages(messages),
                 tools=normalize_tools(tools),
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 tokenize=False,
                 **kwargs,
             )

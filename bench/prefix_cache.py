@@ -1,0 +1,172 @@
+"""A chat's second turn: time to first token with the prefix cache vs a cold prompt.
+
+    python -m bench.prefix_cache --checkpoint small --history 2000 --background 32
+
+Per server (deltaserve, then mlx_lm.server, each started as in bench.server_vs_mlxlm):
+turn 1 sends a ~`--history`-token user message (thinking off) and keeps the answer; turn 2
+resends it with the answer and a short new question, for one token (so the time to the
+end of its stream is its time to first token, whatever that token's text). The cold
+reference is a turn-2-shaped chat of the same length whose history the server never saw.
+Measured alone, then (ours only unless --peer-background) while `--background` other
+streams decode. Prints JSON lines: TTFT of cold and warm turn 2, their ratio (the
+issue's target: <= 0.1), and the cached_tokens the server reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.server_vs_mlxlm import WORDS, _f32_copy, _free_port, _start, _wait_ready
+from models.testing import cached_checkpoint
+
+NO_THINKING = {"enable_thinking": False}
+
+
+def _history(words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+async def _chat(
+    client: httpx.AsyncClient, base: str, model: str, messages: list, max_tokens: int
+) -> dict:
+    """One streamed chat: its time to the end (with max_tokens=1 that is the time to the
+    first token, whatever the token's text), the answer and the usage reported."""
+    body = {
+        "model": model,
+        "messages": messages,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "chat_template_kwargs": NO_THINKING,
+        "stream_options": {"include_usage": True},
+    }
+    start, text, usage = time.perf_counter(), [], {}
+    async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices", []):
+                text.append(choice.get("delta", {}).get("content") or "")
+    return {"ttft": time.perf_counter() - start, "text": "".join(text), "usage": usage}
+
+
+async def _background(base: str, model: str, count: int, stop: asyncio.Event) -> None:
+    """`count` streams that keep decoding until `stop` is set."""
+
+    async def one(i: int) -> None:
+        async with httpx.AsyncClient(timeout=None) as client:
+            while not stop.is_set():
+                messages = [{"role": "user", "content": _history(40, 1000 + i)}]
+                task = asyncio.ensure_future(_chat(client, base, model, messages, 4000))
+                stopped = asyncio.ensure_future(stop.wait())
+                await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                task.cancel()
+                stopped.cancel()
+
+    await asyncio.gather(*(one(i) for i in range(count)), return_exceptions=True)
+
+
+async def _turns(base: str, model: str, words: int, seed: int) -> dict:
+    async with httpx.AsyncClient(timeout=600) as client:
+        user = {"role": "user", "content": _history(words, seed)}
+        first = await _chat(client, base, model, [user], 32)
+        follow = {"role": "user", "content": "Now say it again in other words."}
+        answer = {"role": "assistant", "content": first["text"]}
+        warm = await _chat(client, base, model, [user, answer, follow], 1)
+        fresh = {"role": "user", "content": _history(words, seed + 1)}
+        cold = await _chat(client, base, model, [fresh, answer, follow], 1)
+    prompt = cold["usage"].get("prompt_tokens", 0)
+    cached = (warm["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    return {
+        "prompt_tokens": prompt,
+        "turn1_s": round(first["ttft"], 3),
+        "cold_ttft_s": round(cold["ttft"], 3),
+        "warm_ttft_s": round(warm["ttft"], 3),
+        "warm_over_cold": round(warm["ttft"] / cold["ttft"], 3),
+        "cached_tokens": cached,
+    }
+
+
+async def _scenario(base: str, model: str, words: int, background: int, seed: int) -> dict:
+    stop = asyncio.Event()
+    load = asyncio.ensure_future(_background(base, model, background, stop)) if background else None
+    if load is not None:
+        await asyncio.sleep(5.0)  # let the background rows reach decode
+    try:
+        return await _turns(base, model, words, seed)
+    finally:
+        stop.set()
+        if load is not None:
+            await load
+
+
+async def _bench(kind: str, model: Path, args: argparse.Namespace) -> list[dict]:
+    port = _free_port()
+    proc = _start(kind, model, port, Path(f"/tmp/bench-prefix-{kind}.log"))
+    base = f"http://127.0.0.1:{port}"
+    rows = []
+    try:
+        await _wait_ready(base, proc)
+        # mlx_lm.server lists hub-cache models, not the one it serves: name it by its path.
+        model_name = str(model)
+        if kind == "deltaserve":
+            async with httpx.AsyncClient() as c:
+                model_name = (await c.get(f"{base}/v1/models")).json()["data"][0]["id"]
+        await _turns(base, model_name, 64, seed=7)  # warm-up: first-use costs out of the figures
+        loads = [0]
+        if args.background and (kind == "deltaserve" or args.peer_background):
+            loads.append(args.background)
+        for i, background in enumerate(loads):
+            row = await _scenario(
+                base, model_name, args.history * 3 // 4, background, seed=100 + 10 * i
+            )
+            rows.append({"server": kind, "background_streams": background, **row})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", default="small")
+    parser.add_argument("--history", type=int, default=2000, help="tokens, roughly")
+    parser.add_argument("--background", type=int, default=32)
+    parser.add_argument("--peer-background", action="store_true")
+    parser.add_argument("--only", choices=["deltaserve", "mlx_lm"])
+    args = parser.parse_args()
+    model = _f32_copy(cached_checkpoint(args.checkpoint))
+    results = []
+    for kind in ("deltaserve", "mlx_lm"):
+        if args.only in (None, kind):
+            results += asyncio.run(_bench(kind, model, args))
+    alone = {r["server"]: r for r in results if r["background_streams"] == 0}
+    if len(alone) == 2:
+        ours, peer = alone["deltaserve"], alone["mlx_lm"]
+        print(
+            json.dumps(
+                {
+                    "warm_ttft_ours_over_peer": round(ours["warm_ttft_s"] / peer["warm_ttft_s"], 3),
+                    "warm_over_cold": {
+                        "ours": ours["warm_over_cold"],
+                        "peer": peer["warm_over_cold"],
+                    },
+                }
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
