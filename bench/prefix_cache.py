@@ -128,9 +128,7 @@ async def _bench(kind: str, model: Path, args: argparse.Namespace) -> list[dict]
         if args.background and (kind == "deltaserve" or args.peer_background):
             loads.append(args.background)
         for i, background in enumerate(loads):
-            row = await _scenario(
-                base, model_name, args.history * 3 // 4, background, seed=100 + 10 * i
-            )
+            row = await _scenario(base, model_name, args.history, background, seed=100 + 10 * i)
             rows.append({"server": kind, "background_streams": background, **row})
             print(json.dumps(rows[-1]), flush=True)
     finally:

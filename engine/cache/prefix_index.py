@@ -14,8 +14,10 @@ leaf holds a snapshot, and nodes left without one below them are pruned.
 
 Where snapshots are taken (the policy of Marconi, arXiv:2411.19379): a snapshot per
 block would cost a full recurrent state per `block` tokens, so a prompt snapshots only
-  - at its last block boundary (a resent prompt, or the next turn of a chat or an agent
-    loop, which starts with this whole prompt, resumes there), and
+  - where the caller says the next request will continue it (GenerationRequest.prefix_hint:
+    a chat's history before the generation prompt; any position, a partial block then
+    ends the path as a *tail*), else at its last block boundary (a resent prompt, or a
+    continuation of this whole prompt, resumes there), and
   - where it leaves the cached tokens (the block boundary at which it branches off a
     cached path that has no snapshot there yet): the prefix two requests share, e.g. a
     system prompt and tool list, so the third request on it resumes there.
@@ -127,7 +129,9 @@ class PrefixIndex:
         for node in chain:
             node.last_used = self._clock
         tokens = chain[-1].end if chain else 0
-        points = {d * self.block for d in (len(path), last)} | {hint}
+        # The hint, when given, replaces the last boundary: it is where the next request
+        # continues, and a resend of this same prompt resumes there too.
+        points = {len(path) * self.block, hint or last * self.block}
         points = {p for p in points if max(tokens + 1, self.min_tokens) <= p < len(prompt)}
         self.stats.lookup_tokens += len(prompt)
         self.stats.hit_tokens += tokens
