@@ -4,8 +4,10 @@ and the engine's step times (each step synchronised) at one batch size.
     python -m bench.prefill_profile --shape 0.8B --rows 16 --length 128 --batch 64
 
 Prints JSON lines: per-call medians (ms) of the chunked recurrence and of one DeltaNet
-core, a whole [rows, length] fresh-cohort forward with the compiled core off and on, and
-per engine step (prefill tokens, decode rows, ms) for the first steps of a batch run.
+core, whole-model forwards of fresh cohorts (one [rows, length] cohort, and five of
+mixed shapes as a fragmented step has them) with the compiled prefill off and on, and
+per engine step (prefill tokens, decode rows, ms) of a batch run plus where the time of
+its steps goes (row-state ops, prefill forwards, the compiled decode).
 Timings synchronise the device around each call (mx.synchronize), after warm-up calls.
 """
 
@@ -82,29 +84,64 @@ def kernel_lines(loaded, rows: int, length: int) -> list[dict]:
     ]  # fmt: skip
 
 
-def forward_lines(loaded, rows: int, length: int) -> list[dict]:
-    """One fresh [rows, length] cohort through the whole model (as the runner builds it)."""
+def forward_lines(loaded, shapes: list[tuple[int, int]]) -> list[dict]:
+    """Fresh cohorts of `shapes` [(rows, length), ...] through the whole model in one
+    forward (as the runner builds a step), compiled prefill off and on."""
     from engine.cache.batch import BatchState
     from models.state import ForwardGroup, text_positions
 
-    tokens = mx.random.randint(100, 200000, (rows, length)).astype(mx.int32)
-    positions = text_positions([0] * rows, length)
+    inputs = [
+        (mx.random.randint(100, 200000, (r, n)).astype(mx.int32), text_positions([0] * r, n))
+        for r, n in shapes
+    ]
 
     def run() -> list[mx.array]:
-        state = BatchState.empty(loaded.config)
-        hidden = loaded.model([ForwardGroup(tokens, positions, state.layers)])[0]
-        arrays = [a for layer in state.layers for a in layer.state_arrays()]
-        return [loaded.model.logits(hidden[:, -1]), *arrays]
+        states = [BatchState.empty(loaded.config) for _ in shapes]
+        groups = [ForwardGroup(t, p, s.layers) for (t, p), s in zip(inputs, states, strict=True)]
+        hidden = loaded.model(groups)
+        arrays = [a for s in states for layer in s.layers for a in layer.state_arrays()]
+        return [loaded.model.logits(h[:, -1]) for h in hidden] + arrays
 
     out = []
     for enabled in (False, True):
         _set_compiled(loaded.model, enabled)
         out.append(
-            {"what": "cohort_forward", "rows": rows, "length": length,
-             "compiled_core": enabled, "ms": _median_ms(run, reps=5)}
+            {"what": "step_forward", "cohorts": shapes, "compiled_core": enabled,
+             "ms": _median_ms(run, reps=5)}
         )  # fmt: skip
     _set_compiled(loaded.model, None)
     return out
+
+
+def _timing(inner: Callable, phases: dict[str, float], phase: str) -> Callable:
+    """inner, timed: its call and the evaluation of the arrays it returns (the device
+    synchronised on both sides) add to phases[phase]."""
+
+    def call(*args, **kw):
+        mx.synchronize()
+        start = time.perf_counter()
+        result = inner(*args, **kw)
+        arrays = result if isinstance(result, list) else [result]
+        mx.eval([a for a in arrays if isinstance(a, mx.array)])
+        mx.synchronize()
+        phases[phase] = phases.get(phase, 0.0) + time.perf_counter() - start
+        return result
+
+    return call
+
+
+class _TimedModel:
+    """The model with its forward timed (logits and the rest pass through)."""
+
+    def __init__(self, model, phases: dict[str, float]) -> None:
+        self._model = model
+        self._call = _timing(model, phases, "prefill_forward")
+
+    def __call__(self, groups):
+        return self._call(groups)
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
 
 
 def engine_step_lines(path: str, batch: int, prompt: int, gen: int, compiled: bool) -> dict:
@@ -115,8 +152,16 @@ def engine_step_lines(path: str, batch: int, prompt: int, gen: int, compiled: bo
     ours = Ours(path, 2048, 512, pack=False)
     _set_compiled(ours.loaded.model, compiled)
     steps: list[tuple[int, int, float]] = []
+    phases: dict[str, float] = {}
     for timed in (False, True):  # the first run warms up the traces of every shape
         engine = ours.make()
+        if timed:  # where a step's time goes: row-state ops, forwards, the compiled decode
+            runner = engine.runner
+            runner.model = _TimedModel(runner.model, phases)
+            runner._compiled_decode = _timing(runner._compiled_decode, phases, "decode")
+            for name in ("sync", "cohort_state", "prefill_state", "split_cohort"):
+                inner = getattr(runner.states, name)
+                setattr(runner.states, name, _timing(inner, phases, "row_state_ops"))
         execute = engine.runner.execute
 
         def wrapped(out, rows, prev, execute=execute, timed=timed):
@@ -144,6 +189,8 @@ def engine_step_lines(path: str, batch: int, prompt: int, gen: int, compiled: bo
     decode = [s for t, d, s in steps if not t and d]
     return {
         "what": "engine_steps", "batch": batch, "compiled_core": compiled, "wall_s": wall,
+        "execute_s": sum(s for _, _, s in steps),
+        "phases_s": {k: round(v, 4) for k, v in phases.items()},
         "prefill_steps": [(t, d, round(1e3 * s, 2)) for t, d, s in prefill],
         "decode_only_ms_p50": 1e3 * statistics.median(decode) if decode else None,
         "decode_steps": len(decode),
@@ -157,6 +204,9 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=128)
     ap.add_argument("--batch", type=int, default=64, help="engine run: prompts at once")
     ap.add_argument("--gen", type=int, default=16)
+    ap.add_argument(
+        "--engine", type=int, nargs="*", default=[0, 1], help="engine runs: compiled prefill 0/1"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from models.build import load_model
@@ -168,11 +218,13 @@ def main() -> None:
     for line in kernel_lines(loaded, args.rows, args.length):
         lines.append(line)
         print(json.dumps(line), flush=True)
-    for line in forward_lines(loaded, args.rows, args.length):
-        lines.append(line)
-        print(json.dumps(line), flush=True)
+    shapes = [[(args.rows, args.length)], [(19, 64), (8, 64), (2, 48), (1, 32), (1, 16)]]
+    for cohorts in shapes:
+        for line in forward_lines(loaded, cohorts):
+            lines.append(line)
+            print(json.dumps(line), flush=True)
     del loaded
-    for compiled in (False, True):
+    for compiled in args.engine:
         line = engine_step_lines(path, args.batch, args.length, args.gen, compiled)
         lines.append(line)
         print(json.dumps(line), flush=True)

@@ -7,6 +7,12 @@ layer: eagerly it is ~250 small ops per layer (the chunked recurrence is most of
 on the GPU an eager op costs ~8 us of graph building and launch whatever its size, so a
 prefill step was op-bound (see bench/README.md). Decode (L == 1) already runs inside the
 engine's compiled step (engine/decode.py).
+
+With compiling on, `prefill_many` also runs the prefill groups of one step (cohorts of
+different chunk lengths) as ONE call per layer, left-padded to a shared length, and pads
+rows and length up to buckets (`prefill_buckets`), so a layer's cost no longer grows with
+the number of cohorts and only a few shapes are ever traced. Padding is masked: a padded
+token is an exact no-op on the state (kernels/gated_delta.py).
 """
 
 from __future__ import annotations
@@ -115,6 +121,20 @@ def _compiled_core(dims: CoreDims):
     return mx.compile(partial(deltanet_core, dims))
 
 
+def _bucket(n: int, floor: int, step: int) -> int:
+    """n rounded up to a power of two >= floor, or above `step` to a multiple of it."""
+    if n > step:
+        return -(-n // step) * step
+    return max(floor, 1 << max(0, (n - 1).bit_length()))
+
+
+def prefill_buckets(rows: int, length: int) -> tuple[int, int]:
+    """The traced shape of a prefill call: rows up to a power of two (multiples of 16 above
+    16), length up to a power of two >= 16 (multiples of 64, the recurrence's chunk, above
+    64: padding within a chunk is free there)."""
+    return _bucket(rows, 1, 16), _bucket(length, 16, 64)
+
+
 def compile_prefill_default() -> bool:
     """Compiled prefill core on Metal/CUDA (op-bound there); plain ops on the CPU, where
     an op's cost is its arithmetic and compiling only adds traces."""
@@ -164,11 +184,65 @@ class GatedDeltaNet(nn.Module):
         """After loading: the four input projections as one matmul (models/fused.py)."""
         fuse_into(self, ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"], "in_proj")
 
-    def _use_compiled(self, length: int) -> bool:
+    def use_compiled(self, length: int) -> bool:
+        """Whether an L = length input takes the compiled (and merged) prefill path."""
         enabled = self.compile_prefill
         if enabled is None:
             enabled = compile_prefill_default()
         return enabled and length > 1
+
+    def _states(self, state: RecurrentState, rows: int, dtype: mx.Dtype) -> tuple:
+        """(conv tail, recurrent state) of `state`, zeros for fresh rows."""
+        conv = state.conv
+        if conv is None:
+            conv = mx.zeros((rows, self.kernel_size - 1, self.conv_dim), dtype)
+        ssm = state.ssm
+        if ssm is None:
+            ssm = mx.zeros((rows, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
+        return conv.astype(dtype), ssm
+
+    def prefill_many(
+        self,
+        xs: list[mx.array],
+        states: list[RecurrentState],
+        left_pads: list[tuple[int, ...] | None],
+    ) -> list[mx.array]:
+        """Several groups' x [B_g, L_g, H] as one compiled call at a bucketed [B, L]: each
+        row is left-padded to L (dead rows after the real ones are all padding), its
+        state taken from and written back to its group's `states` entry."""
+        rows = sum(x.shape[0] for x in xs)
+        length = max(x.shape[1] for x in xs)
+        rows_b, length_b = prefill_buckets(rows, length)
+        hidden = xs[0].shape[-1]
+        padded, pads = [], []
+        for x, pad in zip(xs, left_pads, strict=True):
+            extra = length_b - x.shape[1]
+            padded.append(mx.pad(x, [(0, 0), (extra, 0), (0, 0)]) if extra else x)
+            pads += [extra + p for p in (pad or (0,) * x.shape[0])]
+        if rows_b > rows:  # dead rows: nothing but padding
+            padded.append(mx.zeros((rows_b - rows, length_b, hidden), xs[0].dtype))
+            pads += [length_b] * (rows_b - rows)
+        qkv, z, beta_in, a_in = self._project(mx.concatenate(padded, axis=0))
+        parts = [self._states(s, x.shape[0], qkv.dtype) for s, x in zip(states, xs, strict=True)]
+        convs, ssms = [p[0] for p in parts], [p[1] for p in parts]
+        if rows_b > rows:
+            convs.append(mx.zeros((rows_b - rows, *convs[0].shape[1:]), qkv.dtype))
+            ssms.append(mx.zeros((rows_b - rows, *ssms[0].shape[1:]), mx.float32))
+        left_pad = mx.array(pads, dtype=mx.int32)
+        mask = mx.arange(length_b, dtype=mx.int32)[None] >= left_pad[:, None]
+        weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
+        y, conv, ssm = _compiled_core(self._dims)(
+            qkv, z, beta_in, a_in, mx.concatenate(convs), mx.concatenate(ssms), *weights,
+            mask, left_pad,
+        )  # fmt: skip
+        out, start = [], 0
+        for x, state in zip(xs, states, strict=True):
+            b, length_g = x.shape[0], x.shape[1]
+            state.conv, state.ssm = conv[start : start + b], ssm[start : start + b]
+            out.append(y[start : start + b, length_b - length_g :])
+            start += b
+        # out_proj per group on its real columns only (cheaper than on the padded block)
+        return [self.out_proj(o) for o in out]
 
     def __call__(
         self,
@@ -179,17 +253,13 @@ class GatedDeltaNet(nn.Module):
     ) -> mx.array:
         """x [B, L, H] -> [B, L, H]; mask [B, L] (True = real) keeps pads out of the state."""
         b, length, _ = x.shape
+        if self.use_compiled(length):
+            return self.prefill_many([x], [state], [left_pad])[0]
         qkv, z, beta_in, a_in = self._project(x)
-        conv_state = state.conv
-        if conv_state is None:
-            conv_state = mx.zeros((b, self.kernel_size - 1, self.conv_dim), qkv.dtype)
-        ssm = state.ssm
-        if ssm is None:
-            ssm = mx.zeros((b, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
-        core = _compiled_core(self._dims) if self._use_compiled(length) else None
-        if core is None:
-            core = partial(deltanet_core, self._dims)
+        conv_state, ssm = self._states(state, b, qkv.dtype)
         masked = () if mask is None else (mask, mx.array(left_pad, dtype=mx.int32))
         weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
-        y, state.conv, state.ssm = core(qkv, z, beta_in, a_in, conv_state, ssm, *weights, *masked)
+        y, state.conv, state.ssm = deltanet_core(
+            self._dims, qkv, z, beta_in, a_in, conv_state, ssm, *weights, *masked
+        )
         return self.out_proj(y)

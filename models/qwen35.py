@@ -51,6 +51,15 @@ class DecoderLayer(nn.Module):
             out = self.linear_attn(h, state, ctx.mask, group.left_pad)
         return x + out
 
+    def mix_many(
+        self, xs: list[mx.array], groups: list[ForwardGroup], states: list
+    ) -> list[mx.array]:
+        """`mix` for several prefill groups of a DeltaNet layer in one call (prefill_many)."""
+        normed = [self.input_layernorm(x) for x in xs]
+        pads = [g.left_pad for g in groups]
+        outs = self.linear_attn.prefill_many(normed, states, pads)
+        return [x + out for x, out in zip(xs, outs, strict=True)]
+
     def feed_forward(self, x: mx.array) -> mx.array:
         """Residual + MLP over tokens x [N, H] (any leading shape is flattened)."""
         flat = x.reshape(-1, x.shape[-1])
@@ -86,12 +95,36 @@ class Qwen35Model(nn.Module):
         hidden = [self._embed(g) for g in groups]
         contexts = [_GroupContext(g, self._rope) for g in groups]
         for idx, layer in enumerate(self.layers):
-            hidden = [
-                layer.mix(h, g, ctx, g.states[idx])
-                for h, g, ctx in zip(hidden, groups, contexts, strict=True)
-            ]
+            hidden = self._mix(layer, idx, hidden, groups, contexts)
             hidden = self._feed_forward(layer, hidden)
         return [self.norm(h) for h in hidden]
+
+    def _mix(
+        self,
+        layer: DecoderLayer,
+        idx: int,
+        hidden: list[mx.array],
+        groups: list[ForwardGroup],
+        contexts: list[_GroupContext],
+    ) -> list[mx.array]:
+        """Attention / DeltaNet per group; with the compiled DeltaNet prefill on, every
+        prefill group (L > 1) of a DeltaNet layer in one call: on the GPU a layer's cost
+        is its op count, which would otherwise grow with the number of cohorts."""
+        many = []
+        if not layer.is_full_attention and layer.linear_attn.use_compiled(2):
+            many = [i for i, h in enumerate(hidden) if h.shape[1] > 1]
+        out = list(hidden)
+        if len(many) > 1:
+            merged = layer.mix_many(
+                [hidden[i] for i in many], [groups[i] for i in many],
+                [groups[i].states[idx] for i in many],
+            )  # fmt: skip
+            for i, h in zip(many, merged, strict=True):
+                out[i] = h
+        for i, (h, g, ctx) in enumerate(zip(hidden, groups, contexts, strict=True)):
+            if len(many) < 2 or i not in many:
+                out[i] = layer.mix(h, g, ctx, g.states[idx])
+        return out
 
     def _embed(self, group: ForwardGroup) -> mx.array:
         if group.embeds is not None:
