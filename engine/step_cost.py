@@ -14,8 +14,10 @@ fitted online from the engine's own steps, two kinds of sample kept apart:
   outliers above OUTLIER x the median (a GC pause, a first-use compile). With no spread
   in D it is the weighted mean (b = 0); b is never negative.
 - steps with decode rows and prefill give `c`: each one's residual over the decode line,
-  per prefill token; c is the weighted median of those (weights: tokens x recency), so
-  one slow step does not shrink the allowance for long. The residual absorbs per-group
+  per prefill token; c is a high weighted quantile (TOKEN_QUANTILE) of those (weights:
+  tokens x recency): the bound is on the tail of the gaps streams see, so a step should
+  exceed it only when its tokens cost more than nearly all recent ones, while one slow
+  step still does not shrink the allowance for long. The residual absorbs per-group
   overheads and the attention cost of long contexts at the sizes the scheduler actually
   runs, and moves with them as a prompt's context grows.
 
@@ -37,6 +39,8 @@ WINDOW = 32  # samples kept of each kind
 DECAY = 0.9  # weight of a sample relative to the next newer one
 MIN_SAMPLES = 3  # decode-only steps before the model constrains anything
 OUTLIER = 3.0  # decode-only samples above this x the median are ignored
+TOKEN_QUANTILE = 0.8  # of the recent per-token prefill costs, the one the allowance uses;
+# below 0.9: the newest sample alone (~10% of the recency weight) never sets it
 
 
 @dataclass(frozen=True)
@@ -126,17 +130,17 @@ def _fit_line(samples: list[StepSample]) -> tuple[float, float]:
 
 
 def _token_cost(samples: list[StepSample], line: tuple[float, float]) -> float:
-    """Weighted median of each sample's per-token residual over the decode line."""
+    """Weighted TOKEN_QUANTILE of each sample's per-token residual over the decode line."""
     a, b = line
     floor = 1e-3 * (a + b) + 1e-9  # a token is never free: keeps the allowance finite
     pairs = sorted(
         (max((s.seconds - a - b * s.num_decode) / s.num_prefill, floor), w * s.num_prefill)
         for w, s in zip(_weights(len(samples)), samples, strict=True)
     )
-    half = sum(w for _, w in pairs) / 2
+    target = sum(w for _, w in pairs) * TOKEN_QUANTILE
     seen = 0.0
     for cost, w in pairs:
         seen += w
-        if seen >= half:
+        if seen >= target:
             return cost
     return pairs[-1][0]
