@@ -1,6 +1,7 @@
 """Plot bench/gpu.py results (JSON lines) as a PNG: tok/s and TTFT p50, ours vs mlx-lm.
 
     python -m bench.plot_gpu bench/results/h200_0.8B.jsonl bench/results/h200_9B.jsonl \\
+        bench/results/h200_35B-A3B-4bit.jsonl \\
         --out bench/results/h200.png
 
 Needs matplotlib (`pip install matplotlib`; not a dependency of deltaserve).
@@ -49,7 +50,7 @@ def main() -> None:
             ax.set_title(f"{shape}: {label}")
             ax.grid(True, alpha=0.3)
             ax.legend()
-    fig.suptitle("H200, bf16 random weights: deltaserve vs mlx-lm BatchGenerator (same process)")
+    fig.suptitle("H200, random weights (bf16; 35B-A3B 4-bit): deltaserve vs mlx-lm BatchGenerator")
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
 
