@@ -71,6 +71,7 @@ class CacheSave:
     row_id: str
     blocks: tuple[tuple[int, int, int], ...]  # (node id, first, end token): KV to store
     snapshot: int  # node id that keeps the row's DeltaNet state
+    position: int  # tokens the row has computed when it is saved (the snapshot's end)
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,7 @@ class PrefixIndex:
         for n in [*path, *created]:
             n.last_used = self._clock
         blocks = tuple((n.node_id, n.start, n.end) for n in created)
-        return CacheSave(row_id, blocks, node.node_id)
+        return CacheSave(row_id, blocks, node.node_id, position)
 
     @property
     def kv_block_bytes(self) -> int:

@@ -37,14 +37,15 @@ class PrefixStore:
         """Copy row `row` of `state` into the cache: the KV columns of the new nodes and
         the DeltaNet state. The row must have computed exactly up to the snapshot's
         position. Returns the new arrays (lazy: the caller evaluates them with the step)."""
+        kv_layers = [layer for layer in state.layers if isinstance(layer, KVStore)]
+        assert all(kv.lengths()[row] == save.position for kv in kv_layers), "saved off-step"
         new: list[mx.array] = []
         for node_id, lo, hi in save.blocks:
             per_layer = []
-            for layer in state.layers:
-                if isinstance(layer, KVStore):
-                    pad = layer.left_pad[row]
-                    cols = [a[row : row + 1, :, pad + lo : pad + hi] for a in layer.state_arrays()]
-                    per_layer.append([fresh_copy(c) for c in cols])
+            for layer in kv_layers:
+                pad = layer.left_pad[row]
+                cols = [a[row : row + 1, :, pad + lo : pad + hi] for a in layer.state_arrays()]
+                per_layer.append([fresh_copy(c) for c in cols])
             self.kv[node_id] = per_layer
             new += [a for arrays in per_layer for a in arrays]
         snapshot = []
