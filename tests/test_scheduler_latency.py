@@ -213,3 +213,40 @@ def test_real_engine_default_config_tokens_unchanged() -> None:
     bounded = run(EngineConfig(max_num_batched_tokens=512))
     unbounded = run(EngineConfig(max_num_batched_tokens=512, max_stall_factor=0))
     assert bounded == unbounded and len(bounded["long"]) == 24
+
+
+def test_fixed_prefill_cost_is_learned_from_varied_chunks() -> None:
+    """Chunks cost a fixed 4 ms on top of 0.05 ms per token: with chunk sizes that vary
+    (prompts ending), the model separates the two, so a small last piece of a prompt
+    does not make every token look expensive."""
+    model = StepCostModel()
+    for i in range(12):
+        model.observe(4, 0, 0.014)
+        tokens = (20, 200, 60, 140)[i % 4]
+        model.observe(4, tokens, 0.014 + 0.004 + 0.00005 * tokens)
+    assert model.fixed_prefill_seconds() == pytest.approx(0.004, rel=0.01)
+    assert model.token_seconds() == pytest.approx(0.00005, rel=0.01)
+    assert model.prefill_allowance(4, 2.0) == 200  # (14 - 4) ms / 0.05 ms
+
+
+def test_bound_holds_with_a_fixed_prefill_cost() -> None:
+    """In the scheduler, with prompts of many lengths arriving: steps holding decode rows
+    stay within the bound once learned, and prefill keeps most of what it can get."""
+    cost = FixedCost()
+    s = _scheduler(cost)
+    _decoding(s, cost)
+    for i in range(12):
+        s.add(_req(f"p{i}", 150 + 97 * i, max_tokens=2), EOS)
+    outs = [_step(s, cost) for _ in range(60)]
+    late = [o for o in outs[-30:] if o.prefill]
+    bound = [2 * cost.decode_only(len(o.decode_row_ids)) * 1.02 for o in late]
+    assert late and all(cost.seconds(o) <= b for o, b in zip(late, bound, strict=True))
+    assert max(sum(c.length for c in o.prefill) for o in late) >= 0.9 * 200
+
+
+@dataclass
+class FixedCost(FakeCost):
+    fixed: float = 0.004
+
+    def seconds(self, out: SchedulerOutput) -> float:
+        return super().seconds(out) + (self.fixed if out.prefill else 0.0)
