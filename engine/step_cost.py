@@ -3,13 +3,9 @@
 Pure Python (no mx.array): the scheduler asks it how many prefill tokens fit next to the
 decode rows without stalling them by more than a set factor.
 
-The model: a step with D decode rows and P > 0 prefill tokens takes
+The model: a step with D decode rows and P prefill tokens takes
 
-    t(D, P) ~= a + b * D + e + c * P
-
-(e: what running prompt chunks at all adds to a step, whatever their length: their own
-layer-by-layer ops, and the LM head of a prompt that finishes; measured at ~100 ms on
-the small CPU shape next to a 3,000-token context, as much as 100 more tokens cost)
+    t(D, P) ~= a + b * D + c * P
 
 fitted online from the engine's own steps, two kinds of sample kept apart:
 
@@ -17,16 +13,11 @@ fitted online from the engine's own steps, two kinds of sample kept apart:
   WINDOW samples, recent ones weighing more (each older sample by DECAY), after dropping
   outliers above OUTLIER x the median (a GC pause, a first-use compile). With no spread
   in D it is the weighted mean (b = 0); b is never negative.
-- steps with decode rows and prefill give `e` and `c`: their residuals over the decode
-  line, fitted as e + c * P by weighted least squares (e >= 0; when P barely varies,
-  e = 0), after dropping samples whose residual per token is an OUTLIER. Then c is a
-  high weighted quantile (TOKEN_QUANTILE) of (residual - e) / P (weights: tokens x
-  recency): the bound is on the tail of the gaps streams see, so a step should exceed it
-  only when its tokens cost more than nearly all recent ones, while one slow step still
-  does not shrink the allowance for long. Without e, small chunks (a prompt's last
-  piece) looked expensive per token and shrank the next allowances in turn. The fit
-  absorbs the attention cost of long contexts at the sizes the scheduler actually runs,
-  and moves with it as a prompt's context grows.
+- steps with decode rows and prefill give `c`: each one's residual over the decode line,
+  per prefill token; c is the weighted median of those (weights: tokens x recency), so
+  one slow step does not shrink the allowance for long. The residual absorbs per-group
+  overheads and the attention cost of long contexts at the sizes the scheduler actually
+  runs, and moves with them as a prompt's context grows.
 
 Prefill samples are kept raw and refitted against the current decode line. Prefill-only
 steps are not used: with no decode row the line's intercept is an extrapolation (with
@@ -46,8 +37,6 @@ WINDOW = 32  # samples kept of each kind
 DECAY = 0.9  # weight of a sample relative to the next newer one
 MIN_SAMPLES = 3  # decode-only steps before the model constrains anything
 OUTLIER = 3.0  # decode-only samples above this x the median are ignored
-TOKEN_QUANTILE = 0.8  # of the recent per-token prefill costs, the one the allowance uses;
-# below 0.9: the newest sample alone (~10% of the recency weight) never sets it
 
 
 @dataclass(frozen=True)
@@ -64,7 +53,7 @@ class StepCostModel:
         self._decode: deque[StepSample] = deque(maxlen=WINDOW)
         self._prefill: deque[StepSample] = deque(maxlen=WINDOW)
         self._line: tuple[float, float] | None = None  # (a, b), refitted lazily
-        self._prefill_fit: tuple[float, float] | None = None  # (e, c), refitted lazily
+        self._token_cost: float | None = None
 
     def observe(self, num_decode: int, num_prefill: int, seconds: float) -> None:
         """Record one completed step (ignored if it took no time or decoded nothing)."""
@@ -72,7 +61,7 @@ class StepCostModel:
             return
         sample = StepSample(num_decode, num_prefill, seconds)
         (self._prefill if num_prefill else self._decode).append(sample)
-        self._line = self._prefill_fit = None
+        self._line = self._token_cost = None
 
     @property
     def is_ready(self) -> bool:
@@ -86,20 +75,12 @@ class StepCostModel:
 
     def token_seconds(self) -> float:
         """Predicted marginal time of one prefill token (needs samples of both kinds)."""
-        return self._fit_prefill()[1]
-
-    def fixed_prefill_seconds(self) -> float:
-        """Predicted time a step's prefill adds whatever its length (`e`)."""
-        return self._fit_prefill()[0]
+        if self._token_cost is None:
+            self._token_cost = _token_cost(list(self._prefill), self._decode_line())
+        return self._token_cost
 
     def predict(self, num_decode: int, num_prefill: int) -> float:
-        extra = self.fixed_prefill_seconds() + self.token_seconds() * num_prefill
-        return self.decode_seconds(num_decode) + (extra if num_prefill else 0.0)
-
-    def _fit_prefill(self) -> tuple[float, float]:
-        if self._prefill_fit is None:
-            self._prefill_fit = _prefill_cost(list(self._prefill), self._decode_line())
-        return self._prefill_fit
+        return self.decode_seconds(num_decode) + self.token_seconds() * num_prefill
 
     def prefill_allowance(self, num_decode: int, max_stall_factor: float) -> int | None:
         """Prefill tokens that keep a step with `num_decode` rows within `max_stall_factor`
@@ -109,8 +90,7 @@ class StepCostModel:
         if not self._prefill:
             return 0
         extra = (max_stall_factor - 1.0) * self.decode_seconds(num_decode)
-        extra -= self.fixed_prefill_seconds()
-        return max(0, int(extra / self.token_seconds() + 1e-6))  # not 139 for 139.99999
+        return int(extra / self.token_seconds() + 1e-6)  # not 139 for 139.99999
 
     def _decode_line(self) -> tuple[float, float]:
         if self._line is None:
@@ -145,35 +125,18 @@ def _fit_line(samples: list[StepSample]) -> tuple[float, float]:
     return a, b
 
 
-def _prefill_cost(samples: list[StepSample], line: tuple[float, float]) -> tuple[float, float]:
-    """(e, c) from the prefill samples' residuals over the decode line (module docstring)."""
+def _token_cost(samples: list[StepSample], line: tuple[float, float]) -> float:
+    """Weighted median of each sample's per-token residual over the decode line."""
     a, b = line
     floor = 1e-3 * (a + b) + 1e-9  # a token is never free: keeps the allowance finite
-    points = [
-        (w * s.num_prefill, s.num_prefill, s.seconds - a - b * s.num_decode)
+    pairs = sorted(
+        (max((s.seconds - a - b * s.num_decode) / s.num_prefill, floor), w * s.num_prefill)
         for w, s in zip(_weights(len(samples)), samples, strict=True)
-    ]
-    median = sorted(r / p for _, p, r in points)[len(points) // 2]
-    kept = [(w, p, r) for w, p, r in points if r / p <= OUTLIER * max(median, floor)]
-    fixed = _intercept(kept)
-    per_token = sorted((max((r - fixed) / p, floor), w) for w, p, r in kept)
-    target = sum(w for _, w in per_token) * TOKEN_QUANTILE
+    )
+    half = sum(w for _, w in pairs) / 2
     seen = 0.0
-    for cost, w in per_token:
+    for cost, w in pairs:
         seen += w
-        if seen >= target:
-            return fixed, cost
-    return fixed, per_token[-1][0]
-
-
-def _intercept(points: list[tuple[float, int, float]]) -> float:
-    """Weighted least-squares intercept of residual on prefill tokens, >= 0; 0 when the
-    token counts barely vary (then it cannot be told from the slope)."""
-    total = sum(w for w, _, _ in points)
-    mean_p = sum(w * p for w, p, _ in points) / total
-    mean_r = sum(w * r for w, _, r in points) / total
-    var_p = sum(w * (p - mean_p) ** 2 for w, p, _ in points) / total
-    cov = sum(w * (p - mean_p) * (r - mean_r) for w, p, r in points) / total
-    if var_p < (0.1 * mean_p) ** 2 or cov <= 0:
-        return 0.0
-    return max(0.0, mean_r - cov / var_p * mean_p)
+        if seen >= half:
+            return cost
+    return pairs[-1][0]
