@@ -213,12 +213,13 @@ class Scheduler:
         return min(budget, max(allowance, MIN_PREFILL_TOKENS))
 
     def _plan_prefill(self, allowance: int) -> list[PrefillChunk]:
-        """Hand `allowance` out oldest first (prefilling prompts, then waiting requests,
-        admitted now), each prompt taking at most half of what is left while another
-        could follow: prompts arriving together finish in arrival order (the earliest
-        first tokens), a long prompt never holds the whole allowance against short ones
-        behind it, and the oldest always advances (nobody starves). No prompt is given a
-        slice below min(its need, MIN_PREFILL_TOKENS) unless it is the first."""
+        """Hand `allowance` out oldest first (prefilling, then waiting requests admitted
+        now). A prompt that can finish takes all it needs: prompts arriving together
+        finish in arrival order, in few pieces (each is a group; on the GPU a group costs
+        its op count). The oldest, if it cannot finish, takes half while another could
+        follow (a long prompt never holds the allowance against short ones); the first
+        later prompt that cannot finish takes the rest and ends the plan. The oldest
+        always advances; no later one gets below min(its need, MIN_PREFILL_TOKENS)."""
         plan: list[tuple[Request, int]] = []
         left = allowance
         candidates = list(self.prefilling)  # _admit appends to self.prefilling
@@ -230,20 +231,20 @@ class Scheduler:
             else:
                 break
             demand = self._prefill_demand(req)
+            fits = req.num_prompt - req.num_computed <= left  # it can finish this step
             share = min(demand, left)
-            if candidates or self.waiting:  # leave room for the next prompt
-                share = min(share, max(left // 2, MIN_PREFILL_TOKENS))
+            if not fits and not plan and (candidates or self.waiting):
+                share = min(share, max(left // 2, MIN_PREFILL_TOKENS))  # room for the next
             if plan and share < min(demand, MIN_PREFILL_TOKENS):
                 break
             plan.append((req, share))
             left -= share
-        # What the halving left unused goes back to the oldest prompts first.
-        topped = []
-        for req, share in plan:
-            extra = min(self._prefill_demand(req) - share, left)
-            topped.append((req, share + extra))
-            left -= extra
-        return [self._chunk(req, share) for req, share in topped]
+            if len(plan) > 1 and not fits:
+                break
+        if plan and left:  # what the halving left unused goes back to the oldest
+            req, share = plan[0]
+            plan[0] = (req, min(self._prefill_demand(req), share + left))
+        return [self._chunk(req, share) for req, share in plan]
 
     def _admissible(self, left: int, first: bool) -> bool:
         """Whether the oldest waiting request can be admitted and given a slice now."""

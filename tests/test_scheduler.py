@@ -129,7 +129,8 @@ def test_abort_frees_row_at_next_step() -> None:
 def test_waiting_prompts_share_the_prefill_budget() -> None:
     """Prompts behind a long one are admitted in the same step and share the budget: the
     long one takes at most half while others wait, a short one what it needs, and what
-    is left goes back to the oldest."""
+    is left goes back to the oldest; once the oldest can finish, it does (its first token
+    comes first), and the next prompt takes the rest."""
     s = _scheduler(max_num_batched_tokens=64, max_prefill_chunk=64)
     s.add(_req("long", 100), EOS)
     s.add(_req("short", 3), EOS)
@@ -138,7 +139,7 @@ def test_waiting_prompts_share_the_prefill_budget() -> None:
     s.add(_req("c", 40), EOS)
     _run(s, out)
     out = s.schedule()  # short decodes now: 63 tokens for long (39 to go) and c (40)
-    assert [(c.row_id, c.length) for c in out.prefill] == [("long/0", 31), ("c/0", 32)]
+    assert [(c.row_id, c.length) for c in out.prefill] == [("long/0", 39), ("c/0", 24)]
 
 
 def test_n_choices_fork_after_one_prefill() -> None:
