@@ -23,7 +23,14 @@ from pathlib import Path
 
 import httpx
 
-from bench.server_vs_mlxlm import WORDS, _f32_copy, _free_port, _start, _wait_ready
+from bench.server_vs_mlxlm import (
+    WORDS,
+    _f32_copy,
+    _free_port,
+    _start,
+    _wait_ready,
+    served_name,
+)
 from models.testing import cached_checkpoint
 
 NO_THINKING = {"enable_thinking": False}
@@ -118,11 +125,7 @@ async def _bench(kind: str, model: Path, args: argparse.Namespace) -> list[dict]
     rows = []
     try:
         await _wait_ready(base, proc)
-        # mlx_lm.server lists hub-cache models, not the one it serves: name it by its path.
-        model_name = str(model)
-        if kind == "deltaserve":
-            async with httpx.AsyncClient() as c:
-                model_name = (await c.get(f"{base}/v1/models")).json()["data"][0]["id"]
+        model_name = await served_name(kind, base, model)
         await _turns(base, model_name, 64, seed=7)  # warm-up: first-use costs out of the figures
         loads = [0]
         if args.background and (kind == "deltaserve" or args.peer_background):

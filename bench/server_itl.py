@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from bench.prefix_cache import _history
-from bench.server_vs_mlxlm import _f32_copy, _free_port, _pct, _start, _wait_ready
+from bench.server_vs_mlxlm import _f32_copy, _free_port, _pct, _start, _wait_ready, served_name
 from models.testing import cached_checkpoint
 
 
@@ -92,10 +92,7 @@ async def _bench(kind: str, model: Path, args: argparse.Namespace) -> dict:
     base = f"http://127.0.0.1:{port}"
     try:
         await _wait_ready(base, proc)
-        name = str(model)  # mlx_lm.server serves the model named by its path
-        if kind == "deltaserve":
-            async with httpx.AsyncClient() as client:
-                name = (await client.get(f"{base}/v1/models")).json()["data"][0]["id"]
+        name = await served_name(kind, base, model)
         await _stream(base, name, args.long, seed=97, max_tokens=4)  # first-use costs
         row = {"server": kind, "long_prompt_words": args.long, **await _scenario(base, name, args)}
         print(json.dumps(row), flush=True)

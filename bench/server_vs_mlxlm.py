@@ -123,6 +123,15 @@ async def _wait_ready(base: str, proc: subprocess.Popen, timeout: float = 300) -
     raise TimeoutError("server did not become ready")
 
 
+async def served_name(kind: str, base: str, model: Path) -> str:
+    """The model name requests must carry: ours lists it; mlx_lm.server lists hub-cache
+    models, not the one it serves, so that one is named by its path."""
+    if kind != "deltaserve":
+        return str(model)
+    async with httpx.AsyncClient() as client:
+        return (await client.get(f"{base}/v1/models")).json()["data"][0]["id"]
+
+
 def _workload(n: int, seed: int) -> list[tuple[str, int]]:
     rng = random.Random(seed)
     out = []
@@ -215,11 +224,7 @@ async def _bench(kind: str, model: Path, args: argparse.Namespace) -> list[dict]
     proc = _start(kind, model, port, Path(args.logdir) / f"{kind}.log")
     try:
         await _wait_ready(base, proc)
-        # mlx_lm.server lists hub-cache models, not the one it serves: name it by its path.
-        served = str(model)
-        if kind == "deltaserve":
-            async with httpx.AsyncClient() as c:
-                served = (await c.get(f"{base}/v1/models")).json()["data"][0]["id"]
+        served = await served_name(kind, base, model)
         await _load(base, served, 2, 2)  # warm-up
         rows = []
         for conc in args.concurrency:
