@@ -81,8 +81,8 @@ class LLMEngine:
         # A compiled step retraces per batch size: hold the decode batch at bucket sizes.
         max_rows = self.config.max_num_seqs
         bucket = partial(decode_bucket, max_rows=max_rows) if compiled else None
-        block = self.config.prefix_block_tokens if self.prefix_cache else 0
-        self.states = RowStates(lambda: BatchState.empty(cfg, kv_factory), bucket, block)
+        cached = self.prefix_cache is not None
+        self.states = RowStates(lambda: BatchState.empty(cfg, kv_factory), bucket, cached)
         batch_prefill = self.config.batch_prefill
         if batch_prefill is None:
             batch_prefill = not on_cpu()

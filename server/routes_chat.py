@@ -19,6 +19,23 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.types import GenerationRequest
 from server.frontend.choice import ChoiceResult, ChoiceStream, LogprobEntry, ToolCallChunk
+from server.frontend.tokenizer import TextTokenizer
+from server.responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    ChoiceLogprobs,
+    FunctionCall,
+    FunctionCallDelta,
+    TokenLogprobOut,
+    ToolCall,
+    ToolCallDelta,
+    TopLogprob,
+    Usage,
+)
 from server.routes_common import (
     check_model,
     json_body,
@@ -28,24 +45,7 @@ from server.routes_common import (
     until_disconnect,
 )
 from server.routes_generation import GenerationRun, start_run
-from server.schemas import (
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    ChatMessageOut,
-    ChoiceLogprobs,
-    FunctionCall,
-    FunctionCallDelta,
-    NamedToolChoice,
-    TokenLogprobOut,
-    ToolCall,
-    ToolCallDelta,
-    TopLogprob,
-    Usage,
-)
+from server.schemas import ChatCompletionRequest, NamedToolChoice
 from server.sse import DONE, KEEPALIVE, EventStreamResponse, sse_data
 
 router = APIRouter()
@@ -62,11 +62,8 @@ async def create_chat_completion(request: Request, body: ChatBody) -> Response:
     tools = template_tools(body)
     messages = [message.model_dump(exclude_none=True) for message in body.messages]
     # Templates and tokenizers are CPU work: keep them off the event loop.
-    prompt_ids, starts_in_reasoning = await run_in_threadpool(
-        state.tokenizer.render_chat, messages, tools, body.chat_template_kwargs
-    )
-    history = await run_in_threadpool(
-        state.tokenizer.history_length, prompt_ids, messages, tools, body.chat_template_kwargs
+    prompt_ids, starts_in_reasoning, history = await run_in_threadpool(
+        _render, state.tokenizer, messages, tools, body.chat_template_kwargs
     )
     params = sampling_params(
         state,
@@ -91,6 +88,17 @@ async def create_chat_completion(request: Request, body: ChatBody) -> Response:
     if body.stream:
         return EventStreamResponse(_stream(run, body, head), run.close)
     return await until_disconnect(request, _respond(run, body, head))
+
+
+def _render(
+    tokenizer: TextTokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    kwargs: dict[str, Any] | None,
+) -> tuple[list[int], bool, int]:
+    """Prompt ids, whether they end in reasoning, and the history length (prefix hint)."""
+    ids, starts_in_reasoning = tokenizer.render_chat(messages, tools, kwargs)
+    return ids, starts_in_reasoning, tokenizer.history_length(ids, messages, tools, kwargs)
 
 
 def template_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:

@@ -18,6 +18,7 @@ from engine.types import GenerationRequest, SamplingParams
 from server.errors import APIError
 from server.frontend.choice import ChoiceStream, LogprobEntry
 from server.frontend.tokenizer import TextTokenizer
+from server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
 from server.routes_common import (
     ServerState,
     check_model,
@@ -28,13 +29,7 @@ from server.routes_common import (
     until_disconnect,
 )
 from server.routes_generation import RunGroup, start_runs
-from server.schemas import (
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    Usage,
-)
+from server.schemas import CompletionRequest
 from server.sse import DONE, KEEPALIVE, EventStreamResponse, sse_data
 
 router = APIRouter()

@@ -20,8 +20,8 @@ from engine.types import GenerationRequest, RequestOutput
 from server.errors import APIError
 from server.frontend.choice import ChoiceDelta, ChoiceStream, ToolCallChunk
 from server.metrics import RequestTimer
+from server.responses import PromptTokensDetails, Usage
 from server.routes_common import ServerState
-from server.schemas import PromptTokensDetails, Usage
 from server.sse import TICK, Ticker
 
 

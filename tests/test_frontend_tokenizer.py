@@ -331,3 +331,19 @@ def test_outputs_after_a_stop_are_ignored(tokenizer: TextTokenizer) -> None:
     assert first.stop_hit and later.stop_hit and later.content == ""
     assert first.content + choice.finish().content == "a "
     assert choice.result().content == "a "
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_history_length_is_where_the_next_turn_starts(
+    tokenizer: TextTokenizer, thinking: bool
+) -> None:
+    """The prefix hint: the prompt's tokens up to its generation prompt, which the next
+    turn (the answer and a new question appended) starts with, token for token."""
+    kwargs = {"enable_thinking": thinking}
+    first = [{"role": "user", "content": "Tell me a story."}]
+    ids, _ = tokenizer.render_chat(first, None, kwargs)
+    history = tokenizer.history_length(ids, first, None, kwargs)
+    later = [*first, {"role": "assistant", "content": "Once."}, {"role": "user", "content": "More"}]
+    next_ids, _ = tokenizer.render_chat(later, None, kwargs)
+    assert 0 < history < len(ids) and next_ids[:history] == ids[:history]
+    assert tokenizer.decode(ids[history:]).startswith("<|im_start|>assistant\n")

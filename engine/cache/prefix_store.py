@@ -27,8 +27,7 @@ from engine.cache.ssm import SSMState
 class PrefixStore:
     """Node id -> arrays; save from and restore into B=1 prefill states."""
 
-    def __init__(self, block: int, new_state: Callable[[], BatchState]) -> None:
-        self.block = block
+    def __init__(self, new_state: Callable[[], BatchState]) -> None:
         self._new_state = new_state
         self.kv: dict[int, list[list[mx.array]]] = {}  # node -> per attention layer
         self.snapshots: dict[int, list[tuple[mx.array, mx.array]]] = {}  # node -> per DeltaNet

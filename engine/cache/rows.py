@@ -25,14 +25,14 @@ class RowStates:
         self,
         new_state: Callable[[], BatchState],
         bucket: Callable[[int], int] | None = None,
-        prefix_block: int = 0,
+        prefix_cache: bool = False,
     ) -> None:
         """bucket: when given, the decode batch is held at bucket(live rows) rows, the
         rest dead (see decode_bucket): a compiled step then sees few distinct shapes.
-        prefix_block: tokens per prefix-cache block (0: no prefix cache)."""
+        prefix_cache: hold the prefix cache's arrays (engine/cache/prefix_store.py)."""
         self._new_state = new_state
         self._bucket = bucket
-        self.prefix = PrefixStore(prefix_block, new_state) if prefix_block else None
+        self.prefix = PrefixStore(new_state) if prefix_cache else None
         self.decode = new_state()
         self.decode_ids: list[str] = []
         self.prefill: dict[str, BatchState] = {}
