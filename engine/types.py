@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -98,6 +100,29 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+@dataclass(frozen=True, eq=False)
+class ImageInput:
+    """One image of a prompt, decoded and preprocessed by the server. Written by the server.
+
+    patches: [t*h*w, C*T*P*P] float32 pixel patches in the image processor's order
+    (models/image_processor.py), what the vision tower's patch embedding reads.
+    grid: (t, h, w) in patches. num_tokens: the prompt's image-pad tokens for this image
+    (t*h*w / merge^2). digest: a hash of the pixels, which keys the prefix cache (two
+    prompts with equal token ids but different images must not share a cached prefix).
+    """
+
+    patches: np.ndarray
+    grid: tuple[int, int, int]
+    num_tokens: int
+    digest: str
+
+    def __post_init__(self) -> None:
+        t, h, w = self.grid
+        _check(min(t, h, w) > 0, "empty image grid", "messages")
+        _check(self.patches.shape[0] == t * h * w, "patches do not match the grid", "messages")
+        _check(self.num_tokens > 0, "an image must have tokens", "messages")
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One generation the server asks for. `n` > 1 forks the prefilled row n times.
@@ -105,6 +130,8 @@ class GenerationRequest:
     prefix_hint: a prompt position where later prompts are likely to continue this one
     (a chat's history before the generation prompt: the next turn starts with it); the
     prefix cache snapshots the row's state there too. 0 = none.
+    images: the prompt's images in order; image i fills the i-th run of image-pad tokens
+    in prompt_ids (images[i].num_tokens of them; the engine checks the counts).
     """
 
     request_id: str
@@ -112,6 +139,7 @@ class GenerationRequest:
     params: SamplingParams
     n: int = 1
     prefix_hint: int = 0
+    images: tuple[ImageInput, ...] = ()
 
     def __post_init__(self) -> None:
         _check(len(self.prompt_ids) > 0, "the prompt is empty", "messages")
