@@ -298,8 +298,24 @@ def generation_config() -> dict:
     }
 
 
+def preprocessor_config() -> dict:
+    """`preprocessor_config.json` as Qwen3.5 publishes it (image patches of 16 px, 2x2
+    merged; 256^2 to 4096^2 pixels after resizing); models/image_processor.py reads it."""
+    return {
+        "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "processor_class": "Qwen3VLProcessor",
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+    }
+
+
 def write_tokenizer(out_dir: str | Path) -> Path:
-    """Write tokenizer.json, tokenizer_config.json and generation_config.json into out_dir.
+    """Write tokenizer.json, tokenizer_config.json, generation_config.json and
+    preprocessor_config.json (the image processor's settings) into out_dir.
 
     Loadable by `transformers.AutoTokenizer.from_pretrained(out_dir)` and by
     `tokenizers.Tokenizer.from_file(out_dir / "tokenizer.json")`. Returns out_dir.
@@ -309,6 +325,7 @@ def write_tokenizer(out_dir: str | Path) -> Path:
     (out / "tokenizer.json").write_text(tokenizer_json(), encoding="utf-8")
     _write_json(out / "tokenizer_config.json", tokenizer_config())
     _write_json(out / "generation_config.json", generation_config())
+    _write_json(out / "preprocessor_config.json", preprocessor_config())
     return out
 
 
