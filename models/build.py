@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from models.config import TextConfig
 from models.layers import EXPERT_PROJECTIONS, SparseMoE
 from models.loader import Checkpoint, CheckpointError, biases_name, load_checkpoint
 from models.qwen35 import Qwen35Model
+from models.vision import VisionConfig, VisionTower, load_vision
 
 
 def on_cpu() -> bool:
@@ -28,10 +30,23 @@ class LoadedModel:
     path: Path  # resolved local directory (tokenizer files live here)
     dtype: mx.Dtype  # activations / unquantized weights
     quantized: bool  # weights kept as MLX affine-quantized matmuls
-    checkpoint: Checkpoint = field(repr=False)  # vision / MTP tensors stay here for later use
+    checkpoint: Checkpoint = field(repr=False)  # MTP tensors stay here for later use
+    # The vision tower (in `dtype`) and its config; both None for a text-only checkpoint
+    # (no vision_config, or a conversion that dropped the vision tensors).
+    vision: VisionTower | None = field(default=None, repr=False)
+    vision_config: VisionConfig | None = None
 
     def weight_bytes(self) -> int:
-        return sum(v.nbytes for _, v in nn.utils.tree_flatten(self.model.parameters()))
+        """Bytes of the language model's weights (what a decode step reads)."""
+        return _parameter_bytes(self.model)
+
+    def vision_weight_bytes(self) -> int:
+        """Bytes of the vision tower's weights (resident too; 0 without a tower)."""
+        return 0 if self.vision is None else _parameter_bytes(self.vision)
+
+
+def _parameter_bytes(module: nn.Module) -> int:
+    return sum(v.nbytes for _, v in nn.utils.tree_flatten(module.parameters()))
 
 
 def load_model(path_or_id: str, dtype: mx.Dtype | None = None) -> LoadedModel:
@@ -55,7 +70,14 @@ def load_model(path_or_id: str, dtype: mx.Dtype | None = None) -> LoadedModel:
     model_dtype = ckpt.weights["embed_tokens.weight"].dtype
     if model_dtype not in (mx.float32, mx.float16, mx.bfloat16):
         model_dtype = compute_dtype or mx.bfloat16
-    return LoadedModel(model, cfg, ckpt.path, model_dtype, bool(ckpt.quantization), ckpt)
+    raw_config = json.loads((ckpt.path / "config.json").read_text())
+    vision = load_vision(raw_config, ckpt.vision_weights, model_dtype)
+    if vision is not None:
+        ckpt.vision_weights = {}  # the tower holds them now (dequantized / reshaped copies)
+    return LoadedModel(
+        model, cfg, ckpt.path, model_dtype, bool(ckpt.quantization), ckpt,
+        vision, vision.config if vision is not None else None,
+    )  # fmt: skip
 
 
 def _quantize_experts(model: Qwen35Model, ckpt: Checkpoint) -> None:

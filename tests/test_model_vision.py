@@ -1,0 +1,273 @@
+"""The vision tower, 3-D positions and image splicing against transformers' Qwen3.5.
+
+transformers reads the tiny HF checkpoint (tower: depth 1, width 32, 2 heads, 8x8
+position table) into Qwen3_5ForConditionalGeneration in float32 on CPU; pixel patches
+come from transformers' own Qwen2VL image processor (PIL backend, patch 16, merge 2), so
+the patch order is the one real prompts have.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from parity_utils import encode, rel_error
+
+from engine.cache.batch import BatchState
+from models.build import LoadedModel, load_model
+from models.loader import load_checkpoint
+from models.rope_index import decode_positions, mrope_positions
+from models.state import ForwardGroup
+from models.testing import cached_checkpoint
+from models.vision import VisionConfig, load_vision, splice_images
+
+# Relative error bounds, max|ours - ref| / max|ref|. Tower features measured 9e-7 (float32
+# summation order); logits with images as in test_parity_transformers (~1e-5 measured).
+# A wrong patch order, position tap or rotary axis moves features by O(1).
+FEATURE_TOL = 1e-4
+LOGIT_TOL = 1e-4
+GREEDY_TOKENS = 8
+IMAGE, START, END = 248056, 248053, 248054
+Grid = tuple[int, int, int]
+
+
+@pytest.fixture(scope="module")
+def reference() -> Iterator[object]:
+    """transformers' float32 Qwen3_5ForConditionalGeneration of the tiny checkpoint."""
+    import torch
+    from transformers import GenerationConfig, Qwen3_5ForConditionalGeneration
+
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(
+        cached_checkpoint("tiny"), dtype=torch.float32
+    ).eval()
+    model.generation_config = GenerationConfig(do_sample=False, eos_token_id=None)
+    yield model
+
+
+@pytest.fixture(scope="module")
+def ours() -> LoadedModel:
+    return load_model(str(cached_checkpoint("tiny")))
+
+
+def pixels(sizes: list[tuple[int, int]], seed: int = 0) -> tuple[np.ndarray, list[Grid]]:
+    """Patches [N, 1536] and grids of random RGB images of (height, width) pixels."""
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    rng = np.random.default_rng(seed)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+    processor = Qwen2VLImageProcessorPil(
+        patch_size=16, merge_size=2, temporal_patch_size=2,
+        size={"shortest_edge": 32 * 32, "longest_edge": 512 * 512},
+    )  # fmt: skip
+    out = processor(images=images)
+    grids = [tuple(int(v) for v in g) for g in out["image_grid_thw"]]
+    return np.asarray(out["pixel_values"], dtype=np.float32), grids
+
+
+def reference_features(reference: object, patches: np.ndarray, grids: list[Grid]) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        out = reference.model.get_image_features(torch.tensor(patches), torch.tensor(grids))
+    return torch.cat(out.pooler_output).numpy()
+
+
+def image_prompt(layout: str, grids: list[Grid]) -> list[int]:
+    """Token ids of a prompt: 't' = a piece of text, 'i' = the next image (with its
+    vision start/end tokens), e.g. 'titit'."""
+    texts = iter(["Describe", " this picture, please", " and compare it with", " now."] * 2)
+    images, ids = iter(grids), []
+    for part in layout:
+        if part == "t":
+            ids += encode(next(texts))
+        else:
+            t, h, w = next(images)
+            ids += [START] + [IMAGE] * (t * h * w // 4) + [END]
+    return ids
+
+
+@pytest.mark.parametrize(
+    "sizes", [[(64, 96), (160, 64)], [(64, 64), (96, 128), (64, 64), (32, 224)]]
+)
+def test_tower_matches_transformers(
+    ours: LoadedModel, reference: object, sizes: list[tuple[int, int]]
+) -> None:
+    """Several images of different sizes in one call (frames regrouped by size inside)
+    equal transformers' features, image after image."""
+    patches, grids = pixels(sizes)
+    expected = reference_features(reference, patches, grids)
+    got = ours.vision(mx.array(patches), grids)
+    assert got.shape == expected.shape
+    assert rel_error(got, mx.array(expected)) <= FEATURE_TOL
+
+
+def test_tower_batch_equals_images_alone(ours: LoadedModel) -> None:
+    """An image's features do not depend on the other images of the call."""
+    patches, grids = pixels([(96, 64), (64, 64), (96, 64)], seed=1)
+    together = ours.vision(mx.array(patches), grids)
+    start, rows = 0, 0
+    for grid in grids:
+        count = int(np.prod(grid))
+        alone = ours.vision(mx.array(patches[start : start + count]), [grid])
+        part = together[rows : rows + alone.shape[0]]
+        assert mx.allclose(part, alone, rtol=1e-5, atol=1e-5).item()
+        start, rows = start + count, rows + alone.shape[0]
+
+
+def test_mlx_vlm_layout_loads_the_same_tower(ours: LoadedModel, tmp_path: Path) -> None:
+    """A checkpoint with mlx-vlm's vision naming (`vision_tower.`) and channels-last
+    Conv3d weight [W, T, P, P, C] gives the same features as the HF layout."""
+    source = cached_checkpoint("tiny")
+    tensors = mx.load(str(source / "model.safetensors"))
+    renamed = {}
+    for key, value in tensors.items():
+        if key.startswith("model.visual."):
+            key = "vision_tower." + key.removeprefix("model.visual.")
+            if key.endswith("patch_embed.proj.weight"):
+                value = value.transpose(0, 2, 3, 4, 1)
+        renamed[key] = value
+    assert renamed["vision_tower.patch_embed.proj.weight"].shape == (32, 2, 16, 16, 3)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, tmp_path / name)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), renamed, {"format": "mlx"})
+    ckpt = load_checkpoint(tmp_path, compute_dtype=mx.float32)
+    config = json.loads((tmp_path / "config.json").read_text())
+    tower = load_vision(config, ckpt.vision_weights, mx.float32)
+    patches, grids = pixels([(64, 96), (96, 96)])
+    assert mx.array_equal(tower(mx.array(patches), grids), ours.vision(mx.array(patches), grids))
+
+
+def test_text_only_checkpoint_has_no_tower() -> None:
+    """mlx-lm's conversion drops the vision tensors and config: vision stays None."""
+    loaded = load_model(str(cached_checkpoint("tiny-mlx-4bit")))
+    assert loaded.vision is None and loaded.vision_config is None
+
+
+def test_vision_config_from_checkpoint(ours: LoadedModel) -> None:
+    cfg = ours.vision_config
+    assert cfg == VisionConfig.from_dict(json.loads((ours.path / "config.json").read_text()))
+    assert (cfg.depth, cfg.hidden_size, cfg.num_heads, cfg.out_hidden_size) == (1, 32, 2, 128)
+    assert (cfg.image_token_id, cfg.vision_start_token_id, cfg.spatial_merge_size) == (
+        IMAGE, START, 2,
+    )  # fmt: skip
+    assert cfg.num_tokens((1, 4, 6)) == 6
+    assert VisionConfig.from_dict({"model_type": "qwen3_5_text"}) is None
+
+
+@pytest.mark.parametrize("layout", ["titit", "it", "ti", "tiit", "i"])
+def test_mrope_positions_match_transformers(reference: object, layout: str) -> None:
+    """Positions [3, L] and the rope delta equal transformers' get_rope_index."""
+    import torch
+
+    grids = [(1, 4, 6), (1, 10, 4), (1, 2, 2)][: layout.count("i")]
+    ids = image_prompt(layout, grids)
+    got, delta = mrope_positions(ids, grids, IMAGE, 2)
+    input_ids = torch.tensor([ids])
+    expected, deltas = reference.model.get_rope_index(
+        input_ids, mm_token_type_ids=(input_ids == IMAGE).int(), image_grid_thw=torch.tensor(grids)
+    )
+    assert got.dtype == np.int32 and got.shape == (3, len(ids))
+    assert np.array_equal(got, expected[:, 0].numpy())
+    assert delta == int(deltas[0, 0])
+
+
+def test_mrope_positions_reject_mismatched_images() -> None:
+    ids = image_prompt("tit", [(1, 4, 4)])
+    with pytest.raises(ValueError):
+        mrope_positions(ids, [(1, 4, 6)], IMAGE, 2)  # 6 tokens wanted, run has 4
+    with pytest.raises(ValueError):
+        mrope_positions(ids, [(1, 4, 4), (1, 4, 4)], IMAGE, 2)  # one run, two images
+
+
+def prefill_with_images(
+    ours: LoadedModel, ids: list[int], patches: np.ndarray, grids: list[Grid], cut: int = 0
+) -> tuple[mx.array, BatchState, int]:
+    """Logits [L, V] of an image prompt through our model (in two chunks split at `cut`
+    when > 0), the row's state after it and its rope delta."""
+    features = ours.vision(mx.array(patches), grids)
+    embeds = splice_images(ours.model.embed_tokens(mx.array(ids)), ids, features, IMAGE)
+    positions, delta = mrope_positions(ids, grids, IMAGE, 2)
+    state, logits = BatchState.empty(ours.config), []
+    for lo, hi in [(0, cut), (cut, len(ids))] if cut else [(0, len(ids))]:
+        group = ForwardGroup(
+            tokens=None, positions=mx.array(positions[:, None, lo:hi]), states=state.layers,
+            embeds=embeds[None, lo:hi],
+        )  # fmt: skip
+        (hidden,) = ours.model([group])
+        logits.append(ours.model.logits(hidden)[0])
+    return mx.concatenate(logits), state, delta
+
+
+def reference_inputs(ids: list[int], patches: np.ndarray, grids: list[Grid]) -> dict:
+    import torch
+
+    input_ids = torch.tensor([ids])
+    return {
+        "input_ids": input_ids, "pixel_values": torch.tensor(patches),
+        "image_grid_thw": torch.tensor(grids), "mm_token_type_ids": (input_ids == IMAGE).int(),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["titit", "it"])
+def test_logits_with_images_match_transformers(
+    ours: LoadedModel, reference: object, layout: str
+) -> None:
+    """Teacher-forced logits of a prompt with images (spliced features, 3-D positions)."""
+    import torch
+
+    patches, grids = pixels([(64, 96), (160, 64)][: layout.count("i")])
+    ids = image_prompt(layout, grids)
+    with torch.no_grad():
+        expected = mx.array(reference(**reference_inputs(ids, patches, grids)).logits[0].numpy())
+    got, _, _ = prefill_with_images(ours, ids, patches, grids)
+    assert rel_error(got, expected) <= LOGIT_TOL
+    assert mx.array_equal(got.argmax(-1), expected.argmax(-1)).item()
+    # A prefill chunk boundary inside the first image changes nothing.
+    cut = ids.index(IMAGE) + 3
+    chunked, _, _ = prefill_with_images(ours, ids, patches, grids, cut=cut)
+    assert rel_error(chunked, got) <= LOGIT_TOL
+
+
+def test_greedy_decode_with_images_matches_transformers(
+    ours: LoadedModel, reference: object
+) -> None:
+    """Greedy tokens after an image prompt, decoding at position index + rope delta,
+    equal transformers' generate()."""
+    import torch
+
+    patches, grids = pixels([(64, 96), (160, 64)])
+    ids = image_prompt("titit", grids)
+    with torch.no_grad():
+        out = reference.generate(
+            **reference_inputs(ids, patches, grids), max_new_tokens=GREEDY_TOKENS
+        )
+    expected = out[0, len(ids) :].tolist()
+    logits, state, delta = prefill_with_images(ours, ids, patches, grids)
+    assert delta < 0
+    tokens = [int(logits[-1].argmax())]
+    while len(tokens) < GREEDY_TOKENS:
+        index = len(ids) + len(tokens) - 1  # sequence index of the token being fed
+        positions = mx.array(decode_positions(index, 1, delta)[:, None, :])
+        group = ForwardGroup(mx.array([[tokens[-1]]]), positions, state.layers)
+        (hidden,) = ours.model([group])
+        tokens.append(int(ours.model.logits(hidden)[0, -1].argmax()))
+    assert tokens == expected
+
+
+def test_splice_replaces_image_rows_in_order() -> None:
+    ids = [5, IMAGE, IMAGE, 7, IMAGE]
+    embeds = mx.zeros((5, 3))
+    features = mx.arange(9, dtype=mx.float32).reshape(3, 3) + 1
+    out = splice_images(embeds, ids, features, IMAGE)
+    assert mx.array_equal(out[mx.array([1, 2, 4])], features).item()
+    assert mx.array_equal(out[mx.array([0, 3])], mx.zeros((2, 3))).item()
+    with pytest.raises(ValueError):
+        splice_images(embeds, ids, features[:2], IMAGE)
