@@ -30,6 +30,7 @@ KEY_METAVARS = {
     "server.host": "HOST",
     "server.api_key": "KEY",
     "server.cors_origins": "ORIGIN,...",
+    "images.local_dir": "DIR",
 }
 TYPE_METAVARS = {int: "INT", float: "FLOAT", str: "TEXT"}
 

@@ -82,6 +82,9 @@ class ServerMetrics:
         self.prompt_tokens = Counter(
             "deltaserve_prompt_tokens", "prompt tokens of accepted requests", registry=reg
         )
+        self.images = Counter(
+            "deltaserve_images", "images of chat requests, decoded and preprocessed", registry=reg
+        )
         self.generated_tokens = Counter(
             "deltaserve_generation_tokens", "tokens generated", registry=reg
         )

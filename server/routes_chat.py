@@ -1,5 +1,9 @@
 """POST /v1/chat/completions: validate → render the prompt → submit → stream or collect.
 
+Images: user messages' image_url parts are fetched, decoded and preprocessed in the same
+worker-thread hop as the template (server/images.py); each becomes its image-pad tokens in
+the prompt and an ImageInput in GenerationRequest.images.
+
 Tools: tool_choice "none" hides the tools from the template (and output is not parsed
 for calls); "required" and a named function send the tools (only the named one for the
 latter). Generation is NOT grammar-constrained: the template asks for a call, but if the
@@ -17,9 +21,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from engine.types import GenerationRequest
+from engine.types import GenerationRequest, ImageInput
 from server.frontend.choice import ChoiceResult, ChoiceStream, LogprobEntry, ToolCallChunk
+from server.frontend.messages import PromptError, image_refs
 from server.frontend.tokenizer import TextTokenizer
+from server.images import load_images, processor_config
 from server.responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -46,6 +52,7 @@ from server.routes_common import (
 )
 from server.routes_generation import GenerationRun, start_run
 from server.schemas import ChatCompletionRequest, NamedToolChoice
+from server.settings import ImageSettings
 from server.sse import DONE, KEEPALIVE, EventStreamResponse, sse_data
 
 router = APIRouter()
@@ -61,26 +68,31 @@ async def create_chat_completion(request: Request, body: ChatBody) -> Response:
     check_model(state, body.model)
     tools = template_tools(body)
     messages = [message.model_dump(exclude_none=True) for message in body.messages]
-    # Templates and tokenizers are CPU work: keep them off the event loop.
-    prompt_ids, starts_in_reasoning, history = await run_in_threadpool(
-        _render, state.tokenizer, messages, tools, body.chat_template_kwargs
+    # Images, templates and tokenizers are CPU work: keep them off the event loop.
+    prompt = await run_in_threadpool(
+        _render, state.tokenizer, state.settings.images, messages, tools, body.chat_template_kwargs
     )
+    state.metrics.images.inc(len(prompt.images))
     params = sampling_params(
         state,
         body,
-        len(prompt_ids),
+        len(prompt.ids),
         body.max_new_tokens,
         logprobs=body.logprobs,
         top_logprobs=body.top_logprobs or 0,
         field_names=_FIELD_NAMES_NEW if body.max_completion_tokens is not None else None,
     )
     gen = GenerationRequest(
-        new_id("chatcmpl"), tuple(prompt_ids), params, n=body.n, prefix_hint=history
+        new_id("chatcmpl"),
+        tuple(prompt.ids),
+        params,
+        n=body.n,
+        prefix_hint=prompt.history,
+        images=prompt.images,
     )
+    reasoning = prompt.starts_in_reasoning
     choices = [
-        ChoiceStream(
-            state.tokenizer, body.stop_strings(), tools, starts_in_reasoning, tools is not None
-        )
+        ChoiceStream(state.tokenizer, body.stop_strings(), tools, reasoning, tools is not None)
         for _ in range(gen.n)
     ]
     run = await start_run(state, gen, choices, state.metrics.timer(arrival))
@@ -90,15 +102,30 @@ async def create_chat_completion(request: Request, body: ChatBody) -> Response:
     return await until_disconnect(request, _respond(run, body, head))
 
 
+@dataclass(frozen=True)
+class RenderedPrompt:
+    ids: list[int]
+    starts_in_reasoning: bool  # the prompt ends inside an opened <think>
+    history: int  # the prefix hint: tokens of the messages without the generation prompt
+    images: tuple[ImageInput, ...]
+
+
 def _render(
     tokenizer: TextTokenizer,
+    settings: ImageSettings,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     kwargs: dict[str, Any] | None,
-) -> tuple[list[int], bool, int]:
-    """Prompt ids, whether they end in reasoning, and the history length (prefix hint)."""
-    ids, starts_in_reasoning = tokenizer.render_chat(messages, tools, kwargs)
-    return ids, starts_in_reasoning, tokenizer.history_length(ids, messages, tools, kwargs)
+) -> RenderedPrompt:
+    """Load the messages' images, then render and tokenize the prompt around them."""
+    refs = image_refs(messages)
+    if refs and tokenizer.image_pad_id is None:
+        raise PromptError("this model does not take images", refs[0].param)
+    images = load_images(refs, settings, processor_config(tokenizer.model_dir)) if refs else ()
+    tokens = [image.num_tokens for image in images] if refs else None  # None: text only
+    ids, starts_in_reasoning = tokenizer.render_chat(messages, tools, kwargs, tokens)
+    history = tokenizer.history_length(ids, messages, tools, kwargs, tokens)
+    return RenderedPrompt(ids, starts_in_reasoning, history, images)
 
 
 def template_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:

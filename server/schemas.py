@@ -34,14 +34,22 @@ class _In(BaseModel):
         return data
 
 
+class ImageURL(_In):
+    url: str  # data: URL, file path or http(s) URL (which sources work: server/images.py)
+    detail: Literal["auto", "low", "high"] = "auto"  # accepted; images keep their detail
+
+
 class ContentPart(_In):
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
     @model_validator(mode="after")
-    def _text_only(self) -> ContentPart:
-        if self.type != "text" or self.text is None:
-            raise ValueError(f"content parts of type {self.type!r} are not supported (text only)")
+    def _text_or_image(self) -> ContentPart:
+        if self.type not in ("text", "image_url"):
+            raise ValueError(f"content parts of type {self.type!r} are not supported")
+        if getattr(self, self.type) is None:
+            raise ValueError(f"a {self.type!r} content part needs its {self.type!r} field")
         return self
 
 

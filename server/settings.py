@@ -99,6 +99,30 @@ class SamplingDefaults:
 
 
 @dataclass(frozen=True)
+class ImageSettings:
+    """Images in chat messages (image_url parts): where they may come from, how big."""
+
+    max_per_request: int = 8  # images one request may carry; 0 = no images
+    max_pixels: int = 4096 * 4096  # width x height of one decoded image, before resizing
+    max_bytes: int = 20 * 2**20  # encoded size of one image (data URL, file or download)
+    data_urls: bool = True  # accept data: URLs (base64 PNG, JPEG, WebP, GIF)
+    local_dir: str = ""  # accept file:// URLs and paths under this directory; "" = none
+    http: bool = False  # fetch http(s) URLs (the server then reaches any host it can)
+    http_timeout: float = 10.0  # seconds one download may take, redirects included
+    http_max_redirects: int = 3  # redirects one download may follow
+
+    def __post_init__(self) -> None:
+        if self.max_per_request < 0:
+            raise ConfigError("images.max_per_request must be >= 0")
+        if self.max_pixels < 1 or self.max_bytes < 1:
+            raise ConfigError("images.max_pixels and images.max_bytes must be >= 1")
+        if not self.http_timeout > 0 or self.http_max_redirects < 0:
+            raise ConfigError("images.http_timeout must be > 0, http_max_redirects >= 0")
+        if self.local_dir and not Path(self.local_dir).expanduser().is_dir():
+            raise ConfigError(f"images.local_dir {self.local_dir!r} is not a directory")
+
+
+@dataclass(frozen=True)
 class Settings:
     """Everything `deltaserve serve` is configured with, one section per layer."""
 
@@ -106,6 +130,7 @@ class Settings:
     server: ServerSettings = field(default_factory=ServerSettings)
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
+    images: ImageSettings = field(default_factory=ImageSettings)
 
 
 # Flags that are not simply --<field-name>: short ones for the common keys, and a prefix
@@ -115,7 +140,7 @@ FLAG_NAMES = {
     "model.served_name": "served-model-name",
     "engine.kv_cache.kind": "kv-cache",
 }
-SECTION_PREFIXES = {"engine.kv_cache": "kv-", "sampling": "default-"}
+SECTION_PREFIXES = {"engine.kv_cache": "kv-", "sampling": "default-", "images": "image-"}
 # A key's description is its field's trailing comment. KVCacheConfig (engine/config.py)
 # documents its fields in the class docstring instead, and max_context's comment only
 # gives the meaning of 0, so those are described here.

@@ -2,13 +2,16 @@
 
 The server hands us OpenAI-shaped dicts; templates want simpler ones: text-only content
 as one string, a "developer" turn as "system", and tool-call arguments as a mapping
-(OpenAI sends them as a JSON string). Bad input raises PromptError, an HTTP 400 naming
-the offending field.
+(OpenAI sends them as a JSON string). A user message with image_url parts keeps its parts,
+as `{"type": "image"}` and `{"type": "text", "text": ...}` items (the template writes an
+image's placeholder tokens for the first). Bad input raises PromptError, an HTTP 400
+naming the offending field.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from engine.types import InvalidRequestError
@@ -23,11 +26,46 @@ class PromptError(InvalidRequestError):
         super().__init__(message, param)
 
 
-def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Validate OpenAI chat messages and convert them for the chat template."""
+@dataclass(frozen=True)
+class ImageRef:
+    """One image_url part of a request: its URL and where it was (for a 400's param)."""
+
+    url: str
+    param: str  # "messages[1].content[0].image_url"
+
+
+def normalize_messages(
+    messages: list[dict[str, Any]], allow_images: bool = False
+) -> list[dict[str, Any]]:
+    """Validate OpenAI chat messages and convert them for the chat template.
+
+    allow_images: keep user messages' image parts as template items; without it an image
+    part is refused (a caller that does not load images)."""
     if not isinstance(messages, list) or not messages:
         raise PromptError("messages must be a non-empty list")
-    return [_normalize_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+    return [
+        _normalize_message(message, f"messages[{i}]", allow_images)
+        for i, message in enumerate(messages)
+    ]
+
+
+def image_refs(messages: list[dict[str, Any]]) -> list[ImageRef]:
+    """The image_url parts of `messages`, in prompt order. Only user messages may carry
+    images; a part without a URL is refused."""
+    refs = []
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if not _is_image(part):
+                continue
+            where = f"messages[{i}].content[{j}]"
+            _check_image_role(message.get("role"), where)
+            image_url = part.get("image_url")
+            url = image_url.get("url") if isinstance(image_url, dict) else None
+            if not isinstance(url, str) or not url:
+                raise PromptError("an image_url part needs image_url.url", f"{where}.image_url")
+            refs.append(ImageRef(url, f"{where}.image_url"))
+    return refs
 
 
 def normalize_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -43,7 +81,7 @@ def normalize_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] 
     return tools
 
 
-def _normalize_message(message: dict[str, Any], where: str) -> dict[str, Any]:
+def _normalize_message(message: dict[str, Any], where: str, allow_images: bool) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise PromptError("each message must be an object", where)
     role = message.get("role")
@@ -51,7 +89,7 @@ def _normalize_message(message: dict[str, Any], where: str) -> dict[str, Any]:
         raise PromptError(f"unsupported role {role!r}", f"{where}.role")
     # Chat templates know "system"; "developer" is OpenAI's newer name for it.
     out: dict[str, Any] = {"role": "system" if role == "developer" else role}
-    out["content"] = content_text(message.get("content"), f"{where}.content")
+    out["content"] = _content(message.get("content"), role, f"{where}.content", allow_images)
     for key in ("name", "tool_call_id"):
         if isinstance(message.get(key), str):
             out[key] = message[key]
@@ -64,6 +102,20 @@ def _normalize_message(message: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+def _content(content: Any, role: str, where: str, allow_images: bool) -> str | list[dict]:
+    """Template content: one string, or for a user message with images its items."""
+    if not (allow_images and isinstance(content, list) and any(map(_is_image, content))):
+        return content_text(content, where)
+    items: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if _is_image(part):
+            _check_image_role(role, f"{where}[{j}]")
+            items.append({"type": "image"})
+        else:
+            items.append({"type": "text", "text": _part_text(part, f"{where}[{j}]")})
+    return items
+
+
 def content_text(content: Any, where: str) -> str:
     """A message's content as one string; only text parts are supported."""
     if content is None:
@@ -72,17 +124,25 @@ def content_text(content: Any, where: str) -> str:
         return content
     if not isinstance(content, list):
         raise PromptError("content must be a string or a list of content parts", where)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        field = {"text": "text", "refusal": "refusal"}.get(kind or "")
-        if field is None or not isinstance(part.get(field), str):
-            raise PromptError(
-                f"content part type {kind!r} is not supported (text only)", f"{where}[{j}]"
-            )
-        texts.append(part[field])
     # Joined without a separator, as Qwen3.5's template renders a list of text parts.
-    return "".join(texts)
+    return "".join(_part_text(part, f"{where}[{j}]") for j, part in enumerate(content))
+
+
+def _part_text(part: Any, where: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    field = {"text": "text", "refusal": "refusal"}.get(kind or "")
+    if field is None or not isinstance(part.get(field), str):
+        raise PromptError(f"content part type {kind!r} is not supported here", where)
+    return part[field]
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image_url"
+
+
+def _check_image_role(role: Any, where: str) -> None:
+    if role != "user":
+        raise PromptError(f"only user messages may carry images, not a {role} message", where)
 
 
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:

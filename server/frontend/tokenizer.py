@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from server.frontend.messages import PromptError, normalize_messages, normalize_tools
 
 IM_START = "<|im_start|>"
+IMAGE_PAD = "<|image_pad|>"  # the template writes one per image; it stands for all its tokens
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 # Added tokens the parsers read in the decoded text; never hidden, even if a tokenizer
@@ -52,6 +53,10 @@ class TextTokenizer:
             (specials - markup) | set(self.eos_token_ids)
         )
         self._added_text = {i: str(token) for i, token in added.items()}
+        # None: the model takes no images.
+        self.image_pad_id: int | None = {text: i for i, text in self._added_text.items()}.get(
+            IMAGE_PAD
+        )
         self._byte_of_char = _byte_level_decoder()
         self._token_text_cache: dict[int, str] = {}
 
@@ -95,15 +100,23 @@ class TextTokenizer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        image_tokens: Sequence[int] | None = None,
     ) -> tuple[list[int], bool]:
         """Render OpenAI chat messages with the model's template and tokenize the prompt.
 
+        image_tokens: the token count of each image_url part, in order (the loaded
+        images' num_tokens); each image's one `<|image_pad|>` becomes that many. None =
+        a text-only caller: image parts are refused.
         Returns (prompt ids, whether the prompt ends inside an opened `<think>` block, so
         the output starts in reasoning). Raises PromptError for input the template or
         this server cannot handle.
         """
-        text = self.render_chat_text(messages, tools, chat_template_kwargs)
-        return self.encode(text), ends_in_reasoning(text)
+        allow_images = image_tokens is not None
+        text = self.render_chat_text(messages, tools, chat_template_kwargs, True, allow_images)
+        ids = self.encode(text)
+        if allow_images:
+            ids = self.expand_images(ids, image_tokens or ())
+        return ids, ends_in_reasoning(text)
 
     def history_length(
         self,
@@ -111,14 +124,43 @@ class TextTokenizer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        image_tokens: Sequence[int] | None = None,
     ) -> int:
         """Tokens of `prompt_ids` (render_chat's) that render the messages alone, without
         the generation prompt: the next turn of this chat starts with them, so the prefix
         cache snapshots there (GenerationRequest.prefix_hint). 0 when the template does
         not render the history as a token prefix of the prompt."""
-        history = self.render_chat_text(messages, tools, chat_template_kwargs, False)
+        allow_images = image_tokens is not None
+        history = self.render_chat_text(messages, tools, chat_template_kwargs, False, allow_images)
         ids = self.encode(history)
+        if allow_images:
+            try:  # every image is in the history: the generation prompt adds none
+                ids = self.expand_images(ids, image_tokens or ())
+            except PromptError:
+                return 0
         return len(ids) if prompt_ids[: len(ids)] == ids else 0
+
+    def expand_images(self, ids: list[int], image_tokens: Sequence[int]) -> list[int]:
+        """`ids` with the i-th `<|image_pad|>` repeated image_tokens[i] times."""
+        pad = self.image_pad_id
+        num_pads = ids.count(pad) if pad is not None else 0
+        if image_tokens and pad is None:
+            raise PromptError("this model does not take images")
+        if num_pads != len(image_tokens):
+            raise PromptError(
+                f"the prompt has {num_pads} {IMAGE_PAD} tokens for {len(image_tokens)} "
+                f"images; message text must not contain {IMAGE_PAD}"
+            )
+        if not image_tokens:
+            return ids
+        sizes = iter(image_tokens)
+        out: list[int] = []
+        for token in ids:
+            if token == pad:
+                out.extend([pad] * next(sizes))
+            else:
+                out.append(token)
+        return out
 
     def render_chat_text(
         self,
@@ -126,8 +168,10 @@ class TextTokenizer:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        allow_images: bool = False,
     ) -> str:
-        """The rendered prompt text (see render_chat)."""
+        """The rendered prompt text (see render_chat); allow_images: user messages' image
+        parts render as the template's image placeholder."""
         if not self._tokenizer.chat_template:
             raise PromptError("this model has no chat template; use /v1/completions")
         kwargs = dict(chat_template_kwargs or {})
@@ -138,7 +182,7 @@ class TextTokenizer:
             )
         try:
             return self._tokenizer.apply_chat_template(
-                normalize_messages(messages),
+                normalize_messages(messages, allow_images),
                 tools=normalize_tools(tools),
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
