@@ -17,18 +17,21 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from kernels import fastmath
 from models.vision_plan import FramePlan, Grid
 
 logger = logging.getLogger(__name__)
+_LOG2E = 1.0 / math.log(2.0)
+Rope = tuple[mx.array, mx.array]  # cos, sin [N, 1, 1, head_dim] float32
+Groups = tuple[tuple[int, int], ...]  # (frames, patches per frame) per attention call
 
 
 @dataclass(frozen=True)
@@ -97,12 +100,27 @@ class VisionConfig:
 
 
 def _gelu_tanh(x: mx.array) -> mx.array:
-    """GELU, tanh approximation: 0.5 x (1 + tanh(u)) = x * sigmoid(2u) (fastmath's sigmoid
-    is 5x faster than mx.tanh on CPU)."""
+    """GELU, tanh approximation: 0.5 x (1 + tanh(u)) = x / (1 + 2^(-2u log2 e)) with
+    u = c (x + 0.044715 x^3). On CPU 2^y is ~5x faster than mx.tanh / mx.exp (see
+    kernels/fastmath.py): 22 ms instead of 88 for [784, 3072] float32."""
     if mx.default_device() != mx.cpu:
         return nn.gelu_approx(x)
-    u = x + 0.044715 * x * x * x
-    return x * fastmath.sigmoid(math.sqrt(8.0 / math.pi) * u)
+    c = 2.0 * math.sqrt(2.0 / math.pi) * _LOG2E
+    return x / (1.0 + mx.power(2.0, x * (x * x * (-c * 0.044715) - c)))
+
+
+def _attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """Bidirectional softmax attention, [frames, heads, L, D] each.
+
+    On CPU mx.fast's SDPA is plain ops whose softmax spends most of its time in exp over
+    the [L, L] scores: a base-2 softmax with the scale folded into q is ~1.6x faster
+    (155 vs 246 ms for 12 heads x 784 patches).
+    """
+    if mx.default_device() != mx.cpu:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+    scores = (q * (scale * _LOG2E)) @ k.swapaxes(-1, -2)  # [frames, heads, L, L]
+    weights = mx.power(2.0, scores - scores.max(axis=-1, keepdims=True))
+    return (weights @ v) / weights.sum(axis=-1, keepdims=True)
 
 
 _ACTIVATIONS = {"gelu_pytorch_tanh": _gelu_tanh, "gelu_new": _gelu_tanh, "gelu": nn.gelu}
@@ -129,17 +147,17 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
-    def __call__(self, x: mx.array, rope: tuple[mx.array, mx.array], plan: FramePlan) -> mx.array:
+    def __call__(self, x: mx.array, rope: Rope, groups: Groups) -> mx.array:
         """x [N, W] in frame-grouped order; rope: cos, sin [N, 1, 1, D] float32."""
         n = x.shape[0]
         qkv = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim)
         qk = _rotate(qkv[:, :2], *rope)  # [N, 2, heads, D]
         q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
         outs, start = [], 0
-        for frames, length in plan.groups:  # one attention per frame size
+        for frames, length in groups:  # one attention per frame size
             end = start + frames * length
             per_frame = [_by_frame(a[start:end], frames, length) for a in (q, k, v)]
-            o = mx.fast.scaled_dot_product_attention(*per_frame, scale=self.scale)
+            o = _attention(*per_frame, self.scale)
             outs.append(o.swapaxes(1, 2).reshape(end - start, -1))  # back to [rows, W]
             start = end
         return self.proj(outs[0] if len(outs) == 1 else mx.concatenate(outs))
@@ -179,8 +197,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(cfg)
         self.mlp = VisionMLP(cfg)
 
-    def __call__(self, x: mx.array, rope: tuple[mx.array, mx.array], plan: FramePlan) -> mx.array:
-        x = x + self.attn(self.norm1(x), rope, plan)
+    def __call__(self, x: mx.array, rope: Rope, groups: Groups) -> mx.array:
+        x = x + self.attn(self.norm1(x), rope, groups)
         return x + self.mlp(self.norm2(x))
 
 
@@ -200,6 +218,17 @@ class PatchMerger(nn.Module):
         return self.linear_fc2(nn.gelu(self.linear_fc1(x)))
 
 
+MAX_TRACES = 16  # compiled encoder traces kept (one per frame layout: sizes and counts)
+
+
+class _Traces:
+    """Compiled encoders by frame layout (not a dict: nn.Module would file a dict
+    attribute into its parameter tree)."""
+
+    def __init__(self) -> None:
+        self.by_groups: dict[Groups, Callable] = {}
+
+
 class VisionTower(nn.Module):
     """The whole tower: pixel patches of several images -> their merged features."""
 
@@ -210,6 +239,8 @@ class VisionTower(nn.Module):
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = [VisionBlock(cfg) for _ in range(cfg.depth)]
         self.merger = PatchMerger(cfg)
+        self.compiled = mx.default_device() != mx.cpu  # see _encoder
+        self._traces = _Traces()
 
     def __call__(self, patches: mx.array, grids: Sequence[Grid]) -> mx.array:
         """patches [sum t*h*w, C*T*P*P] of the images in order, grids their (t, h, w).
@@ -224,11 +255,25 @@ class VisionTower(nn.Module):
         if plan.order is not None:
             x = x[mx.array(plan.order)]
         x = x + self._position_embedding(plan).astype(x.dtype)
-        rope = self._rotary(plan)
-        for block in self.blocks:
-            x = block(x, rope, plan)
-        out = self.merger(x)
+        out = self._encoder(plan.groups)(x, *self._rotary(plan))
         return out if plan.restore is None else out[mx.array(plan.restore)]
+
+    def _encoder(self, groups: Groups) -> Callable[[mx.array, mx.array, mx.array], mx.array]:
+        """blocks + merger for one frame layout: (x [N, W], cos, sin) -> [N / m^2, out].
+        Compiled per layout when `compiled` (a GPU pays per op: ~20 per block eagerly)."""
+        if not self.compiled:
+            return partial(self._encode, groups)
+        traces = self._traces.by_groups
+        if groups not in traces:
+            if len(traces) >= MAX_TRACES:
+                traces.clear()  # bound the memory of traces of one-off image sizes
+            traces[groups] = mx.compile(partial(self._encode, groups))
+        return traces[groups]
+
+    def _encode(self, groups: Groups, x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+        for block in self.blocks:
+            x = block(x, (cos, sin), groups)
+        return self.merger(x)
 
     def _position_embedding(self, plan: FramePlan) -> mx.array:
         """[N, W]: the learned table bilinearly resampled at each patch (4 taps)."""
