@@ -18,7 +18,7 @@ import io
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from urllib.parse import unquote, unquote_to_bytes, urlsplit
+from urllib.parse import SplitResult, unquote, unquote_to_bytes, urlsplit
 
 import httpx
 from PIL import Image, ImageOps
@@ -68,9 +68,13 @@ def fetch(ref: ImageRef, settings: ImageSettings) -> bytes:
         if not settings.data_urls:
             raise PromptError("data: image URLs are not enabled on this server", ref.param)
         return _data_url(ref, settings.max_bytes)
-    scheme = urlsplit(ref.url).scheme.lower()
+    try:
+        parts = urlsplit(ref.url)
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        raise PromptError("the image URL is malformed", ref.param) from None
+    scheme = parts.scheme.lower()
     if scheme in ("", "file"):
-        return _local_file(ref, settings)
+        return _local_file(ref, parts, settings)
     if scheme in ("http", "https"):
         if not settings.http:
             raise PromptError(f"{scheme} image URLs are not enabled on this server", ref.param)
@@ -121,10 +125,9 @@ def _data_url(ref: ImageRef, max_bytes: int) -> bytes:
     return data
 
 
-def _local_file(ref: ImageRef, settings: ImageSettings) -> bytes:
+def _local_file(ref: ImageRef, parts: SplitResult, settings: ImageSettings) -> bytes:
     if not settings.local_dir:
         raise PromptError("local image files are not enabled on this server", ref.param)
-    parts = urlsplit(ref.url)
     if parts.scheme and parts.netloc not in ("", "localhost"):
         raise PromptError("a file:// URL must name a local file", ref.param)
     root = Path(settings.local_dir).expanduser().resolve()
@@ -151,8 +154,8 @@ def _download(ref: ImageRef, settings: ImageSettings) -> bytes:
     """GET the URL, following at most http_max_redirects redirects (each to http(s)),
     within http_timeout seconds in all and max_bytes of body."""
     deadline = time.monotonic() + settings.http_timeout
-    url = httpx.URL(ref.url)
     try:
+        url = httpx.URL(ref.url)
         with httpx.Client(timeout=settings.http_timeout, follow_redirects=False) as client:
             for _ in range(settings.http_max_redirects + 1):
                 remaining = max(0.01, deadline - time.monotonic())

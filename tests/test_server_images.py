@@ -375,6 +375,7 @@ BAD: list[tuple[str, Any, str, str]] = [
     ("too-many-bytes", data_url(HEAVY_PNG), PART, "over 200000 bytes"),
     ("thin", data_url(encoded(Image.new("RGB", (402, 2)))), PART, "aspect ratio"),
     ("scheme", "ftp://example.com/cat.png", PART, "'ftp' is not supported"),
+    ("malformed-url", "http://[::1/cat.png", PART, "malformed"),
     ("outside-dir", "../secret.png", PART, "outside"),
     ("absolute-outside", "/etc/hostname", PART, "outside"),
     ("symlink-outside", "link.png", PART, "outside"),
