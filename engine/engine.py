@@ -22,11 +22,14 @@ from engine.cache.prefix_index import PrefixIndex
 from engine.cache.rows import RowStates, decode_bucket
 from engine.config import EngineConfig
 from engine.decode import CompiledDecode
+from engine.media import prepare_media
+from engine.plan import SchedulerOutput
 from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampler import SampledBatch, Sampler, SamplingRow
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
 from engine.types import GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
+from engine.vision_inputs import VisionInputs
 from models.build import LoadedModel, on_cpu
 
 log = logging.getLogger(__name__)
@@ -86,7 +89,8 @@ class LLMEngine:
         batch_prefill = self.config.batch_prefill
         if batch_prefill is None:
             batch_prefill = not on_cpu()
-        self.runner = ModelRunner(loaded.model, self.states, compiled, batch_prefill)
+        vision = VisionInputs(loaded.model, loaded.vision, loaded.dtype)
+        self.runner = ModelRunner(loaded.model, self.states, compiled, batch_prefill, vision)
         self.sampler = Sampler()
         self._inflight: _InFlight | None = None
 
@@ -139,7 +143,8 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request: GenerationRequest) -> None:
         """Queue a request (raises InvalidRequestError / QueueFullError)."""
-        self.scheduler.add(request, self.eos_ids)
+        media = prepare_media(request, self.loaded.config, self.loaded.vision_config)
+        self.scheduler.add(request, self.eos_ids, media)
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         return self.scheduler.abort(request_id)
@@ -194,6 +199,8 @@ class LLMEngine:
         """A step raised: every request ends with the error; states start over."""
         self._inflight = None
         self.states.reset()
+        if self.runner.vision is not None:
+            self.runner.vision.clear()
         return self.scheduler.fail_all(error)
 
     # -- offline API ------------------------------------------------------------------------

@@ -6,7 +6,8 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from engine.types import SamplingParams
+from engine.media import PromptMedia
+from engine.types import GenerationRequest, InvalidRequestError, SamplingParams
 
 
 class Status(Enum):
@@ -43,6 +44,11 @@ class Request:
     prefix_hint: int = 0  # GenerationRequest.prefix_hint
     cache_chain: tuple[int, ...] = ()
     snapshot_at: list[int] = field(default_factory=list)
+    # Images (None: a text prompt): the request's choices share one PromptMedia. Images
+    # from index `vision_next` on have not had their tower pass scheduled yet.
+    media: PromptMedia | None = None
+    vision_next: int = 0
+    vision_reserved: int = 0  # budget bytes held for the tower until prefill ends
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 
@@ -50,6 +56,21 @@ class Request:
     def row_id(self) -> str:
         """Unique id of this choice's row."""
         return f"{self.request_id}/{self.index}"
+
+    @property
+    def key_ids(self) -> list[int] | tuple[int, ...]:
+        """The prompt as the prefix cache keys it (image tokens carry their image)."""
+        return self.media.key_ids if self.media is not None else self.prompt_ids
+
+    @property
+    def rope_delta(self) -> int:
+        """Rotary position minus token index of generated tokens (images shift it)."""
+        return self.media.rope_delta if self.media is not None else 0
+
+    @property
+    def vision_bytes(self) -> int:
+        """Memory the vision tower needs while this row's images are encoded."""
+        return self.media.vision_bytes if self.media is not None else 0
 
     @property
     def num_prompt(self) -> int:
@@ -82,3 +103,27 @@ class Request:
         if self.num_tokens >= self.max_context:
             return "length"
         return None
+
+
+def choices_of(
+    gen: GenerationRequest, eos_ids: frozenset[int], media: PromptMedia | None, max_context: int
+) -> list[Request]:
+    """The n choices of a request, queued as one parent that forks the rest after its
+    prefill; raises InvalidRequestError if the request cannot fit the context."""
+    total = len(gen.prompt_ids) + gen.params.max_tokens
+    if total > max_context:
+        raise InvalidRequestError(
+            f"prompt ({len(gen.prompt_ids)} tokens) + max_tokens ({gen.params.max_tokens}) "
+            f"exceeds the context length {max_context}",
+            "max_tokens",
+        )
+    ids = list(gen.prompt_ids)
+    choices = [
+        Request(gen.request_id, i, ids, gen.params, eos_ids, max_context) for i in range(gen.n)
+    ]
+    for r in choices:
+        r.media = media
+    parent, *children = choices
+    parent.children = children
+    parent.prefix_hint = gen.prefix_hint
+    return choices

@@ -8,8 +8,9 @@ import mlx.core as mx
 
 from engine.cache.rows import RowStates
 from engine.decode import CompiledDecode
+from engine.plan import PrefillChunk, SchedulerOutput
 from engine.request import Request
-from engine.scheduler import PrefillChunk, SchedulerOutput
+from engine.vision_inputs import VisionInputs
 from models.qwen35 import Qwen35Model
 from models.state import ForwardGroup, text_positions
 
@@ -37,11 +38,14 @@ class ModelRunner:
         states: RowStates,
         compiled: CompiledDecode | None = None,
         batch_prefill: bool = False,
+        vision: VisionInputs | None = None,
     ) -> None:
+        """vision: the image work of prompts with images (None: text only)."""
         self.model = model
         self.states = states
         self.compiled = compiled
         self.batch_prefill = batch_prefill
+        self.vision = vision
 
     def execute(
         self, out: SchedulerOutput, rows: dict[str, Request], prev_tokens: mx.array | None
@@ -54,12 +58,15 @@ class ModelRunner:
         for chunk in out.prefill:
             if chunk.restore:
                 self.states.restore_prefix(chunk.row_id, chunk.restore)
+        features = self.vision.encode(out.prefill, rows) if self.vision is not None else []
         decode_logits = self._compiled_decode(out, prev_tokens)
         groups = []
         if out.decode_row_ids and decode_logits is None:
             groups.append(self._decode_group(out, prev_tokens))
         cohorts = self._cohorts(out.prefill)
         groups += [self._prefill_group(out.prefill, c, rows) for c in cohorts]
+        if self.vision is not None:
+            self.vision.release(out.prefill, rows, out.freed_row_ids)
         hidden = self.model(groups) if groups else []
         prefill_hidden = hidden[len(groups) - len(cohorts) :]
         last = [hidden[0][:, -1]] if out.decode_row_ids and decode_logits is None else []
@@ -80,6 +87,7 @@ class ModelRunner:
             pending += self.states.save_prefix(save)
         if out.cache_drop is not None:
             self.states.drop_prefix(out.cache_drop)
+        pending += features  # a tower pass whose tokens come in a later chunk
         mx.async_eval(*pending, *([logits] if logits is not None else []))
         return logits
 
@@ -127,12 +135,18 @@ class ModelRunner:
         ]
         tokens = mx.array(ids, dtype=mx.int32)
         offsets = [c.start - pad for c, pad in zip(members, pads, strict=True)]
-        positions = text_positions(offsets, length)
+        positions, embeds = None, None
+        if self.vision is not None:
+            positions = self.vision.positions(members, pads, rows)
+            embeds = self.vision.embeds(tokens, members, pads, rows)
+        if positions is None:
+            positions = text_positions(offsets, length)
         if len(members) == 1:
             state = self.states.prefill_state(members[0].row_id)
         else:
             state = self.states.cohort_state(cohort.row_ids)
-        return ForwardGroup(tokens, positions, state.layers, tuple(pads) if any(pads) else None)
+        left_pad = tuple(pads) if any(pads) else None
+        return ForwardGroup(tokens, positions, state.layers, left_pad, embeds)
 
     def _scatter(self, cohort: _Cohort, group: ForwardGroup) -> list:
         """After a batched chunk: each row's state back to its own prefill state."""

@@ -13,59 +13,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from engine.api import QueueFullError
 from engine.cache.budget import MemoryBudget
-from engine.cache.prefix_index import CacheDrop, CacheSave, PrefixIndex
+from engine.cache.prefix_index import CacheSave, PrefixIndex
 from engine.config import EngineConfig
-from engine.request import Request, Status
+from engine.media import PromptMedia
+from engine.plan import PrefillChunk, SchedulerOutput
+from engine.request import Request, Status, choices_of
 from engine.step_cost import StepCostModel
 from engine.types import GenerationRequest, InvalidRequestError, RequestOutput, TokenLogprob
-
-
-@dataclass(frozen=True)
-class PrefillChunk:
-    """prompt_ids[start : start + length] of one row, run as its own [1, length] group."""
-
-    row_id: str
-    start: int
-    length: int
-    # Rows that sample their first token from this chunk's last logits: empty unless the
-    # chunk ends the prompt; then the request's row and its n > 1 forks.
-    sample_row_ids: tuple[str, ...] = ()
-    # Prefix-cache node chain to build the row's state from before this chunk (its first)
-    restore: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """One step's plan. Written by the scheduler, read by the runner and update()."""
-
-    decode_row_ids: tuple[str, ...]  # decode batch, in batch order: one token per row
-    # Input of each decode row: its last token id when known, else -1 and then
-    # decode_sources[i] is the row's index in the previous step's sampled tokens (that step
-    # is still in flight when this one is built: see LLMEngine.step).
-    decode_token_ids: tuple[int, ...]
-    decode_sources: tuple[int, ...]
-    decode_positions: tuple[int, ...]  # rotary position of each decode row's input token
-    prefill: tuple[PrefillChunk, ...]  # prefill chunks, one group each
-    freed_row_ids: tuple[str, ...]  # finished/aborted since last step: drop their state
-    forks: tuple[tuple[str, str], ...]  # (child, parent): copy parent's prefilled state
-    num_tokens: int  # tokens run this step (<= max_num_batched_tokens)
-    step: int = 0  # sequence number of this plan
-    cache_saves: tuple[CacheSave, ...] = ()  # rows to snapshot after their chunk ran
-    cache_drop: CacheDrop | None = None  # prefix-cache arrays to free after the step
-
-    @property
-    def sample_row_ids(self) -> list[str]:
-        """Rows that sample this step, in logits order (decode rows, then final chunks)."""
-        return list(self.decode_row_ids) + [r for c in self.prefill for r in c.sample_row_ids]
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.decode_row_ids and not self.prefill
-
 
 # Smallest prefill a step with decode rows gets (so prefill always progresses), and the
 # smallest slice the prefill allowance is split into (so it is not spread over tiny groups).
@@ -105,23 +62,16 @@ class Scheduler:
         self._saves: list[CacheSave] = []
 
     # -- intake -------------------------------------------------------------------------
-    def add(self, gen: GenerationRequest, eos_ids: frozenset[int]) -> None:
+    def add(
+        self, gen: GenerationRequest, eos_ids: frozenset[int], media: PromptMedia | None = None
+    ) -> None:
         """Queue a request; raise InvalidRequestError if it can never run."""
         live = [*self.waiting, *self.rows.values()]
         if any(r.request_id == gen.request_id for r in live):
             raise InvalidRequestError(f"request id {gen.request_id!r} is already in use", None)
-        total = len(gen.prompt_ids) + gen.params.max_tokens
-        if total > self.max_context:
-            raise InvalidRequestError(
-                f"prompt ({len(gen.prompt_ids)} tokens) + max_tokens ({gen.params.max_tokens}) "
-                f"exceeds the context length {self.max_context}",
-                "max_tokens",
-            )
-        choices = [
-            Request(gen.request_id, i, list(gen.prompt_ids), gen.params, eos_ids, self.max_context)
-            for i in range(gen.n)
-        ]
+        choices = choices_of(gen, eos_ids, media, self.max_context)
         need = sum(self.budget.row_bytes(r.max_total_tokens()) for r in choices)
+        need += choices[0].vision_bytes
         if need > self.budget.total:
             raise InvalidRequestError(
                 f"this request needs {need / 2**20:.1f} MiB of row state, more than the "
@@ -130,10 +80,7 @@ class Scheduler:
             )
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError()
-        parent, *children = choices
-        parent.children = children
-        parent.prefix_hint = gen.prefix_hint
-        self.waiting.append(parent)
+        self.waiting.append(choices[0])
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Finish every unfinished choice of `request_id` with reason "abort"."""
@@ -174,7 +121,7 @@ class Scheduler:
                 -1 if r.row_id in self._pending else r.output_ids[-1] for r in self.decoding
             ),
             decode_sources=tuple(self._pending.get(r.row_id, -1) for r in self.decoding),
-            decode_positions=tuple(r.num_computed for r in self.decoding),
+            decode_positions=tuple(r.num_computed + r.rope_delta for r in self.decoding),
             prefill=tuple(chunks),
             freed_row_ids=tuple(self._freed),
             forks=tuple(self._forks),
@@ -231,7 +178,8 @@ class Scheduler:
             else:
                 break
             demand = self._prefill_demand(req)
-            fits = req.num_prompt - req.num_computed <= left  # it can finish this step
+            rest = req.num_prompt - req.num_computed
+            fits = rest + self._vision_cost(req, req.num_prompt) <= left  # it can finish now
             share = min(demand, left)
             if not fits and not plan and (candidates or self.waiting):
                 share = min(share, max(left // 2, MIN_PREFILL_TOKENS))  # room for the next
@@ -254,21 +202,37 @@ class Scheduler:
         return first or need <= left
 
     def _prefill_demand(self, req: Request) -> int:
-        return min(req.num_prompt - req.num_computed, self.config.max_prefill_chunk)
+        """Prefill tokens (and tower passes, in token equivalents) of the next chunk."""
+        tokens = min(req.num_prompt - req.num_computed, self.config.max_prefill_chunk)
+        return tokens + self._vision_cost(req, req.num_computed + tokens)
+
+    @staticmethod
+    def _vision_cost(req: Request, end: int) -> int:
+        """Token equivalents of the tower passes `req` still needs before position `end`."""
+        if req.media is None:
+            return 0
+        return sum(req.media.vision_tokens[i] for i in req.media.new_images(req.vision_next, end))
 
     def _chunk(self, req: Request, budget: int) -> PrefillChunk:
         """The next chunk of `req`, ending at its next snapshot position if it gets there
         (the row's state is saved right after the chunk)."""
         length = min(req.num_prompt - req.num_computed, budget, self.config.max_prefill_chunk)
         end = req.num_computed + length
+        images: tuple[int, ...] = ()
+        if req.media is not None:
+            end, images = req.media.cut(req.vision_next, req.num_computed, end, budget)
+            length, req.vision_next = end - req.num_computed, req.vision_next + len(images)
         if req.snapshot_at and end >= req.snapshot_at[0]:
             end = req.snapshot_at.pop(0)
             length = end - req.num_computed
-            save = self.prefix.insert(req.row_id, req.prompt_ids, end) if self.prefix else None
+            save = self.prefix.insert(req.row_id, req.key_ids, end) if self.prefix else None
             self._saves += [save] if save is not None else []
         is_last = end == req.num_prompt
         samplers = (req.row_id, *(c.row_id for c in req.children)) if is_last else ()
-        chunk = PrefillChunk(req.row_id, req.num_computed, length, samplers, req.cache_chain)
+        vision_tokens = sum(req.media.vision_tokens[i] for i in images) if images else 0
+        chunk = PrefillChunk(
+            req.row_id, req.num_computed, length, samplers, req.cache_chain, images, vision_tokens
+        )
         req.cache_chain = ()
         return chunk
 
@@ -279,6 +243,7 @@ class Scheduler:
         new = (req, *req.children)
         need = sum(self.budget.row_bytes(r.max_total_tokens()) for r in new)
         need += self.budget.padding_bytes(self._lengths(*new)) - self.budget.padding
+        need += req.vision_bytes
         if self.prefix is not None:
             return self.prefix.evict_for(need)  # rows come before cached prefixes
         return self.budget.can_reserve(need)
@@ -293,13 +258,18 @@ class Scheduler:
             self.budget.reserve(r.reserved_bytes)
             r.status = Status.FORKED if r is not req else Status.RUNNING
             self.rows[r.row_id] = r
+        req.vision_reserved = req.vision_bytes  # released when the prefill ends
+        req.reserved_bytes += req.vision_reserved
+        self.budget.reserve(req.vision_reserved)
         self.budget.padding = self.budget.padding_bytes(self._lengths())
         if self.prefix is not None:
-            hit = self.prefix.match(req.prompt_ids, req.prefix_hint)
+            hit = self.prefix.match(req.key_ids, req.prefix_hint)
             req.num_computed = req.num_cached = hit.tokens
             req.cache_chain, req.snapshot_at = hit.chain, list(hit.snapshot_at)
             for child in req.children:
                 child.num_cached = hit.tokens
+        if req.media is not None:
+            req.vision_next = req.media.first_needed(req.num_computed)
         self.prefilling.append(req)
         return req
 
@@ -330,7 +300,7 @@ class Scheduler:
         started = self._started.pop(out.step, done)
         seconds = done - max(started, self._last_done)
         self._last_done = done
-        num_prefill = sum(c.length for c in out.prefill)
+        num_prefill = sum(c.length + c.vision_tokens for c in out.prefill)
         self.step_cost.observe(len(out.decode_row_ids), num_prefill, seconds)
 
     def _promote(self, req: Request) -> None:
@@ -338,6 +308,9 @@ class Scheduler:
         already finished on its first token stays out; forks still copy its state)."""
         if req in self.prefilling:
             self.prefilling.remove(req)
+        self.budget.release(req.vision_reserved)
+        req.reserved_bytes -= req.vision_reserved
+        req.vision_reserved = 0
         for child in req.children:
             if child.is_finished:
                 continue

@@ -7,7 +7,8 @@ import pytest
 from engine.api import QueueFullError
 from engine.cache.budget import MemoryBudget, StateCosts, default_budget_bytes
 from engine.config import EngineConfig
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.plan import SchedulerOutput
+from engine.scheduler import Scheduler
 from engine.types import GenerationRequest, InvalidRequestError, SamplingParams
 
 EOS = frozenset({0})

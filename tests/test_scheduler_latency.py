@@ -11,7 +11,8 @@ import pytest
 from engine.cache.budget import MemoryBudget, StateCosts
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.scheduler import MIN_PREFILL_TOKENS, Scheduler, SchedulerOutput
+from engine.plan import SchedulerOutput
+from engine.scheduler import MIN_PREFILL_TOKENS, Scheduler
 from engine.step_cost import StepCostModel
 from engine.types import GenerationRequest, SamplingParams
 from models.build import load_model

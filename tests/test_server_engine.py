@@ -4,25 +4,37 @@ engine, many concurrent streams complete, disconnects and aborts free rows."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import json
 import threading
 import time
 from collections.abc import Iterator
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from fake_engine import LiveServer
+from PIL import Image
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.types import SamplingParams
+from engine.types import GenerationRequest, SamplingParams
 from models.testing import cached_checkpoint
 from models.testing.tokenizer import IM_END_ID
 from server.app import create_app
+from server.frontend.messages import image_refs
 from server.frontend.tokenizer import TextTokenizer
-from server.settings import ModelSettings, SamplingDefaults, ServerSettings, Settings
+from server.images import load_images, processor_config
+from server.settings import (
+    ImageSettings,
+    ModelSettings,
+    SamplingDefaults,
+    ServerSettings,
+    Settings,
+)
 
 MODEL = "tiny"
 CONFIG = EngineConfig(max_num_seqs=64, max_num_batched_tokens=256, max_prefill_chunk=128)
@@ -217,3 +229,50 @@ def test_chat_turns_report_cached_tokens_and_metrics(
     hits = [ln for ln in metrics.splitlines() if ln.startswith("deltaserve_prefix_cache_hit")]
     assert hits and float(hits[0].split()[1]) >= 2 * history
     assert "deltaserve_prefix_cache_bytes " in metrics
+
+
+def _png_data_url(seed: int, size: tuple[int, int] = (64, 96)) -> str:
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_openai_sdk_sends_images_end_to_end(
+    server: LiveServer, engine: AsyncEngine, tokenizer: TextTokenizer
+) -> None:
+    """Two images in one user message through the SDK: the answer is the offline engine's
+    greedy continuation of the same prompt and images, usage counts the image tokens,
+    and the images reach the tower (another image changes the top logprobs)."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+
+    def ask(seeds: tuple[int, int]):  # noqa: ANN202
+        parts = [{"type": "text", "text": "Compare"}]
+        parts += [{"type": "image_url", "image_url": {"url": _png_data_url(s)}} for s in seeds]
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=6,
+            temperature=0, logprobs=True, top_logprobs=5, extra_body={"ignore_eos": True},
+        ), parts  # fmt: skip
+
+    got, parts = ask((1, 2))
+    messages = [{"role": "user", "content": parts}]
+    settings = ImageSettings()
+    images = load_images(image_refs(messages), settings, processor_config(tokenizer.model_dir))
+    ids, _ = tokenizer.render_chat(messages, None, None, [im.num_tokens for im in images])
+    assert got.usage.prompt_tokens == len(ids) > sum(im.num_tokens for im in images) > 0
+    offline = LLMEngine(engine.engine.loaded, CONFIG)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    offline.add_request(GenerationRequest("img", tuple(ids), params, images=images))
+    tokens = []
+    while offline.has_work():
+        tokens += [t for d in offline.step() for t in d.token_ids]
+    visible = [t for t in tokens if t not in tokenizer.hidden_token_ids]
+    message = got.choices[0].message  # the template opens in reasoning: all of it is there
+    assert message.reasoning_content + message.content == tokenizer.decode(visible)
+    other, _ = ask((1, 3))
+    top = [[(e.token, e.logprob) for e in c.top_logprobs] for c in got.choices[0].logprobs.content]
+    top_other = [
+        [(e.token, e.logprob) for e in c.top_logprobs] for c in other.choices[0].logprobs.content
+    ]
+    assert top != top_other

@@ -62,6 +62,7 @@ def tool(function: dict[str, Any], kind: str = "function") -> dict[str, Any]:
 
 
 IMAGE_PARTS = [{"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]
+IMAGE_URL = "messages[0].content[0].image_url"  # http fetching is off by default
 LATE_SYSTEM = {"role": "system", "content": "late"}
 STRING_PARAMS_TOOL = tool({"name": "f", "parameters": {"type": "string"}})
 NAMED_NOPE = {"type": "function", "function": {"name": "nope"}}
@@ -81,7 +82,7 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("unknown-role", CHAT, chat(messages=[{"role": "robot", "content": "x"}]), 400, ROLE),
     ("no-content", CHAT, chat(messages=[{"role": "user"}]), 400, "messages.0"),
     ("content-number", CHAT, chat(messages=[user(42)]), 400, "messages.0.content"),
-    ("image-part", CHAT, chat(messages=[user(IMAGE_PARTS)]), 400, "messages.0.content.0"),
+    ("image-http-off", CHAT, chat(messages=[user(IMAGE_PARTS)]), 400, IMAGE_URL),
     ("system-not-first", CHAT, chat(messages=[*USER, LATE_SYSTEM]), 400, "messages"),
     ("temperature-string", CHAT, chat(temperature="hot"), 400, "temperature"),
     ("temperature-negative", CHAT, chat(temperature=-1), 400, "temperature"),

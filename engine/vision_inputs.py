@@ -1,0 +1,117 @@
+"""The runner's image work: vision features of the rows being prefilled, and the input
+embeddings and 3-D positions of prefill chunks that hold image tokens.
+
+An image's tower pass runs in the step the scheduler put it in (PrefillChunk.vision), for
+every image of that step in one call; its features [tokens, H] stay here until the chunks
+that splice them have covered the image (an image's tokens may span several chunks), and
+are dropped with the row otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from engine.plan import PrefillChunk
+from engine.request import Request
+from models.qwen35 import Qwen35Model
+from models.vision import VisionTower
+
+
+class VisionInputs:
+    """Owned by the runner; one engine thread calls it."""
+
+    def __init__(self, model: Qwen35Model, tower: VisionTower | None, dtype: mx.Dtype) -> None:
+        self.model = model
+        self.tower = tower
+        self.dtype = dtype
+        self._features: dict[tuple[str, int], mx.array] = {}  # (row id, image) -> [T, H]
+
+    def encode(self, chunks: Sequence[PrefillChunk], rows: dict[str, Request]) -> list[mx.array]:
+        """Queue the tower over every image the step's chunks start (one call for all
+        rows); returns the new feature arrays (lazy) so the step computes them."""
+        todo = [(c.row_id, i) for c in chunks for i in c.vision]
+        if not todo:
+            return []
+        assert self.tower is not None, "images scheduled without a vision tower"
+        images = [rows[row_id].media.images[i] for row_id, i in todo]
+        patches = np.concatenate([image.patches for image in images], axis=0)
+        features = self.tower(mx.array(patches, dtype=self.dtype), [im.grid for im in images])
+        bounds = np.cumsum([image.num_tokens for image in images])[:-1].tolist()
+        parts = mx.split(features.astype(self.dtype), bounds, axis=0)
+        self._features.update(zip(todo, parts, strict=True))
+        return parts
+
+    def positions(
+        self, members: Sequence[PrefillChunk], pads: Sequence[int], rows: dict[str, Request]
+    ) -> mx.array | None:
+        """[3, P, L] positions of a group whose rows hold images (None: text only, the
+        caller's plain positions apply). Padding columns get position 0 (masked)."""
+        if all(rows[c.row_id].media is None for c in members):
+            return None
+        length = max(c.length for c in members)
+        out = np.zeros((3, len(members), length), dtype=np.int32)
+        for p, (chunk, pad) in enumerate(zip(members, pads, strict=True)):
+            media = rows[chunk.row_id].media
+            end = chunk.start + chunk.length
+            if media is not None:
+                out[:, p, pad:] = media.positions[:, chunk.start : end]
+            else:
+                out[:, p, pad:] = np.arange(chunk.start, end, dtype=np.int32)
+        return mx.array(out)
+
+    def embeds(
+        self,
+        tokens: mx.array,
+        members: Sequence[PrefillChunk],
+        pads: Sequence[int],
+        rows: dict[str, Request],
+    ) -> mx.array | None:
+        """[P, L, H] input embeddings with image features spliced over the image tokens of
+        the group's chunks; None when no chunk holds an image token."""
+        length = tokens.shape[1]
+        take = np.zeros((len(members), length), dtype=np.int32)  # row of `table` per column
+        is_image = np.zeros((len(members), length), dtype=bool)
+        table: list[mx.array] = []
+        offset = 0
+        for p, (chunk, pad) in enumerate(zip(members, pads, strict=True)):
+            media = rows[chunk.row_id].media
+            if media is None:
+                continue
+            end = chunk.start + chunk.length
+            for i, (a, b) in enumerate(media.spans):
+                lo, hi = max(a, chunk.start), min(b, end)
+                if lo >= hi:
+                    continue
+                table.append(self._features[(chunk.row_id, i)][lo - a : hi - a])
+                cols = slice(pad + lo - chunk.start, pad + hi - chunk.start)
+                take[p, cols] = np.arange(offset, offset + hi - lo)
+                is_image[p, cols] = True
+                offset += hi - lo
+        if not table:
+            return None
+        embeds = self.model.embed_tokens(tokens)
+        spliced = mx.concatenate(table, axis=0)[mx.array(take)]
+        return mx.where(mx.array(is_image)[..., None], spliced, embeds)
+
+    def release(
+        self, chunks: Sequence[PrefillChunk], rows: dict[str, Request], freed: Sequence[str]
+    ) -> None:
+        """Forget features every chunk of their image has used, and those of freed rows
+        (the step's graph keeps what it still reads)."""
+        done = set(freed)
+        for chunk in chunks:
+            media = rows[chunk.row_id].media
+            if media is None:
+                continue
+            end = chunk.start + chunk.length
+            for i, (_, b) in enumerate(media.spans):
+                if b <= end:
+                    self._features.pop((chunk.row_id, i), None)
+        for key in [k for k in self._features if k[0] in done]:
+            del self._features[key]
+
+    def clear(self) -> None:
+        self._features.clear()
