@@ -109,6 +109,25 @@ def test_tower_matches_transformers(
     assert rel_error(got, mx.array(expected)) <= FEATURE_TOL
 
 
+def test_multi_frame_grids_match_transformers(ours: LoadedModel, reference: object) -> None:
+    """Grids with t > 1 (each frame attends alone; T positions step per frame): the
+    features and get_rope_index's positions equal transformers'."""
+    import torch
+
+    grids = [(2, 4, 6), (1, 4, 4), (3, 2, 4)]
+    count = sum(t * h * w for t, h, w in grids)
+    patches = np.random.default_rng(3).normal(size=(count, 1536)).astype(np.float32)
+    expected = reference_features(reference, patches, grids)
+    assert rel_error(ours.vision(mx.array(patches), grids), mx.array(expected)) <= FEATURE_TOL
+    ids = image_prompt("tiiit", grids)
+    got, delta = mrope_positions(ids, grids, IMAGE, 2)
+    input_ids = torch.tensor([ids])
+    positions, deltas = reference.model.get_rope_index(
+        input_ids, mm_token_type_ids=(input_ids == IMAGE).int(), image_grid_thw=torch.tensor(grids)
+    )
+    assert np.array_equal(got, positions[:, 0].numpy()) and delta == int(deltas[0, 0])
+
+
 def test_tower_batch_equals_images_alone(ours: LoadedModel) -> None:
     """An image's features do not depend on the other images of the call."""
     patches, grids = pixels([(96, 64), (64, 64), (96, 64)], seed=1)
