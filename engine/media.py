@@ -13,13 +13,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.plan import VisionWork
 from engine.types import GenerationRequest, ImageInput, InvalidRequestError
 from models.config import TextConfig
 from models.rope_index import image_runs, mrope_positions
 from models.vision import VisionConfig
 
-# Fewest prompt tokens a chunk that runs an image's tower takes (past the tower's cost)
-MIN_TOKENS_WITH_IMAGE = 16
+
+@dataclass(frozen=True)
+class VisionProgress:
+    """How far a prompt's tower passes are: images before `image` are encoded, and
+    `blocks` blocks of image `image` have run. Written by the scheduler."""
+
+    image: int = 0
+    blocks: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,28 +40,49 @@ class PromptMedia:
     # prompt ids with each image's tokens replaced by ids drawn from its digest: the
     # prefix cache keys on these, so equal pad tokens of different images never match
     key_ids: tuple[int, ...]
-    vision_tokens: tuple[int, ...]  # each image's tower pass, in prefill-token equivalents
+    depth: int  # blocks of the vision tower
+    block_tokens: tuple[int, ...]  # one block of image i's tower, in prefill-token equivalents
     vision_bytes: int  # peak activation + feature memory of the tower over these images
 
-    def cut(self, first: int, start: int, end: int, budget: int) -> tuple[int, tuple[int, ...]]:
-        """Where a chunk [start, end) given `budget` token equivalents ends once it pays
-        for the tower passes of the images it reaches (from index `first` on), and those
-        images. It stops before an image it cannot pay for; a chunk that starts inside an
-        unpaid image pays for it whatever the budget (the prompt must advance)."""
+    def plan(
+        self, progress: VisionProgress, start: int, end: int, budget: int, must_advance: bool
+    ) -> tuple[int, tuple[VisionWork, ...], VisionProgress]:
+        """A chunk from prompt position `start` (at most to `end`) within `budget` token
+        equivalents: where its tokens end, the tower blocks it runs, and the progress
+        after it. Tokens stop at the first image whose tower has not finished; blocks of
+        that image then take what the budget affords (its tokens follow in the same chunk
+        once the last block ran). `must_advance`: at least one block when the chunk would
+        otherwise do nothing (the oldest prompt always advances)."""
+        pos, left, work = start, budget, []
+        image, blocks = progress.image, progress.blocks
         while True:
-            new = self.new_images(first, end)
-            cost = sum(self.vision_tokens[i] for i in new)
-            if not new or end - start + cost <= budget:
-                return end, tuple(new)
-            if self.spans[new[-1]][0] > start:
-                end = self.spans[new[-1]][0]  # leave the last image to a later chunk
-                continue
-            least = start + min(end - start, MIN_TOKENS_WITH_IMAGE)
-            return max(least, min(end, start + budget - cost)), tuple(new)
+            wall = self.spans[image][0] if image < len(self.spans) else end
+            take = max(0, min(max(pos, min(wall, end)) - pos, left))  # left < 0: forced block
+            pos, left = pos + take, left - take
+            if image >= len(self.spans) or pos < wall or wall >= end:
+                break  # the budget ran out, or no unencoded image before `end`
+            afford = min(self.depth - blocks, left // self.block_tokens[image])
+            if afford == 0 and must_advance and pos == start and not work:
+                afford = 1
+            if afford == 0:
+                break
+            work.append(VisionWork(image, blocks, blocks + afford))
+            left -= afford * self.block_tokens[image]
+            blocks += afford
+            if blocks < self.depth:
+                break
+            image, blocks = image + 1, 0
+        return pos, tuple(work), VisionProgress(image, blocks)
 
-    def new_images(self, first: int, end: int) -> list[int]:
-        """Images from index `first` on whose tokens start before prompt position `end`."""
-        return [i for i in range(first, len(self.spans)) if self.spans[i][0] < end]
+    def cost(self, progress: VisionProgress, end: int) -> int:
+        """Token equivalents of the tower blocks still to run for images before `end`."""
+        total, blocks = 0, progress.blocks
+        for i in range(progress.image, len(self.spans)):
+            if self.spans[i][0] >= end:
+                break
+            total += (self.depth - blocks) * self.block_tokens[i]
+            blocks = 0
+        return total
 
     def first_needed(self, position: int) -> int:
         """Index of the first image with tokens at or after `position` (a cache hit
@@ -98,7 +126,10 @@ def prepare_media(
         positions=positions,
         rope_delta=delta,
         key_ids=tuple(key),
-        vision_tokens=tuple(max(1, round(vision_flops(vision, g) / per_token)) for g in grids),
+        depth=vision.depth,
+        block_tokens=tuple(
+            max(1, round(vision_flops(vision, g) / vision.depth / per_token)) for g in grids
+        ),
         vision_bytes=sum(vision_activation_bytes(vision, g) for g in grids),
     )
 

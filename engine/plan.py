@@ -12,6 +12,16 @@ from engine.cache.prefix_index import CacheDrop, CacheSave
 
 
 @dataclass(frozen=True)
+class VisionWork:
+    """Blocks [start, stop) of one image's vision-tower pass (start 0: the patch
+    embedding runs first; stop = depth: the merger runs after, giving the features)."""
+
+    image: int  # index into the row's images
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
 class PrefillChunk:
     """prompt_ids[start : start + length] of one row, run as its own [1, length] group."""
 
@@ -23,9 +33,9 @@ class PrefillChunk:
     sample_row_ids: tuple[str, ...] = ()
     # Prefix-cache node chain to build the row's state from before this chunk (its first)
     restore: tuple[int, ...] = ()
-    # Images (indices into the row's media) whose vision tower runs with this chunk, and
-    # what that costs in prefill-token equivalents (the step-cost model counts it)
-    vision: tuple[int, ...] = ()
+    # Vision-tower work that runs before this chunk (length 0: a chunk that only encodes),
+    # and what it costs in prefill-token equivalents (the step-cost model counts it)
+    vision: tuple[VisionWork, ...] = ()
     vision_tokens: int = 0
 
 

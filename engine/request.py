@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from engine.media import PromptMedia
+from engine.media import PromptMedia, VisionProgress
 from engine.types import GenerationRequest, InvalidRequestError, SamplingParams
 
 
@@ -44,10 +44,10 @@ class Request:
     prefix_hint: int = 0  # GenerationRequest.prefix_hint
     cache_chain: tuple[int, ...] = ()
     snapshot_at: list[int] = field(default_factory=list)
-    # Images (None: a text prompt): the request's choices share one PromptMedia. Images
-    # from index `vision_next` on have not had their tower pass scheduled yet.
+    # Images (None: a text prompt): the request's choices share one PromptMedia; how far
+    # their tower passes have been scheduled.
     media: PromptMedia | None = None
-    vision_next: int = 0
+    vision: VisionProgress = field(default_factory=VisionProgress)
     vision_reserved: int = 0  # budget bytes held for the tower until prefill ends
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

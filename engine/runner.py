@@ -114,6 +114,8 @@ class ModelRunner:
         chunks only with others of the same length (no padding)."""
         by_key: dict[object, _Cohort] = {}
         for i, chunk in enumerate(chunks):
+            if chunk.length == 0:
+                continue  # only vision-tower work (VisionInputs.encode ran it)
             key = "first" if chunk.start == 0 else chunk.length
             if not self.batch_prefill:
                 key = i

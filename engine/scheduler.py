@@ -18,8 +18,8 @@ from engine.api import QueueFullError
 from engine.cache.budget import MemoryBudget
 from engine.cache.prefix_index import CacheSave, PrefixIndex
 from engine.config import EngineConfig
-from engine.media import PromptMedia
-from engine.plan import PrefillChunk, SchedulerOutput
+from engine.media import PromptMedia, VisionProgress
+from engine.plan import PrefillChunk, SchedulerOutput, VisionWork
 from engine.request import Request, Status, choices_of
 from engine.step_cost import StepCostModel
 from engine.types import GenerationRequest, InvalidRequestError, RequestOutput, TokenLogprob
@@ -192,7 +192,8 @@ class Scheduler:
         if plan and left:  # what the halving left unused goes back to the oldest
             req, share = plan[0]
             plan[0] = (req, min(self._prefill_demand(req), share + left))
-        return [self._chunk(req, share) for req, share in plan]
+        chunks = [self._chunk(req, share, i == 0) for i, (req, share) in enumerate(plan)]
+        return [c for c in chunks if c.length or c.vision or c.restore]
 
     def _admissible(self, left: int, first: bool) -> bool:
         """Whether the oldest waiting request can be admitted and given a slice now."""
@@ -208,20 +209,23 @@ class Scheduler:
 
     @staticmethod
     def _vision_cost(req: Request, end: int) -> int:
-        """Token equivalents of the tower passes `req` still needs before position `end`."""
-        if req.media is None:
-            return 0
-        return sum(req.media.vision_tokens[i] for i in req.media.new_images(req.vision_next, end))
+        """Token equivalents of the tower blocks `req` still needs before position `end`."""
+        return req.media.cost(req.vision, end) if req.media is not None else 0
 
-    def _chunk(self, req: Request, budget: int) -> PrefillChunk:
+    def _chunk(self, req: Request, budget: int, oldest: bool) -> PrefillChunk:
         """The next chunk of `req`, ending at its next snapshot position if it gets there
-        (the row's state is saved right after the chunk)."""
+        (the row's state is saved right after the chunk). With images: tokens stop at an
+        image whose tower has not finished; its blocks take what the budget affords."""
         length = min(req.num_prompt - req.num_computed, budget, self.config.max_prefill_chunk)
         end = req.num_computed + length
-        images: tuple[int, ...] = ()
+        work: tuple[VisionWork, ...] = ()
         if req.media is not None:
-            end, images = req.media.cut(req.vision_next, req.num_computed, end, budget)
-            length, req.vision_next = end - req.num_computed, req.vision_next + len(images)
+            stop = req.num_computed + min(req.num_prompt - req.num_computed, budget)
+            stop = min(stop, req.num_computed + self.config.max_prefill_chunk)
+            end, work, req.vision = req.media.plan(
+                req.vision, req.num_computed, stop, budget, oldest
+            )
+            length = end - req.num_computed
         if req.snapshot_at and end >= req.snapshot_at[0]:
             end = req.snapshot_at.pop(0)
             length = end - req.num_computed
@@ -229,9 +233,9 @@ class Scheduler:
             self._saves += [save] if save is not None else []
         is_last = end == req.num_prompt
         samplers = (req.row_id, *(c.row_id for c in req.children)) if is_last else ()
-        vision_tokens = sum(req.media.vision_tokens[i] for i in images) if images else 0
+        cost = sum((w.stop - w.start) * req.media.block_tokens[w.image] for w in work)
         chunk = PrefillChunk(
-            req.row_id, req.num_computed, length, samplers, req.cache_chain, images, vision_tokens
+            req.row_id, req.num_computed, length, samplers, req.cache_chain, work, cost
         )
         req.cache_chain = ()
         return chunk
@@ -269,7 +273,7 @@ class Scheduler:
             for child in req.children:
                 child.num_cached = hit.tokens
         if req.media is not None:
-            req.vision_next = req.media.first_needed(req.num_computed)
+            req.vision = VisionProgress(req.media.first_needed(req.num_computed))
         self.prefilling.append(req)
         return req
 

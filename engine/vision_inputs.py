@@ -1,10 +1,11 @@
 """The runner's image work: vision features of the rows being prefilled, and the input
 embeddings and 3-D positions of prefill chunks that hold image tokens.
 
-An image's tower pass runs in the step the scheduler put it in (PrefillChunk.vision), for
-every image of that step in one call; its features [tokens, H] stay here until the chunks
-that splice them have covered the image (an image's tokens may span several chunks), and
-are dropped with the row otherwise.
+The scheduler hands out tower work in blocks (PrefillChunk.vision), so a large image's
+pass may spread over several steps next to decoding rows: a pass between steps is held
+here as a VisionPass. Whole passes of one step run as one batched tower call. Features
+[tokens, H] stay here until the chunks that splice them have covered the image (an
+image's tokens may span several chunks), and are dropped with the row otherwise.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from engine.plan import PrefillChunk
+from engine.plan import PrefillChunk, VisionWork
 from engine.request import Request
 from models.qwen35 import Qwen35Model
-from models.vision import VisionTower
+from models.vision import VisionPass, VisionTower
 
 
 class VisionInputs:
@@ -28,14 +29,27 @@ class VisionInputs:
         self.tower = tower
         self.dtype = dtype
         self._features: dict[tuple[str, int], mx.array] = {}  # (row id, image) -> [T, H]
+        self._passes: dict[tuple[str, int], VisionPass] = {}  # passes between stages
 
     def encode(self, chunks: Sequence[PrefillChunk], rows: dict[str, Request]) -> list[mx.array]:
-        """Queue the tower over every image the step's chunks start (one call for all
-        rows); returns the new feature arrays (lazy) so the step computes them."""
-        todo = [(c.row_id, i) for c in chunks for i in c.vision]
-        if not todo:
+        """Queue the step's tower work; returns the arrays it produces (lazy) so the step
+        computes them even when no chunk of this step splices them yet."""
+        work = [(c.row_id, w) for c in chunks for w in c.vision]
+        if not work:
             return []
         assert self.tower is not None, "images scheduled without a vision tower"
+        depth = len(self.tower.blocks)
+        whole = [(r, w.image) for r, w in work if w.start == 0 and w.stop == depth]
+        out = self._encode_whole(whole, rows) if whole else []
+        for row_id, w in work:
+            if w.start > 0 or w.stop < depth:
+                out.append(self._stage(row_id, w, rows[row_id]))
+        return out
+
+    def _encode_whole(
+        self, todo: list[tuple[str, int]], rows: dict[str, Request]
+    ) -> list[mx.array]:
+        """Whole passes: every image in one tower call (on a GPU one compiled trace)."""
         images = [rows[row_id].media.images[i] for row_id, i in todo]
         patches = np.concatenate([image.patches for image in images], axis=0)
         features = self.tower(mx.array(patches, dtype=self.dtype), [im.grid for im in images])
@@ -43,6 +57,20 @@ class VisionInputs:
         parts = mx.split(features.astype(self.dtype), bounds, axis=0)
         self._features.update(zip(todo, parts, strict=True))
         return parts
+
+    def _stage(self, row_id: str, work: VisionWork, row: Request) -> mx.array:
+        """Blocks [start, stop) of one image's pass; the merger too once the last ran."""
+        key = (row_id, work.image)
+        if work.start == 0:
+            image = row.media.images[work.image]
+            self._passes[key] = self.tower.begin(mx.array(image.patches, self.dtype), [image.grid])
+        state = self._passes[key]
+        self.tower.advance(state, work.start, work.stop)
+        if work.stop < len(self.tower.blocks):
+            return state.x
+        del self._passes[key]
+        self._features[key] = self.tower.finish(state).astype(self.dtype)
+        return self._features[key]
 
     def positions(
         self, members: Sequence[PrefillChunk], pads: Sequence[int], rows: dict[str, Request]
@@ -103,15 +131,17 @@ class VisionInputs:
         (the step's graph keeps what it still reads)."""
         done = set(freed)
         for chunk in chunks:
-            media = rows[chunk.row_id].media
+            media = rows[chunk.row_id].media if chunk.row_id in rows else None
             if media is None:
                 continue
             end = chunk.start + chunk.length
             for i, (_, b) in enumerate(media.spans):
                 if b <= end:
                     self._features.pop((chunk.row_id, i), None)
-        for key in [k for k in self._features if k[0] in done]:
-            del self._features[key]
+        for table in (self._features, self._passes):
+            for key in [k for k in table if k[0] in done]:
+                del table[key]
 
     def clear(self) -> None:
         self._features.clear()
+        self._passes.clear()

@@ -229,6 +229,17 @@ class _Traces:
         self.by_groups: dict[Groups, Callable] = {}
 
 
+@dataclass
+class VisionPass:
+    """A vision-tower pass between stages: the hidden state [N, W] after `blocks_done`
+    blocks, with the frame plan and rotary tables the remaining blocks use."""
+
+    plan: FramePlan
+    x: mx.array
+    rope: Rope
+    blocks_done: int = 0
+
+
 class VisionTower(nn.Module):
     """The whole tower: pixel patches of several images -> their merged features."""
 
@@ -248,6 +259,13 @@ class VisionTower(nn.Module):
         Returns [sum t*h*w / merge^2, out_hidden]: image i's features are rows
         sum_{j<i} num_tokens(grid_j) onward, in the order its image-pad tokens take them.
         """
+        state = self.begin(patches, grids)
+        out = self._encoder(state.plan.groups)(state.x, *state.rope)
+        return out if state.plan.restore is None else out[mx.array(state.plan.restore)]
+
+    def begin(self, patches: mx.array, grids: Sequence[Grid]) -> VisionPass:
+        """A pass in stages (a caller that bounds each step's work runs a few blocks at
+        a time): the patch embedding and position table applied, no block run yet."""
         plan = FramePlan.build(self.config, grids)
         if patches.shape != (plan.num_patches, self.config.patch_dim):
             raise ValueError(f"patches {patches.shape} do not match grids {list(grids)}")
@@ -255,8 +273,20 @@ class VisionTower(nn.Module):
         if plan.order is not None:
             x = x[mx.array(plan.order)]
         x = x + self._position_embedding(plan).astype(x.dtype)
-        out = self._encoder(plan.groups)(x, *self._rotary(plan))
-        return out if plan.restore is None else out[mx.array(plan.restore)]
+        return VisionPass(plan, x, self._rotary(plan))
+
+    def advance(self, state: VisionPass, start: int, stop: int) -> None:
+        """Run blocks [start, stop) of a staged pass (state.x [N, W] is replaced, lazily)."""
+        assert start == state.blocks_done, "blocks run in order"
+        for block in self.blocks[start:stop]:
+            state.x = block(state.x, state.rope, state.plan.groups)
+        state.blocks_done = stop
+
+    def finish(self, state: VisionPass) -> mx.array:
+        """The merger after the last block: the features, as __call__ returns them."""
+        assert state.blocks_done == len(self.blocks), "blocks left to run"
+        out = self.merger(state.x)
+        return out if state.plan.restore is None else out[mx.array(state.plan.restore)]
 
     def _encoder(self, groups: Groups) -> Callable[[mx.array, mx.array, mx.array], mx.array]:
         """blocks + merger for one frame layout: (x [N, W], cos, sin) -> [N / m^2, out].

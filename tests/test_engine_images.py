@@ -170,3 +170,34 @@ def test_bad_image_requests_are_refused(loaded: LoadedModel) -> None:
         two = (image(1), image(2))
         engine.add_request(GenerationRequest("b3", req.prompt_ids, req.params, images=two))
     assert not engine.has_work()
+
+
+def test_tower_passes_in_stages_equal_whole_passes(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a tower block dearer than a step's allowance, each image's pass spreads
+    over steps (a block at a time, the oldest prompt first) while text rows decode;
+    every row's tokens equal those of whole passes."""
+    reqs = [
+        _request(loaded, "t", [], 1, max_tokens=12),
+        _request(loaded, "i1", [image(1)], 2),
+        _request(loaded, "i2", [image(2, (1, 8, 8)), image(3)], 3, max_tokens=5),
+    ]
+    joins = {0: reqs[:1], 2: reqs[1:]}
+    whole = _run(LLMEngine(loaded, SMALL), joins)
+    monkeypatch.setattr("engine.media.text_flops_per_token", lambda cfg: 1e-3)
+    engine = LLMEngine(loaded, SMALL)
+    works = []
+    execute = engine.runner.execute
+
+    def spy(out, rows, prev):  # noqa: ANN001, ANN202
+        works.extend(w for c in out.prefill for w in c.vision)
+        return execute(out, rows, prev)
+
+    engine.runner.execute = spy
+    staged = _run(engine, joins)
+    depth = loaded.vision_config.depth
+    assert depth > 1 and all(w.stop - w.start == 1 for w in works)
+    assert len(works) == 3 * depth
+    for req in reqs:
+        assert staged[(req.request_id, 0)] == whole[(req.request_id, 0)], req.request_id

@@ -1,8 +1,8 @@
 """Where prefill chunks of a prompt with images end, and what the scheduler reserves.
 
-Pure policy: PromptMedia.cut decides which images' tower passes a chunk pays for (in
-prefill-token equivalents) and where the chunk then ends; the scheduler holds the tower's
-memory from admission until the prompt's prefill ends.
+Pure policy: PromptMedia.plan decides which tower blocks a chunk pays for (in
+prefill-token equivalents) and where its tokens then end; the scheduler holds the
+tower's memory from admission until the prompt's prefill ends.
 """
 
 from __future__ import annotations
@@ -11,12 +11,15 @@ import numpy as np
 
 from engine.cache.budget import MemoryBudget, StateCosts
 from engine.config import EngineConfig
-from engine.media import MIN_TOKENS_WITH_IMAGE, PromptMedia
+from engine.media import PromptMedia, VisionProgress
+from engine.plan import VisionWork
 from engine.scheduler import Scheduler
 from engine.types import GenerationRequest, ImageInput, SamplingParams
 
 
-def _media(spans: list[tuple[int, int]], costs: list[int], length: int = 200) -> PromptMedia:
+def _media(
+    spans: list[tuple[int, int]], block_tokens: list[int], length: int = 200, depth: int = 4
+) -> PromptMedia:
     images = tuple(
         ImageInput(np.zeros((4 * (b - a), 8), np.float32), (1, 2, 2 * (b - a)), b - a, str(i))
         for i, (a, b) in enumerate(spans)
@@ -27,32 +30,52 @@ def _media(spans: list[tuple[int, int]], costs: list[int], length: int = 200) ->
         positions=np.zeros((3, length), np.int32),
         rope_delta=-5,
         key_ids=tuple(range(length)),
-        vision_tokens=tuple(costs),
+        depth=depth,
+        block_tokens=tuple(block_tokens),
         vision_bytes=1000,
     )
 
 
-def test_a_chunk_that_can_pay_takes_the_image_and_its_tokens() -> None:
-    media = _media([(10, 30)], [50])
-    assert media.cut(0, 0, 64, 200) == (64, (0,))
+START = VisionProgress()
 
 
-def test_a_chunk_that_cannot_pay_stops_before_the_image() -> None:
+def test_a_chunk_that_can_pay_runs_the_whole_tower_and_the_tokens_after() -> None:
+    media = _media([(10, 30)], [10])  # 4 blocks of 10
+    assert media.plan(START, 0, 64, 200, True) == (64, (VisionWork(0, 0, 4),), VisionProgress(1))
+    assert media.cost(START, 64) == 40 and media.cost(START, 10) == 0
+
+
+def test_tokens_stop_at_an_image_whose_tower_has_not_finished() -> None:
+    """The budget after the text runs what blocks it affords; the rest waits."""
+    media = _media([(10, 30)], [10])
+    assert media.plan(START, 0, 64, 35, True) == (10, (VisionWork(0, 0, 2),), VisionProgress(0, 2))
+    later = VisionProgress(0, 2)
+    assert media.cost(later, 64) == 20
+    assert media.plan(later, 10, 64, 25, True) == (15, (VisionWork(0, 2, 4),), VisionProgress(1))
+
+
+def test_the_oldest_prompt_advances_one_block_whatever_the_budget() -> None:
     media = _media([(10, 30)], [500])
-    assert media.cut(0, 0, 64, 100) == (10, ())
+    assert media.plan(START, 10, 74, 100, True) == (
+        10,
+        (VisionWork(0, 0, 1),),
+        VisionProgress(0, 1),
+    )
+    assert media.plan(START, 10, 74, 100, False) == (10, (), START)
+    one_block = _media([(10, 30)], [500], depth=1)  # forced past the budget: no tokens after
+    assert one_block.plan(START, 10, 74, 100, True) == (
+        10,
+        (VisionWork(0, 0, 1),),
+        VisionProgress(1),
+    )
+    assert media.plan(START, 0, 74, 100, False) == (10, (), START)  # text before it runs
 
 
-def test_a_chunk_starting_at_an_unpaid_image_pays_whatever_the_budget() -> None:
-    """The prompt must advance: the tower runs, with a minimum of tokens after it."""
-    media = _media([(10, 30)], [500])
-    assert media.cut(0, 10, 74, 100) == (10 + MIN_TOKENS_WITH_IMAGE, (0,))
-    assert media.cut(0, 10, 74, 540) == (50, (0,))  # the budget past the tower's cost
-
-
-def test_paid_images_are_not_charged_again_and_later_ones_wait() -> None:
-    media = _media([(10, 30), (40, 60)], [30, 100])
-    assert media.cut(1, 20, 84, 90) == (40, ())  # inside image 0 (paid); image 1 too dear
-    assert media.cut(0, 0, 84, 120) == (40, (0,))
+def test_encoded_images_are_not_charged_again_and_later_ones_wait() -> None:
+    media = _media([(10, 30), (40, 60)], [5, 100])
+    at_second = VisionProgress(1)
+    assert media.plan(at_second, 20, 84, 90, False) == (40, (), at_second)
+    assert media.plan(START, 0, 84, 70, False) == (40, (VisionWork(0, 0, 4),), at_second)
     assert media.first_needed(30) == 1 and media.first_needed(29) == 0
 
 
@@ -63,13 +86,14 @@ def _scheduler(budget_bytes: int) -> Scheduler:
 
 
 def test_the_tower_memory_is_held_until_the_prefill_ends() -> None:
-    media = _media([(10, 30)], [5], length=40)
+    media = _media([(10, 30)], [5], length=40, depth=1)
     params = SamplingParams(temperature=0.0, max_tokens=4)
     scheduler = _scheduler(100_000)
     scheduler.add(GenerationRequest("r", tuple(range(40)), params), frozenset(), media)
     row = 100 + 10 * 44
     out = scheduler.schedule()
-    assert out.prefill[0].vision == (0,) and out.prefill[0].vision_tokens == 5
+    assert out.prefill[0].vision == (VisionWork(0, 0, 1),)
+    assert out.prefill[0].vision_tokens == 5
     assert scheduler.budget.reserved == row + 1000
     scheduler.update(out, [7], [None])
     out = scheduler.schedule()  # the row joins the decode batch: its prefill has ended

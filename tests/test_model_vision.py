@@ -188,7 +188,7 @@ def test_text_only_checkpoint_has_no_tower() -> None:
 def test_vision_config_from_checkpoint(ours: LoadedModel) -> None:
     cfg = ours.vision_config
     assert cfg == VisionConfig.from_dict(json.loads((ours.path / "config.json").read_text()))
-    assert (cfg.depth, cfg.hidden_size, cfg.num_heads, cfg.out_hidden_size) == (1, 32, 2, 128)
+    assert (cfg.depth, cfg.hidden_size, cfg.num_heads, cfg.out_hidden_size) == (2, 32, 2, 128)
     assert (cfg.image_token_id, cfg.vision_start_token_id, cfg.spatial_merge_size) == (
         IMAGE, START, 2,
     )  # fmt: skip

@@ -23,7 +23,7 @@ from models.testing.quantized import write_mlx_quantized
 from models.testing.tokenizer import write_tokenizer
 
 # Bump when the writer's output changes, so stale cached checkpoints are not reused.
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: two vision blocks (staged tower passes), preprocessor_config.json
 DEFAULT_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "checkpoints"
 
 # Named checkpoints for tests. "source" + "bits": mlx-lm conversion of another entry;

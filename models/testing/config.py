@@ -32,7 +32,7 @@ class Shape:
     experts_per_tok: int = 0
     moe_intermediate: int = 0
     shared_intermediate: int = 0
-    vision: tuple[int, int, int, int, int] = (1, 32, 2, 64, 64)  # depth, width, heads, mlp, pos
+    vision: tuple[int, int, int, int, int] = (2, 32, 2, 64, 64)  # depth, width, heads, mlp, pos
 
 
 _BIG_VISION = (27, 1152, 16, 4304, 2304)
