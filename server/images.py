@@ -17,6 +17,7 @@ import hashlib
 import io
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import SplitResult, unquote, unquote_to_bytes, urlsplit
 
@@ -45,6 +46,8 @@ def load_images(
         limit = settings.max_per_request
         message = f"a request may carry at most {limit} images; this one has {len(refs)}"
         raise PromptError(message, refs[limit].param)
+    bound = min(processor.max_pixels, settings.max_resized_pixels)
+    processor = replace(processor, max_pixels=bound, min_pixels=min(processor.min_pixels, bound))
     return tuple(load_image(ref, settings, processor) for ref in refs)
 
 

@@ -104,6 +104,10 @@ class ImageSettings:
 
     max_per_request: int = 8  # images one request may carry; 0 = no images
     max_pixels: int = 4096 * 4096  # width x height of one decoded image, before resizing
+    # Larger images are scaled down (aspect kept) to at most this area before the tower
+    # (the checkpoint's own bound when that is lower): 1024^2 = 1,024 tokens an image. The
+    # tower's attention grows with the square of an image's patches.
+    max_resized_pixels: int = 1024 * 1024
     max_bytes: int = 20 * 2**20  # encoded size of one image (data URL, file or download)
     data_urls: bool = True  # accept data: URLs (base64 PNG, JPEG, WebP, GIF)
     local_dir: str = ""  # accept file:// URLs and paths under this directory; "" = none
@@ -116,6 +120,8 @@ class ImageSettings:
             raise ConfigError("images.max_per_request must be >= 0")
         if self.max_pixels < 1 or self.max_bytes < 1:
             raise ConfigError("images.max_pixels and images.max_bytes must be >= 1")
+        if self.max_resized_pixels < 32 * 32:
+            raise ConfigError("images.max_resized_pixels must be >= 1024 (one token)")
         if not self.http_timeout > 0 or self.http_max_redirects < 0:
             raise ConfigError("images.http_timeout must be > 0, http_max_redirects >= 0")
         if self.local_dir and not Path(self.local_dir).expanduser().is_dir():

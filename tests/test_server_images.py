@@ -25,7 +25,7 @@ from models.image_processor import ImageProcessorConfig, preprocess, smart_resiz
 from models.testing.tokenizer import IMAGE_PAD_ID, preprocessor_config
 from server.app import create_app
 from server.frontend.messages import ImageRef, PromptError
-from server.images import fetch
+from server.images import fetch, load_images
 from server.settings import ConfigError, ImageSettings, ModelSettings, Settings
 
 MODEL = "qwen-test"
@@ -456,3 +456,17 @@ def test_data_urls_can_be_switched_off_and_settings_are_checked(tmp_path: Path) 
             ImageSettings(**bad)
     with pytest.raises(ConfigError, match="not a directory"):
         ImageSettings(local_dir=str(tmp_path / "missing"))
+
+
+def test_large_images_are_scaled_down_to_max_resized_pixels() -> None:
+    """A 2000x1500 image (about 2,900 tokens at the checkpoint's own bound) becomes at
+    most images.max_resized_pixels: 1,024 tokens by default, fewer when set lower; its
+    aspect ratio is kept (to the 32-pixel grid)."""
+    refs = [ImageRef(data_url(encoded(picture(2000, 1500))), PART)]
+    processor = ImageProcessorConfig()
+    (big,) = load_images(refs, ImageSettings(), processor)
+    assert big.num_tokens <= 1024 and big.grid[2] > big.grid[1]
+    (small,) = load_images(refs, ImageSettings(max_resized_pixels=256 * 256), processor)
+    assert small.num_tokens <= 64 < big.num_tokens
+    with pytest.raises(ConfigError, match="max_resized_pixels"):
+        ImageSettings(max_resized_pixels=100)
