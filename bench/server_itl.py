@@ -1,36 +1,58 @@
 """Stream stalls over HTTP while a long prompt prefills: deltaserve vs mlx_lm.server.
 
     python -m bench.server_itl --checkpoint small --long 3000
+    python -m bench.server_itl --checkpoint 0.8B --long 20 --image 1024x1024
 
 Per server (default settings, started as in bench.server_vs_mlxlm): 8 chat streams
 decode; after `--arrival` seconds a ~`--long`-token chat arrives (one token wanted, so
-its stream's end is its first token). Gaps between the 8 streams' chunks are split into
-before the long prompt arrived and while it prefilled (arrival to its first token); then
-the long prompt runs again alone. Prints JSON lines: p50/p99 gaps before and during,
-their p99 ratio (the issue's target: <= 2), the long prompt's TTFT under load and alone
-(target: <= 3x), and the ratios ours/peer.
+its stream's end is its first token). With `--image WxH` that chat also carries one
+image of that size (random pixels; deltaserve only: mlx_lm.server takes no images),
+whose vision-tower pass and tokens prefill next to the streams. Gaps between the 8
+streams' chunks are split into before the long prompt arrived and while it prefilled
+(arrival to its first token); then the long prompt runs again alone. Prints JSON lines:
+p50/p99 gaps before and during, their p99 ratio (the issue's target: <= 2), the long
+prompt's TTFT under load and alone (target: <= 3x), and the ratios ours/peer.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import io
 import json
 import time
 from pathlib import Path
 
 import httpx
+import numpy as np
+from PIL import Image
 
 from bench.prefix_cache import _history
 from bench.server_vs_mlxlm import _f32_copy, _free_port, _pct, _start, _wait_ready, served_name
 from models.testing import cached_checkpoint
 
 
-async def _stream(base: str, model: str, words: int, seed: int, max_tokens: int) -> list[float]:
+def _image_url(size: str, seed: int) -> str:
+    """A PNG data URL of random pixels, `size` "WxH" (noise: a fair worst case)."""
+    width, height = (int(v) for v in size.split("x"))
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+async def _stream(
+    base: str, model: str, words: int, seed: int, max_tokens: int, image: str | None = None
+) -> list[float]:
     """One chat stream: the arrival time of every chunk that carries text."""
+    content: str | list = _history(words, seed)
+    if image is not None:
+        url = {"url": _image_url(image, seed)}
+        content = [{"type": "image_url", "image_url": url}, {"type": "text", "text": content}]
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": _history(words, seed)}],
+        "messages": [{"role": "user", "content": content}],
         "stream": True,
         "max_tokens": max_tokens,
         "temperature": 0.0,
@@ -60,7 +82,7 @@ async def _scenario(base: str, model: str, args: argparse.Namespace) -> dict:
     ]
     await asyncio.sleep(args.arrival)
     arrived = time.perf_counter()
-    long_stamps = await _stream(base, model, args.long, seed=99, max_tokens=1)
+    long_stamps = await _stream(base, model, args.long, 99, 1, args.image)
     first = long_stamps[-1]
     stamps = await asyncio.gather(*streams)
     all_decoding = max(ts[2] for ts in stamps if len(ts) > 2)
@@ -71,7 +93,7 @@ async def _scenario(base: str, model: str, args: argparse.Namespace) -> dict:
                 before.append(b - a)
             elif b > arrived and a < first:
                 during.append(b - a)
-    alone = await _stream(base, model, args.long, seed=98, max_tokens=1)
+    alone = await _stream(base, model, args.long, 98, 1, args.image)
     p99_before, p99_during = _pct(before, 0.99), _pct(during, 0.99)
     return {
         "gap_before_p50_ms": round(1e3 * _pct(before, 0.5), 1),
@@ -93,8 +115,9 @@ async def _bench(kind: str, model: Path, args: argparse.Namespace) -> dict:
     try:
         await _wait_ready(base, proc)
         name = await served_name(kind, base, model)
-        await _stream(base, name, args.long, seed=97, max_tokens=4)  # first-use costs
-        row = {"server": kind, "long_prompt_words": args.long, **await _scenario(base, name, args)}
+        await _stream(base, name, args.long, 97, 4, args.image)  # first-use costs
+        row = {"server": kind, "long_prompt_words": args.long, "image": args.image}
+        row.update(await _scenario(base, name, args))
         print(json.dumps(row), flush=True)
         return row
     finally:
@@ -109,7 +132,10 @@ def main() -> None:
     parser.add_argument("--gen", type=int, default=400, help="tokens per decoding stream")
     parser.add_argument("--arrival", type=float, default=8.0, help="seconds before it arrives")
     parser.add_argument("--only", choices=["deltaserve", "mlx_lm"])
+    parser.add_argument("--image", help="WxH: the arriving chat carries one image instead")
     args = parser.parse_args()
+    if args.image:
+        args.only = "deltaserve"  # mlx_lm.server takes no images
     model = _f32_copy(cached_checkpoint(args.checkpoint))
     rows = {
         kind: asyncio.run(_bench(kind, model, args))

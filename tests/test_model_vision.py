@@ -296,6 +296,40 @@ def test_greedy_decode_with_images_matches_transformers(
     assert tokens == expected
 
 
+def test_engine_greedy_with_images_matches_transformers(
+    ours: LoadedModel, reference: object
+) -> None:
+    """Through the engine (chunks of 16 tokens cutting the images, the tower in its own
+    plan, a text row decoding beside it): the greedy tokens equal transformers'."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+    from engine.types import GenerationRequest, ImageInput, SamplingParams
+
+    patches, grids = pixels([(64, 96), (160, 64)])
+    ids = image_prompt("titit", grids)
+    with torch.no_grad():
+        out = reference.generate(
+            **reference_inputs(ids, patches, grids), max_new_tokens=GREEDY_TOKENS
+        )
+    counts = [t * h * w for t, h, w in grids]
+    bounds = np.cumsum(counts)[:-1]
+    images = tuple(
+        ImageInput(p, g, n // 4, f"img{i}")
+        for i, (p, g, n) in enumerate(zip(np.split(patches, bounds), grids, counts, strict=True))
+    )
+    config = EngineConfig(max_num_batched_tokens=32, max_prefill_chunk=16, prefix_cache=False)
+    engine = LLMEngine(ours, config)
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    engine.add_request(GenerationRequest("text", tuple(encode("A text row beside it")), params))
+    engine.add_request(GenerationRequest("image", tuple(ids), params, images=images))
+    tokens: list[int] = []
+    while engine.has_work():
+        tokens += [t for d in engine.step() if d.request_id == "image" for t in d.token_ids]
+    assert tokens == out[0, len(ids) :].tolist()
+
+
 def test_splice_replaces_image_rows_in_order() -> None:
     ids = [5, IMAGE, IMAGE, 7, IMAGE]
     embeds = mx.zeros((5, 3))
