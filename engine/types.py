@@ -17,7 +17,8 @@ MAX_TOP_LOGPROBS = 20
 class InvalidRequestError(ValueError):
     """A request the engine can never run (bad parameter, too long, cannot fit).
 
-    `param` names the offending field; the server turns this into an HTTP 400.
+    `param` names the offending field by the engine's own name (a GenerationRequest or
+    SamplingParams field); the server maps it to its protocol's field for the HTTP 400.
     """
 
     def __init__(self, message: str, param: str | None = None) -> None:
@@ -91,7 +92,11 @@ class SamplingParams:
             f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
             "top_logprobs",
         )
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop token ids must be >= 0", "stop")
+        _check(
+            all(t >= 0 for t in self.stop_token_ids),
+            "stop token ids must be >= 0",
+            "stop_token_ids",
+        )
         if self.seed is not None:
             _check(0 <= self.seed < 2**63, "seed must be in [0, 2^63)", "seed")
 
@@ -118,9 +123,9 @@ class ImageInput:
 
     def __post_init__(self) -> None:
         t, h, w = self.grid
-        _check(min(t, h, w) > 0, "empty image grid", "messages")
-        _check(self.patches.shape[0] == t * h * w, "patches do not match the grid", "messages")
-        _check(self.num_tokens > 0, "an image must have tokens", "messages")
+        _check(min(t, h, w) > 0, "empty image grid", "images")
+        _check(self.patches.shape[0] == t * h * w, "patches do not match the grid", "images")
+        _check(self.num_tokens > 0, "an image must have tokens", "images")
 
 
 @dataclass(frozen=True)
@@ -142,9 +147,9 @@ class GenerationRequest:
     images: tuple[ImageInput, ...] = ()
 
     def __post_init__(self) -> None:
-        _check(len(self.prompt_ids) > 0, "the prompt is empty", "messages")
+        _check(len(self.prompt_ids) > 0, "the prompt is empty", "prompt_ids")
         _check(1 <= self.n <= 16, "n must be in [1, 16]", "n")
-        _check(0 <= self.prefix_hint <= len(self.prompt_ids), "bad prefix_hint", "messages")
+        _check(0 <= self.prefix_hint <= len(self.prompt_ids), "bad prefix_hint", "prefix_hint")
 
 
 @dataclass(frozen=True)
