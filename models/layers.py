@@ -7,7 +7,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels import fastmath
+from kernels import fastmath, moe_experts
 from models.fused import fuse_into
 
 
@@ -117,24 +117,41 @@ class MLP(nn.Module):
 
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-# (name, sorted rows [M, 1, in], their expert ids [M]) -> [M, 1, out]
-ExpertProjection = Callable[[str, mx.array, mx.array], mx.array]
+# (name, rows [..., 1, in], their expert ids [...], whether the ids are sorted) -> [..., 1, out]
+ExpertProjection = Callable[[str, mx.array, mx.array, bool], mx.array]
+
+# Fewest (token, expert) rows for which they are sorted by expert first; below it each
+# token's row is broadcast over its k experts (mlx-lm's SwitchGLU sorts from 64 rows).
+# Sorting lets the gathered matmul walk each expert's weights once for all of its rows, but
+# costs two argsorts and two row gathers per layer. H200, 35B-A3B 4-bit, one MoE layer alone
+# (bench/moe_profile.py): at B=1 (8 rows) 0.38 ms per compiled call unsorted vs 0.50 sorted,
+# at B=16 (128 rows) the same either way; inside the engine it is not measured yet, so the
+# default keeps sorting always (0). Read through the module global, so a benchmark can set
+# it; a compiled trace keeps the value it was traced with.
+SORT_MIN_ROWS = 0
 
 
 def _switch_glu(x: mx.array, indices: mx.array, project: ExpertProjection) -> mx.array:
     """SwiGLU of each token through each of its k experts. x [N, H], indices [N, k] -> [N, k, H].
 
-    The N*k (token, expert) rows are sorted by expert so that the gathered matmul walks each
-    expert's weights once, in order (sorted_indices=True), then put back in token order.
+    From SORT_MIN_ROWS rows the N*k (token, expert) rows are sorted by expert so that the
+    gathered matmul walks each expert's weights once, in order (sorted_indices=True), then
+    put back in token order; below it each token's row is broadcast over its k experts.
     """
     n, k = indices.shape
-    flat = mx.stop_gradient(indices).reshape(-1)
+    indices = mx.stop_gradient(indices)
+    if n * k < SORT_MIN_ROWS:
+        rows = x[:, None, None, :]  # [N, 1, 1, H], broadcast against indices [N, k]
+        act = fastmath.silu(project("gate_proj", rows, indices, False))
+        act = act * project("up_proj", rows, indices, False)  # [N, k, 1, I]
+        return project("down_proj", act, indices, False).reshape(n, k, -1)
+    flat = indices.reshape(-1)
     order = mx.argsort(flat)
     inverse = mx.argsort(order)
     rows = x[order // k][:, None, :]  # [N*k, 1, H]; sorted row r is token order[r] // k
     idx = flat[order]
-    act = fastmath.silu(project("gate_proj", rows, idx)) * project("up_proj", rows, idx)
-    out = project("down_proj", act, idx)  # [N*k, 1, H]
+    act = fastmath.silu(project("gate_proj", rows, idx, True)) * project("up_proj", rows, idx, True)
+    out = project("down_proj", act, idx, True)  # [N*k, 1, H]
     return out[inverse].reshape(n, k, -1)
 
 
@@ -151,9 +168,9 @@ class SwitchExperts(nn.Module):
         """x [N, H], indices [N, k] -> [N, k, H]."""
         return _switch_glu(x, indices, self._project)
 
-    def _project(self, name: str, rows: mx.array, idx: mx.array) -> mx.array:
+    def _project(self, name: str, rows: mx.array, idx: mx.array, is_sorted: bool) -> mx.array:
         weight = self[name].swapaxes(-1, -2)  # [E, in, out]
-        return mx.gather_mm(rows, weight, rhs_indices=idx, sorted_indices=True)
+        return mx.gather_mm(rows, weight, rhs_indices=idx, sorted_indices=is_sorted)
 
 
 class QuantizedExpertLinear(nn.Module):
@@ -175,8 +192,9 @@ class QuantizedExpertLinear(nn.Module):
             self.biases = mx.zeros(self.scales.shape)
         self.freeze()
 
-    def __call__(self, rows: mx.array, idx: mx.array) -> mx.array:
-        """rows [M, 1, in] sorted by expert, idx [M] -> [M, 1, out]."""
+    def __call__(self, rows: mx.array, idx: mx.array, is_sorted: bool = True) -> mx.array:
+        """rows [..., 1, in], idx [...] (the batch shapes broadcast) -> [..., 1, out];
+        is_sorted: idx is sorted (rows grouped by expert)."""
         return mx.gather_qmm(
             rows,
             self.weight,
@@ -187,7 +205,7 @@ class QuantizedExpertLinear(nn.Module):
             group_size=self.group_size,
             bits=self.bits,
             mode=self.mode,
-            sorted_indices=True,
+            sorted_indices=is_sorted,
         )
 
 
@@ -206,8 +224,8 @@ class QuantizedSwitchExperts(nn.Module):
         """x [N, H], indices [N, k] -> [N, k, H]."""
         return _switch_glu(x, indices, self._project)
 
-    def _project(self, name: str, rows: mx.array, idx: mx.array) -> mx.array:
-        return self[name](rows, idx)
+    def _project(self, name: str, rows: mx.array, idx: mx.array, is_sorted: bool) -> mx.array:
+        return self[name](rows, idx, is_sorted)
 
 
 class SparseMoE(nn.Module):
@@ -238,6 +256,11 @@ class SparseMoE(nn.Module):
         weights = mx.take_along_axis(probs, indices, axis=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(axis=-1, keepdims=True)
-        routed = (self.experts(x, indices) * weights[..., None].astype(x.dtype)).sum(axis=1)
+        if isinstance(self.experts, QuantizedSwitchExperts) and moe_experts.supported(
+            self.experts, indices.size
+        ):  # decode sizes on CUDA, when enabled: two kernels reading the packed weights
+            routed = moe_experts.moe_experts(x, indices, weights, self.experts)
+        else:
+            routed = (self.experts(x, indices) * weights[..., None].astype(x.dtype)).sum(axis=1)
         shared = fastmath.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared

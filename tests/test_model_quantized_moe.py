@@ -168,3 +168,50 @@ def test_quantized_experts_equal_dequantized_experts(specs: dict) -> None:
     ours, ref = packed(x, indices), dense(x, indices)
     assert ours.shape == (40, 3, hidden)
     assert mx.abs(ours - ref).max().item() <= 1e-4 * mx.abs(ref).max().item()
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_sorted_and_broadcast_expert_rows_agree(
+    monkeypatch: pytest.MonkeyPatch, quantized: bool, tokens: int
+) -> None:
+    """The two gathers of _switch_glu (rows sorted by expert, from SORT_MIN_ROWS rows; each
+    token broadcast over its k experts, below it) give the same [N, k, H], for dense and
+    packed experts, whichever one the row count would pick."""
+    import models.layers as layers
+
+    num_experts, hidden, intermediate, k = 8, 128, 64, 3
+    spec = {"group_size": 64, "bits": 4, "mode": "affine"}
+    if quantized:
+        experts = QuantizedSwitchExperts(
+            num_experts,
+            hidden,
+            intermediate,
+            dict.fromkeys(("gate_proj", "up_proj", "down_proj"), spec),
+        )
+    else:
+        experts = SwitchExperts(num_experts, hidden, intermediate)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        shape = (
+            (num_experts, hidden, intermediate)
+            if name == "down_proj"
+            else (num_experts, intermediate, hidden)
+        )
+        weight = mx.random.normal(shape, key=mx.random.key(len(name))) * 0.1
+        if quantized:
+            for attr, value in zip(
+                ("weight", "scales", "biases"), mx.quantize(weight, **spec), strict=True
+            ):
+                experts[name][attr] = value
+        else:
+            experts[name] = weight
+    x = mx.random.normal((tokens, hidden), key=mx.random.key(1))
+    scores = mx.random.uniform(shape=(tokens, num_experts), key=mx.random.key(2))
+    indices = mx.argsort(scores)[:, :k].astype(mx.uint32)
+    monkeypatch.setattr(layers, "SORT_MIN_ROWS", 0)
+    sorted_out = experts(x, indices)
+    monkeypatch.setattr(layers, "SORT_MIN_ROWS", 10**9)
+    broadcast_out = experts(x, indices)
+    assert sorted_out.shape == broadcast_out.shape == (tokens, k, hidden)
+    ref = mx.abs(sorted_out).max().item()
+    assert mx.abs(sorted_out - broadcast_out).max().item() <= 1e-5 * ref
