@@ -1,4 +1,5 @@
-"""HTTP layer of deltaserve: OpenAI-compatible routes over an EngineClient. No MLX here.
+"""HTTP layer of deltaserve: OpenAI- and Anthropic-compatible routes over an EngineClient.
+No MLX here.
 
 Map of the package:
 
@@ -6,12 +7,14 @@ Map of the package:
 - app:                create_app(engine, tokenizer, settings): routers, auth, CORS, lifespan.
 - schemas:            pydantic request models (validation).
 - responses:          pydantic response models (the OpenAI spec's shapes).
-- errors:             APIError and the handlers that give every failure OpenAI's error shape.
-- routes_chat:        POST /v1/chat/completions.
-- routes_completions: POST /v1/completions.
+- errors:             APIError and the handlers: OpenAI's error shape, Anthropic's on /v1/messages.
+- pipeline:           the one route shape: serve(), the Writer protocol, OutputSpec.
+- prompts:            chat prompts for chat and messages: images + template -> token ids.
+- routes_chat:        POST /v1/chat/completions (adapter + ChatWriter).
+- routes_completions: POST /v1/completions (adapter + CompletionWriter).
 - routes_models:      GET /v1/models, /health, /metrics.
-- routes_common:      server state, model check, body parsing, SamplingParams, disconnects.
-- routes_generation:  GenerationRun: engine outputs -> per-choice events via the frontend.
+- routes_common:      server state, model check, body parsing, field names, SamplingParams.
+- routes_generation:  GenerationRun/RunGroup: engine outputs -> per-choice events.
 - images:             image_url parts -> decoded, limited, preprocessed ImageInputs.
 - sse:                SSE framing, keep-alive ticks, in-band stream errors.
 - metrics:            Prometheus metrics (per-request and engine gauges at scrape time).

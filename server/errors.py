@@ -1,9 +1,11 @@
-"""OpenAI-shaped errors: one exception type for the routes, handlers for everything else.
+"""Errors: one exception type for the routes, handlers for everything else, two shapes.
 
-Every error response is `{"error": {"message", "type", "param", "code"}}`. Input problems
-are 400 (never FastAPI's 422), engine refusals keep their meaning (InvalidRequestError →
-400 with its param, QueueFullError → 429 + Retry-After), and anything unexpected is a 500
-that is logged while the server keeps serving.
+OpenAI routes answer `{"error": {"message", "type", "param", "code"}}`; Anthropic's
+(/v1/messages…) answer `{"type": "error", "error": {"type", "message"}}`, chosen by the
+request's path in `error_response`, so auth and body-parsing failures take the right
+shape too. Input problems are 400 (never FastAPI's 422), engine refusals keep their
+meaning (InvalidRequestError → 400 with its param, QueueFullError → 429 + Retry-After),
+and anything unexpected is a 500 that is logged while the server keeps serving.
 """
 
 from __future__ import annotations
@@ -32,6 +34,17 @@ _TYPES = {
     429: "rate_limit_error",
     503: "service_unavailable",
 }
+ANTHROPIC_PATH = "/v1/messages"  # this path and those below it answer in Anthropic's shape
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 class APIError(Exception):
@@ -55,6 +68,15 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         """The `{"error": {...}}` body (also what an SSE error event carries)."""
         return error_body(self.status, self.message, self.param, self.code)
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's `{"type": "error", "error": {...}}` body; it has no `param` field,
+        so the message names the field instead."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
+        message = self.message
+        if self.param and not message.startswith(self.param):
+            message = f"{self.param}: {message}"
+        return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_body(
@@ -102,13 +124,20 @@ def _is_field_name(part: Any) -> bool:
     return not noise and not text[:1].isupper()
 
 
-def error_response(err: APIError) -> JSONResponse:
-    """Render an APIError as a JSONResponse."""
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+def is_anthropic(request: Request) -> bool:
+    """Whether `request` is for an Anthropic route (its errors take Anthropic's shape)."""
+    path = request.url.path
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def error_response(err: APIError, request: Request | None = None) -> JSONResponse:
+    """Render an APIError as a JSONResponse in the shape of `request`'s protocol."""
+    body = err.anthropic_body() if request is not None and is_anthropic(request) else err.body()
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
 async def _handle(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(as_api_error(exc))
+    return error_response(as_api_error(exc), request)
 
 
 async def _handle_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -116,7 +145,8 @@ async def _handle_http(request: Request, exc: StarletteHTTPException) -> JSONRes
     message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
     if exc.status_code == 404:
         message = f"no route {request.method} {request.url.path}"
-    return error_response(APIError(exc.status_code, message, headers=dict(exc.headers or {})))
+    headers = dict(exc.headers or {})
+    return error_response(APIError(exc.status_code, message, headers=headers), request)
 
 
 def install_error_handlers(app: FastAPI) -> None:

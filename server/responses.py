@@ -7,9 +7,12 @@ nullable field (`logprobs`, `refusal`, `finish_reason`), while our optional extr
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, model_serializer
+
+if TYPE_CHECKING:
+    from server.routes_generation import TokenCounts
 
 
 class _Out(BaseModel):
@@ -32,6 +35,16 @@ class Usage(_Out):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
+
+
+def openai_usage(counts: TokenCounts) -> Usage:
+    """OpenAI's usage object (cached prompt tokens in prompt_tokens_details)."""
+    return Usage(
+        prompt_tokens=counts.num_prompt,
+        completion_tokens=counts.num_output,
+        total_tokens=counts.num_prompt + counts.num_output,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=counts.num_cached),
+    )
 
 
 class FunctionCall(_Out):

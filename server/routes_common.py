@@ -1,6 +1,6 @@
-"""What the chat and completions routes share before generation starts: the server
-state, the model check, body parsing, SamplingParams from a request (with the context
-check), and running a non-streaming response until the client disconnects.
+"""What every route shares before generation starts: the server state, the model check,
+body parsing, engine field names -> request fields, SamplingParams from a request (with
+the context check), and running a non-streaming response until the client disconnects.
 """
 
 from __future__ import annotations
@@ -21,11 +21,14 @@ from engine.types import InvalidRequestError, SamplingParams
 from server.errors import APIError, as_api_error, error_response, validation_error
 from server.frontend.tokenizer import TextTokenizer
 from server.metrics import ServerMetrics
-from server.schemas import GenerationFields
+from server.schemas import SamplingFields
 from server.settings import Settings
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
+# The engine names fields by its own names (GenerationRequest / SamplingParams); each
+# protocol maps them to what its clients sent, so a 400 names a field of the request.
+FieldNames = Mapping[str, str]
 
 
 @dataclass(frozen=True)
@@ -61,40 +64,45 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
+def field_name(names: FieldNames, param: str | None) -> str | None:
+    """The request field for the engine's `param` (itself when unmapped)."""
+    return None if param is None else names.get(param, param)
+
+
+def request_error(exc: InvalidRequestError, names: FieldNames) -> APIError:
+    """An engine refusal as a 400 that names the request's field."""
+    return APIError(400, str(exc), field_name(names, exc.param))
+
+
 def sampling_params(
     state: ServerState,
-    body: GenerationFields,
+    body: SamplingFields,
     num_prompt: int,
     max_new: int | None,
+    names: FieldNames,
     *,
     logprobs: bool = False,
     top_logprobs: int = 0,
-    field_names: Mapping[str, str] | None = None,
 ) -> SamplingParams:
     """Build SamplingParams from a request, after checking it fits the context.
 
     Unset fields take the configured defaults; an unset max_tokens also shrinks to the
-    room the prompt leaves. Ranges are checked by SamplingParams itself (→ 400).
-    `field_names` maps the engine's parameter names to this endpoint's request fields
-    (e.g. top_logprobs → logprobs for /v1/completions) so a 400 names what was sent.
+    room the prompt leaves. Ranges are checked by SamplingParams itself (→ 400, its
+    param renamed through `names`, e.g. top_logprobs → logprobs for /v1/completions).
     """
-    names = {"messages": "messages", **(field_names or {})}
-
-    def name(param: str) -> str:
-        return names.get(param, param)
-
     max_context = state.engine.max_context
     room = max_context - num_prompt
     if room < 1:
         message = f"The prompt is {num_prompt} tokens; this model's context is {max_context}."
-        raise APIError(400, message, name("messages"), "context_length_exceeded")
+        raise APIError(400, message, field_name(names, "prompt_ids"), "context_length_exceeded")
+    max_tokens = field_name(names, "max_tokens")
     if max_new is not None and max_new > room:
         message = (
             f"This model's maximum context length is {max_context} tokens. However, you "
             f"requested {num_prompt + max_new} tokens ({num_prompt} in the prompt, "
-            f"{max_new} in the completion). Please reduce the prompt or {name('max_tokens')}."
+            f"{max_new} in the completion). Please reduce the prompt or {max_tokens}."
         )
-        raise APIError(400, message, name("max_tokens"), "context_length_exceeded")
+        raise APIError(400, message, max_tokens, "context_length_exceeded")
     logit_bias = body.logit_bias_ids()
     if any(token >= state.tokenizer.vocab_size for token in logit_bias):
         raise APIError(400, "logit_bias names a token id outside the vocabulary", "logit_bias")
@@ -120,7 +128,7 @@ def sampling_params(
             top_logprobs=top_logprobs,
         )
     except InvalidRequestError as exc:
-        raise APIError(400, str(exc), name(exc.param) if exc.param else None) from None
+        raise request_error(exc, names) from None
 
 
 def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
@@ -158,7 +166,7 @@ async def until_disconnect(request: Request, work: Awaitable[Response]) -> Respo
     try:
         return task.result()
     except Exception as exc:
-        return error_response(as_api_error(exc))
+        return error_response(as_api_error(exc), request)
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -1,6 +1,7 @@
 """POST /v1/completions: raw-text completions, one GenerationRequest per prompt.
 
-A list of prompts runs as concurrent requests; choice `index` is prompt * n + choice, as
+The OpenAI completions adapter over the generation pipeline (server/pipeline.py). A list
+of prompts runs as concurrent requests; choice `index` is prompt * n + choice, as
 OpenAI numbers them. Text is not parsed for reasoning or tool calls. `echo` prepends
 the prompt text (without prompt logprobs, so echo + logprobs is refused).
 """
@@ -8,17 +9,24 @@ the prompt text (without prompt logprobs, so echo + logprobs is refused).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from engine.types import GenerationRequest, SamplingParams
+from engine.types import SamplingParams
 from server.errors import APIError
 from server.frontend.choice import ChoiceStream, LogprobEntry
 from server.frontend.tokenizer import TextTokenizer
-from server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
+from server.pipeline import FinishedChoice, generation_request, serve
+from server.responses import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    Usage,
+    openai_usage,
+)
 from server.routes_common import (
     ServerState,
     check_model,
@@ -26,15 +34,14 @@ from server.routes_common import (
     new_id,
     sampling_params,
     server_state,
-    until_disconnect,
 )
-from server.routes_generation import RunGroup, start_runs
+from server.routes_generation import ChoiceEvent, TokenCounts
 from server.schemas import CompletionRequest
-from server.sse import DONE, KEEPALIVE, EventStreamResponse, sse_data
+from server.sse import DONE, KEEPALIVE, openai_error_event, sse_data
 
 router = APIRouter()
-# Engine parameter names -> this endpoint's request fields, for 400 messages.
-_FIELD_NAMES = {"messages": "prompt", "top_logprobs": "logprobs"}
+# Engine field names -> this endpoint's request fields, for 400 messages.
+_FIELD_NAMES = {"prompt_ids": "prompt", "top_logprobs": "logprobs"}
 CompletionBody = Annotated[CompletionRequest, Depends(json_body(CompletionRequest))]
 
 
@@ -47,7 +54,9 @@ async def create_completion(request: Request, body: CompletionBody) -> Response:
     prompts = await run_in_threadpool(_prompt_ids, state.tokenizer, body.prompts())
     request_id = new_id("cmpl")
     gens = [
-        GenerationRequest(f"{request_id}-{k}", tuple(ids), _params(state, body, ids), n=body.n)
+        generation_request(
+            _FIELD_NAMES, f"{request_id}-{k}", ids, _params(state, body, ids), n=body.n
+        )
         for k, ids in enumerate(prompts)
     ]
 
@@ -58,12 +67,11 @@ async def create_completion(request: Request, body: CompletionBody) -> Response:
             for _ in range(body.n)
         ]
 
-    group = await start_runs(state, gens, choices, state.metrics.timer(arrival))
     echoes = [state.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
-    out = _CompletionWriter(request_id, state, body, echoes)
-    if body.stream:
-        return EventStreamResponse(out.stream(group), group.close)
-    return await until_disconnect(request, out.respond(group))
+    writer = CompletionWriter(request_id, state, body, echoes)
+    return await serve(
+        request, state, gens, choices, writer, _FIELD_NAMES, stream=body.stream, arrival=arrival
+    )
 
 
 def _prompt_ids(tokenizer: TextTokenizer, prompts: list[str | list[int]]) -> list[list[int]]:
@@ -85,20 +93,22 @@ def _params(state: ServerState, body: CompletionRequest, ids: list[int]) -> Samp
         body,
         len(ids),
         body.max_tokens,
+        _FIELD_NAMES,
         logprobs=body.logprobs is not None,
         top_logprobs=body.logprobs or 0,
-        field_names=_FIELD_NAMES,
     )
 
 
-class _CompletionWriter:
-    """Builds text_completion objects: stream chunks and the final response."""
+class CompletionWriter:
+    """text_completion objects, as stream chunks and as the response (pipeline.Writer)."""
+
+    keepalive = KEEPALIVE
 
     def __init__(
         self, request_id: str, state: ServerState, body: CompletionRequest, echoes: list[str]
     ) -> None:
-        self.body = body
-        self.head = {
+        self.request = body
+        self.head_fields = {
             "id": request_id,
             "created": int(time.time()),
             "model": state.model_name,
@@ -111,14 +121,14 @@ class _CompletionWriter:
     def _object(
         self, choices: list[CompletionChoice], usage: Usage | None = None
     ) -> CompletionResponse:
-        return CompletionResponse(**self.head, choices=choices, usage=usage)
+        return CompletionResponse(**self.head_fields, choices=choices, usage=usage)
 
     def _chunk(self, index: int, text: str, reason: str | None = None, **extra: Any) -> bytes:
         choice = CompletionChoice(index=index, text=text, finish_reason=reason, **extra)
         return sse_data(self._object([choice]))
 
     def _logprobs(self, index: int, entries: Sequence[LogprobEntry]) -> CompletionLogprobs | None:
-        if self.body.logprobs is None:
+        if self.request.logprobs is None:
             return None
         offsets = []
         for entry in entries:
@@ -131,42 +141,39 @@ class _CompletionWriter:
             text_offset=offsets,
         )
 
-    async def stream(self, group: RunGroup) -> AsyncIterator[bytes]:
-        """SSE chunks: echo, text deltas, a last chunk per choice, usage, [DONE]."""
-        for index, echo in enumerate(self.echo):
-            if echo:
-                yield self._chunk(index, echo)
-        async for event in group.events():
-            if event is None:
-                yield KEEPALIVE
-                continue
-            delta, index = event.delta, event.index
-            if delta.content or delta.logprobs:
-                logprobs = self._logprobs(index, delta.logprobs)
-                yield self._chunk(index, delta.content, logprobs=logprobs)
-            if event.finish_reason is not None:
-                yield self._chunk(index, "", event.finish_reason)
-        if self.body.include_usage:
-            yield sse_data(self._object([], group.usage()))
-        yield DONE
+    def head(self, counts: TokenCounts) -> list[bytes]:
+        """The echoed prompts, one chunk per choice that has one."""
+        return [self._chunk(index, echo) for index, echo in enumerate(self.echo) if echo]
 
-    async def respond(self, group: RunGroup) -> Response:
-        """The whole response, once every choice has finished."""
-        reasons: dict[int, str] = {}
-        try:
-            async for event in group.events():
-                if event is not None and event.finish_reason is not None:
-                    reasons[event.index] = event.finish_reason
-        finally:
-            await group.close()
-        choices = [
+    def event(self, event: ChoiceEvent) -> list[bytes]:
+        """A chunk of new text / logprobs; a last one with the finish reason."""
+        out, delta, index = [], event.delta, event.index
+        if delta.content or delta.logprobs:
+            logprobs = self._logprobs(index, delta.logprobs)
+            out.append(self._chunk(index, delta.content, logprobs=logprobs))
+        if event.finish_reason is not None:
+            out.append(self._chunk(index, "", event.finish_reason))
+        return out
+
+    def tail(self, counts: TokenCounts) -> list[bytes]:
+        """The usage chunk (when asked for), then [DONE]."""
+        if not self.request.include_usage:
+            return [DONE]
+        return [sse_data(self._object([], openai_usage(counts))), DONE]
+
+    def error(self, err: APIError) -> bytes:
+        """The error object, then [DONE]."""
+        return openai_error_event(err)
+
+    def body(self, choices: list[FinishedChoice], counts: TokenCounts) -> CompletionResponse:
+        """The whole response: every choice's text (after its echo) and logprobs."""
+        out = [
             CompletionChoice(
-                index=index,
-                text=self.echo[index] + choice.result().content,
-                logprobs=self._logprobs(index, choice.result().logprobs),
-                finish_reason=reasons[index],
+                index=choice.index,
+                text=self.echo[choice.index] + choice.result.content,
+                logprobs=self._logprobs(choice.index, choice.result.logprobs),
+                finish_reason=choice.finish_reason,
             )
-            for index, choice in group.choices()
+            for choice in choices
         ]
-        body = self._object(choices, group.usage()).model_dump_json()
-        return Response(body, media_type="application/json")
+        return self._object(out, openai_usage(counts))

@@ -5,7 +5,8 @@ ChoiceStream, finish reasons); a RunGroup reads several runs as one (a list of p
 Engine contract used here (engine/api.py): `generate()` submits and streams; submission
 errors (InvalidRequestError, QueueFullError) surface on the first read at the latest.
 `start_run` therefore waits up to one keep-alive interval for that first read before a
-route commits to a status code, so those errors become a 400 / 429, not an SSE event.
+route commits to a status code, so those errors become a 400 / 429 (naming the request's
+field, through the protocol's FieldNames), not an SSE event.
 Stop strings are the frontend's: when every choice has hit one, the run aborts the
 engine request (a choice cannot be aborted alone, so with n > 1 the others run on).
 """
@@ -16,22 +17,35 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
-from engine.types import GenerationRequest, RequestOutput
+from engine.types import GenerationRequest, InvalidRequestError, RequestOutput
 from server.errors import APIError
-from server.frontend.choice import ChoiceDelta, ChoiceStream, ToolCallChunk
+from server.frontend.choice import ChoiceDelta, ChoiceStream
 from server.metrics import RequestTimer
-from server.responses import PromptTokensDetails, Usage
-from server.routes_common import ServerState
+from server.routes_common import FieldNames, ServerState, request_error
 from server.sse import TICK, Ticker
 
 
 @dataclass(frozen=True)
 class ChoiceEvent:
-    """New output of one choice: its frontend delta, and on its last event the reason."""
+    """New output of one choice: its frontend delta, and on its last event the reason.
+
+    finish_reason is the pipeline's protocol-neutral vocabulary (OpenAI's words): "stop",
+    "length", "tool_calls"; each protocol's writer translates it.
+    """
 
     index: int  # choice index in the response
     delta: ChoiceDelta
     finish_reason: str | None = None
+    stop_string: str | None = None  # on the last event: the stop string that ended it
+
+
+@dataclass(frozen=True)
+class TokenCounts:
+    """A response's token counts, for each protocol's usage object."""
+
+    num_prompt: int
+    num_output: int
+    num_cached: int  # prompt tokens the engine restored from its prefix cache
 
 
 class GenerationRun:
@@ -66,6 +80,8 @@ class GenerationRun:
         """Wait up to one keep-alive interval for the engine to accept (or refuse)."""
         first = await self._ticker.next()
         self._first = None if first is TICK else first  # type: ignore[assignment]
+        if self._first is not None:  # so a stream's first event can report it
+            self._num_cached = self._first.num_cached_tokens
         self._is_accepted = True
 
     async def events(self) -> AsyncIterator[ChoiceEvent | None]:
@@ -103,11 +119,12 @@ class GenerationRun:
         delta = choice.push(out)
         if not (out.finished or delta.stop_hit):
             return ChoiceEvent(self.index_offset + i, delta)
-        delta = merge_deltas(delta, choice.finish())
+        delta = delta.then(choice.finish())
         self._is_open[i] = False
         if not any(self._is_open):
             self._abort()  # stop strings ended every choice before the engine did
-        return ChoiceEvent(self.index_offset + i, delta, choice.finish_reason(out.finish_reason))
+        reason = choice.finish_reason(out.finish_reason)
+        return ChoiceEvent(self.index_offset + i, delta, reason, choice.stop_string)
 
     def _abort(self) -> None:
         # Only once, and only for a request the engine took and has not finished.
@@ -115,15 +132,9 @@ class GenerationRun:
             self._abort_sent = True
             self.state.engine.abort(self.request.request_id)
 
-    def usage(self) -> Usage:
+    def counts(self) -> TokenCounts:
         """Token counts so far (final once events() has ended)."""
-        prompt, completion = len(self.request.prompt_ids), sum(self._num_output)
-        return Usage(
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            total_tokens=prompt + completion,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=self._num_cached),
-        )
+        return TokenCounts(len(self.request.prompt_ids), sum(self._num_output), self._num_cached)
 
     async def close(self) -> None:
         """Abort the engine request if it still runs, and record token counts. Idempotent."""
@@ -138,31 +149,12 @@ class GenerationRun:
             metrics.generated_tokens.inc(sum(self._num_output))
 
 
-def merge_deltas(first: ChoiceDelta, second: ChoiceDelta) -> ChoiceDelta:
-    """`first` followed by `second` (a push and the final flush) as one delta."""
-    calls = list(first.tool_calls)
-    for chunk in second.tool_calls:
-        last = calls[-1] if calls else None
-        if last is not None and last.index == chunk.index and chunk.id is None:
-            # One entry per call index in a chunk: clients accumulate by index.
-            chunk = ToolCallChunk(last.index, last.id, last.name, last.arguments + chunk.arguments)
-            calls[-1] = chunk
-        else:
-            calls.append(chunk)
-    return ChoiceDelta(
-        content=first.content + second.content,
-        reasoning=first.reasoning + second.reasoning,
-        tool_calls=calls,
-        logprobs=first.logprobs + second.logprobs,
-        stop_hit=first.stop_hit or second.stop_hit,
-    )
-
-
 async def start_run(
     state: ServerState,
     request: GenerationRequest,
     choices: list[ChoiceStream],
     timer: RequestTimer,
+    names: FieldNames,
     index_offset: int = 0,
 ) -> GenerationRun:
     """Submit `request`; raises the engine's refusal (→ 400/429) if it comes in time."""
@@ -172,6 +164,9 @@ async def start_run(
     run = GenerationRun(state, request, choices, timer, index_offset)
     try:
         await run.start()
+    except InvalidRequestError as exc:
+        await run.close()
+        raise request_error(exc, names) from None
     except BaseException:
         await run.close()
         raise
@@ -221,17 +216,13 @@ class RunGroup:
             for task in tasks:
                 task.cancel()
 
-    def usage(self) -> Usage:
+    def counts(self) -> TokenCounts:
         """Token counts summed over the runs."""
-        usages = [run.usage() for run in self.runs]
-        prompt = sum(u.prompt_tokens for u in usages)
-        completion = sum(u.completion_tokens for u in usages)
-        cached = sum(u.prompt_tokens_details.cached_tokens for u in usages)
-        return Usage(
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            total_tokens=prompt + completion,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        counts = [run.counts() for run in self.runs]
+        return TokenCounts(
+            sum(c.num_prompt for c in counts),
+            sum(c.num_output for c in counts),
+            sum(c.num_cached for c in counts),
         )
 
     async def close(self) -> None:
@@ -252,12 +243,13 @@ async def start_runs(
     requests: list[GenerationRequest],
     make_choices: Callable[[], list[ChoiceStream]],
     timer: RequestTimer,
+    names: FieldNames,
 ) -> RunGroup:
     """Submit all `requests` at once; if one is refused, close the others and raise."""
     num_choices = requests[0].n
     started = await asyncio.gather(
         *(
-            start_run(state, request, make_choices(), timer, k * num_choices)
+            start_run(state, request, make_choices(), timer, names, k * num_choices)
             for k, request in enumerate(requests)
         ),
         return_exceptions=True,

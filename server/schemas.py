@@ -1,4 +1,5 @@
 """OpenAI request shapes (pydantic v2); the responses are in server/responses.py.
+Anthropic's are in server/messages_api.py.
 
 Requests: unknown fields are ignored, null means "use the default", types are strict
 (a string is not a number), and the checks that only make sense at the HTTP edge live
@@ -111,11 +112,29 @@ class StreamOptions(_In):
     include_usage: bool = False
 
 
-class GenerationFields(_In):
-    """Fields chat and completions share."""
+class JSONSchemaFormat(_In):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
 
-    model: str | None = None
-    max_tokens: int | None = None
+
+class ResponseFormat(_In):
+    """Accepted and checked; not yet enforced (see server/pipeline.py output_constraint)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_named(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a 'json_schema' response format needs its 'json_schema' field")
+        return self
+
+
+class SamplingFields(_In):
+    """Sampling fields every generating endpoint takes (OpenAI's and our extensions)."""
+
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -125,10 +144,6 @@ class GenerationFields(_In):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     seed: int | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     ignore_eos: bool = False
 
     @field_validator("logit_bias")
@@ -136,6 +151,28 @@ class GenerationFields(_In):
     def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         if value and not all(key.isdigit() for key in value):
             raise ValueError("logit_bias keys must be token ids (decimal strings)")
+        return value
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """`logit_bias` keyed by int token id."""
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
+
+
+class GenerationFields(SamplingFields):
+    """Fields chat and completions share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
         return value
 
     @field_validator("stop")
@@ -150,10 +187,6 @@ class GenerationFields(_In):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-    def logit_bias_ids(self) -> dict[int, float]:
-        """`logit_bias` keyed by int token id."""
-        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     @property
     def include_usage(self) -> bool:
@@ -172,6 +205,7 @@ class ChatCompletionRequest(GenerationFields):
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("top_logprobs")
     @classmethod

@@ -7,8 +7,12 @@ Framing (what OpenAI clients parse):
     data: {"error": {...}}\\n\\n   a failure after the stream started (then [DONE])
     data: [DONE]\\n\\n        the end
 
+Anthropic streams name each event (`event: message_start\ndata: {...}\n\n`), send
+`event: ping` as their keep-alive and `event: error` on failure, with no [DONE]: a stream's
+writer (server/pipeline.py) says which framing it uses; `sse_event` writes named events.
+
 Server shutdown is such a failure: a Ticker given the server's `stop` event raises
-ShuttingDown (a 503) at once, so open streams end with an error event and [DONE].
+ShuttingDown (a 503) at once, so open streams end with an error event (and [DONE]).
 """
 
 from __future__ import annotations
@@ -52,11 +56,23 @@ class ShuttingDown(APIError):
 
 def sse_data(payload: BaseModel | dict[str, Any]) -> bytes:
     """One `data:` event with a compact JSON payload."""
+    return f"data: {_json(payload)}\n\n".encode()
+
+
+def sse_event(name: str, payload: BaseModel | dict[str, Any]) -> bytes:
+    """One named event (`event: <name>`) with a compact JSON payload."""
+    return f"event: {name}\ndata: {_json(payload)}\n\n".encode()
+
+
+def _json(payload: BaseModel | dict[str, Any]) -> str:
     if isinstance(payload, BaseModel):
-        text = payload.model_dump_json()
-    else:
-        text = json.dumps(payload, separators=(",", ":"))
-    return f"data: {text}\n\n".encode()
+        return payload.model_dump_json()
+    return json.dumps(payload, separators=(",", ":"))
+
+
+def openai_error_event(err: APIError) -> bytes:
+    """A failure after an OpenAI stream started: the error object, then [DONE]."""
+    return sse_data(err.body()) + DONE
 
 
 class Ticker(Generic[T]):
@@ -124,14 +140,15 @@ class Ticker(Generic[T]):
                 await aclose()
 
 
-async def guarded(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Pass `chunks` through; turn a failure into an error event plus [DONE]."""
+async def guarded(
+    chunks: AsyncIterator[bytes], on_error: Callable[[APIError], bytes] = openai_error_event
+) -> AsyncIterator[bytes]:
+    """Pass `chunks` through; turn a failure into the protocol's error event(s)."""
     try:
         async for chunk in chunks:
             yield chunk
     except Exception as exc:  # the status line is gone: report the failure in-band
-        yield sse_data(as_api_error(exc).body())
-        yield DONE
+        yield on_error(as_api_error(exc))
 
 
 class EventStreamResponse(StreamingResponse):
@@ -143,10 +160,14 @@ class EventStreamResponse(StreamingResponse):
     """
 
     def __init__(
-        self, chunks: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]
+        self,
+        chunks: AsyncIterator[bytes],
+        on_close: Callable[[], Awaitable[None]],
+        on_error: Callable[[APIError], bytes] = openai_error_event,
     ) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(guarded(chunks), media_type="text/event-stream", headers=headers)
+        body = guarded(chunks, on_error)
+        super().__init__(body, media_type="text/event-stream", headers=headers)
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

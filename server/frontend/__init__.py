@@ -10,10 +10,12 @@ Map of the package (one concept per module):
 - reasoning:    ReasoningParser — split `<think>` reasoning from content.
 - tools:        ToolCallParser / parse_tool_calls — Qwen3.5 XML tool calls -> JSON args.
 - tool_schema:  parameter types from tool JSON schemas; typing of generated values.
+- pieces:       Text / ToolCallStart / ToolCallArgs, and the one rule merging them.
 - choice:       ChoiceStream — the whole pipeline for one choice of a request.
+- anthropic:    Anthropic Messages (system, blocks, tools) -> the OpenAI-shaped dicts above.
 
 Data flow for one choice: engine RequestOutput.token_ids -> detokenizer -> stop strings
--> reasoning split -> tool-call parsing (content only) -> ChoiceDelta.
+-> reasoning split -> tool-call parsing (content only) -> ChoiceDelta (ordered pieces).
 """
 
 from server.frontend.choice import (
@@ -26,11 +28,11 @@ from server.frontend.choice import (
 )
 from server.frontend.detokenizer import IncrementalDetokenizer
 from server.frontend.messages import PromptError
+from server.frontend.pieces import Piece, Text, merge_pieces
 from server.frontend.reasoning import Delta, ReasoningParser
 from server.frontend.stops import StopStringMatcher
 from server.frontend.tokenizer import TextTokenizer
 from server.frontend.tools import (
-    ContentDelta,
     ToolCall,
     ToolCallArgs,
     ToolCallParser,
@@ -43,13 +45,14 @@ __all__ = [
     "ChoiceDelta",
     "ChoiceResult",
     "ChoiceStream",
-    "ContentDelta",
     "Delta",
     "IncrementalDetokenizer",
     "LogprobEntry",
+    "Piece",
     "PromptError",
     "ReasoningParser",
     "StopStringMatcher",
+    "Text",
     "TextTokenizer",
     "ToolCall",
     "ToolCallArgs",
@@ -58,5 +61,6 @@ __all__ = [
     "ToolCallStart",
     "ToolDelta",
     "TopLogprob",
+    "merge_pieces",
     "parse_tool_calls",
 ]

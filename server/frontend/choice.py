@@ -1,8 +1,10 @@
 """One choice's output pipeline: token ids -> text -> stop strings -> reasoning -> tools.
 
-A ChoiceStream turns the engine's RequestOutput deltas for one choice into what the
-OpenAI responses need, streaming or not: content, reasoning, tool-call chunks, logprobs,
-and whether a stop string ended the text (then the route aborts the engine request).
+A ChoiceStream turns the engine's RequestOutput deltas for one choice into ordered output
+pieces (server/frontend/pieces.py) plus logprobs, and says whether a stop string ended the
+text (then the run aborts the engine request). What it produces is protocol-neutral:
+each protocol's writer reads the pieces (OpenAI through the content / reasoning /
+tool_calls views below, Anthropic block by block).
 """
 
 from __future__ import annotations
@@ -12,18 +14,18 @@ from dataclasses import dataclass, field
 
 from engine.types import RequestOutput, TokenLogprob
 from server.frontend.detokenizer import IncrementalDetokenizer
-from server.frontend.reasoning import Delta, ReasoningParser
+from server.frontend.pieces import (
+    Piece,
+    Text,
+    ToolCallArgs,
+    ToolCallStart,
+    extend_merged,
+    text_of,
+)
+from server.frontend.reasoning import ReasoningParser
 from server.frontend.stops import StopStringMatcher
 from server.frontend.tokenizer import TextTokenizer
-from server.frontend.tools import (
-    ContentDelta,
-    ToolCall,
-    ToolCallArgs,
-    ToolCallCollector,
-    ToolCallParser,
-    ToolCallStart,
-    ToolDelta,
-)
+from server.frontend.tools import ToolCall, ToolCallCollector, ToolCallParser
 
 
 @dataclass(frozen=True)
@@ -58,28 +60,63 @@ class ToolCallChunk:
 
 @dataclass
 class ChoiceDelta:
-    """What one push produced for a choice; empty fields mean nothing new."""
+    """What one push produced for a choice, in generation order; empty means nothing new."""
 
-    content: str = ""
-    reasoning: str = ""
-    tool_calls: list[ToolCallChunk] = field(default_factory=list)
+    pieces: list[Piece] = field(default_factory=list)
     logprobs: list[LogprobEntry] = field(default_factory=list)
     stop_hit: bool = False  # a stop string ended the text: abort the engine request
 
     @property
+    def content(self) -> str:
+        """The answer text in this delta."""
+        return text_of(self.pieces, "content")
+
+    @property
+    def reasoning(self) -> str:
+        """The thinking text in this delta."""
+        return text_of(self.pieces, "reasoning")
+
+    @property
+    def tool_calls(self) -> list[ToolCallChunk]:
+        """The tool-call pieces in OpenAI's streaming shape."""
+        return tool_call_chunks(self.pieces)
+
+    @property
     def is_empty(self) -> bool:
         """Whether there is nothing to send (a stop hit still counts as something)."""
-        return not (self.content or self.reasoning or self.tool_calls or self.logprobs)
+        return not (self.pieces or self.logprobs)
+
+    def then(self, later: ChoiceDelta) -> ChoiceDelta:
+        """This delta followed by `later` (e.g. a push and the final flush) as one."""
+        pieces = extend_merged(list(self.pieces), later.pieces)
+        stop_hit = self.stop_hit or later.stop_hit
+        return ChoiceDelta(pieces, self.logprobs + later.logprobs, stop_hit)
 
 
 @dataclass(frozen=True)
 class ChoiceResult:
     """The whole choice, for non-streaming responses."""
 
-    content: str
-    reasoning: str
-    tool_calls: tuple[ToolCall, ...]
+    pieces: tuple[Piece, ...]  # merged: one piece per text run or tool call part
     logprobs: tuple[LogprobEntry, ...]
+    stop_string: str | None  # the stop string that ended the text, if one did
+
+    @property
+    def content(self) -> str:
+        """The answer text (tool-call markup removed)."""
+        return text_of(self.pieces, "content")
+
+    @property
+    def reasoning(self) -> str:
+        """The thinking text."""
+        return text_of(self.pieces, "reasoning")
+
+    @property
+    def tool_calls(self) -> tuple[ToolCall, ...]:
+        """The complete tool calls, in order."""
+        collector = ToolCallCollector()
+        collector.add([p for p in self.pieces if not isinstance(p, Text)])
+        return tuple(collector.calls())
 
 
 class ChoiceStream:
@@ -110,8 +147,7 @@ class ChoiceStream:
         self._stops = StopStringMatcher(stops)
         self._reasoning = ReasoningParser(starts_in_reasoning) if parse_reasoning else None
         self._tools = ToolCallParser(tools) if parse_tools else None
-        self._collector = ToolCallCollector()
-        self._reasoning_text = ""
+        self._pieces: list[Piece] = []  # everything emitted so far, merged
         self._logprobs: list[LogprobEntry] = []
         self._is_finished = False
 
@@ -119,6 +155,11 @@ class ChoiceStream:
     def is_stopped(self) -> bool:
         """Whether a stop string ended the text (later outputs are ignored)."""
         return self._stops.is_stopped
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the text, if one did."""
+        return self._stops.matched
 
     @property
     def has_tool_calls(self) -> bool:
@@ -162,29 +203,23 @@ class ChoiceStream:
 
     def result(self) -> ChoiceResult:
         """Everything emitted so far (after finish(): the whole choice)."""
-        return ChoiceResult(
-            content=self._collector.content,
-            reasoning=self._reasoning_text,
-            tool_calls=tuple(self._collector.calls()),
-            logprobs=tuple(self._logprobs),
-        )
+        return ChoiceResult(tuple(self._pieces), tuple(self._logprobs), self.stop_string)
 
     def _parse(self, text: str, delta: ChoiceDelta, final: bool) -> None:
-        """Run text through reasoning and tool parsing into `delta`."""
+        """Run text through reasoning and tool parsing into `delta`, keeping the order."""
         if self._reasoning is None:
-            parts = [Delta("content", text)]
+            parts = [Text("content", text)]
         else:
             parts = self._reasoning.push(text) + (self._reasoning.flush() if final else [])
-        content = "".join(part.text for part in parts if part.kind == "content")
-        delta.reasoning = "".join(part.text for part in parts if part.kind == "reasoning")
-        self._reasoning_text += delta.reasoning
-        if self._tools is None:
-            tool_deltas: list[ToolDelta] = [ContentDelta(content)] if content else []
-        else:
-            tool_deltas = self._tools.push(content) + (self._tools.flush() if final else [])
-        self._collector.add(tool_deltas)
-        delta.content = "".join(d.text for d in tool_deltas if isinstance(d, ContentDelta))
-        delta.tool_calls = tool_call_chunks(tool_deltas)
+        pieces: list[Piece] = []
+        for part in parts:
+            # Only the answer can call tools; thinking is passed through as it is.
+            is_plain = part.kind == "reasoning" or self._tools is None
+            extend_merged(pieces, [part] if is_plain else self._tools.push(part.text))
+        if final and self._tools is not None:
+            extend_merged(pieces, self._tools.flush())
+        delta.pieces = pieces
+        extend_merged(self._pieces, pieces)
 
     def _logprob_entries(self, logprobs: tuple[TokenLogprob, ...] | None) -> list[LogprobEntry]:
         """One entry per visible token (hidden ones, like EOS, have no text to align)."""
@@ -199,19 +234,18 @@ class ChoiceStream:
         return LogprobEntry(text(token_id), raw(token_id), logprob.logprob, top)
 
 
-def tool_call_chunks(deltas: list[ToolDelta]) -> list[ToolCallChunk]:
-    """Tool deltas in OpenAI's streaming shape: a call's start and following argument
-    fragments merge into one chunk per call index."""
+def tool_call_chunks(pieces: list[Piece]) -> list[ToolCallChunk]:
+    """The tool-call pieces of a merged list in OpenAI's streaming shape: a call's start
+    carries its first argument fragment, later fragments carry only their index."""
     chunks: list[ToolCallChunk] = []
-    for delta in deltas:
-        if isinstance(delta, ToolCallStart):
-            chunks.append(ToolCallChunk(delta.index, delta.id, delta.name, ""))
-        elif isinstance(delta, ToolCallArgs):
+    for piece in pieces:
+        if isinstance(piece, ToolCallStart):
+            chunks.append(ToolCallChunk(piece.index, piece.id, piece.name, ""))
+        elif isinstance(piece, ToolCallArgs):
             last = chunks[-1] if chunks else None
-            if last is not None and last.index == delta.index:
-                chunks[-1] = ToolCallChunk(
-                    last.index, last.id, last.name, last.arguments + delta.fragment
-                )
+            if last is not None and last.index == piece.index:
+                arguments = last.arguments + piece.fragment
+                chunks[-1] = ToolCallChunk(last.index, last.id, last.name, arguments)
             else:
-                chunks.append(ToolCallChunk(delta.index, None, None, delta.fragment))
+                chunks.append(ToolCallChunk(piece.index, None, None, piece.fragment))
     return chunks

@@ -8,21 +8,15 @@ newlines the template puts around them are never emitted.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
-
+from server.frontend.pieces import Text, TextKind, merge_pieces
 from server.frontend.stops import partial_match_len
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 
-DeltaKind = Literal["content", "reasoning"]
-
-
-class Delta(NamedTuple):
-    """A piece of parsed output text."""
-
-    kind: DeltaKind
-    text: str
+# The reasoning parser's output is plain Text pieces; the old names stay for readers.
+Delta = Text
+DeltaKind = TextKind
 
 
 class ReasoningParser:
@@ -51,7 +45,7 @@ class ReasoningParser:
         deltas: list[Delta] = []
         while self._step(deltas):
             pass
-        return merge_deltas(deltas)
+        return merge_pieces(deltas)  # type: ignore[return-value]  # Text in, Text out
 
     def flush(self) -> list[Delta]:
         """End of stream: emit whatever was held back, in the current state's kind."""
@@ -109,16 +103,3 @@ class ReasoningParser:
                 break
             self._buffer = self._buffer[1:]
             self._newlines_to_strip -= 1
-
-
-def merge_deltas(deltas: list[Delta]) -> list[Delta]:
-    """Join neighbours of the same kind and drop empty deltas."""
-    merged: list[Delta] = []
-    for delta in deltas:
-        if not delta.text:
-            continue
-        if merged and merged[-1].kind == delta.kind:
-            merged[-1] = Delta(delta.kind, merged[-1].text + delta.text)
-        else:
-            merged.append(delta)
-    return merged

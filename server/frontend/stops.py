@@ -50,6 +50,7 @@ class StopStringMatcher:
         self._stops = tuple(dict.fromkeys(stop for stop in stops if stop))
         self._held = ""
         self.is_stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add text; return (text safe to emit, whether a stop string was hit).
@@ -62,8 +63,9 @@ class StopStringMatcher:
         if not self._stops:
             return text, False
         buffer = self._held + text
-        cut = self._stop_start(buffer)
-        if cut is not None:
+        found = self._first_stop(buffer)
+        if found is not None:
+            cut, self.matched = found
             self._held = ""
             self.is_stopped = True
             return buffer[:cut], True
@@ -76,12 +78,12 @@ class StopStringMatcher:
         held, self._held = self._held, ""
         return "" if self.is_stopped else held
 
-    def _stop_start(self, buffer: str) -> int | None:
-        """Where the stop string that completes earliest in `buffer` starts, if any."""
-        best: tuple[int, int] | None = None  # (end, start)
+    def _first_stop(self, buffer: str) -> tuple[int, str] | None:
+        """(start, stop string) of the stop string that completes earliest in `buffer`."""
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
         for stop in self._stops:
             # The first occurrence of a stop string is also the one that ends first.
             start = buffer.find(stop)
-            if start >= 0 and (best is None or (start + len(stop), start) < best):
-                best = (start + len(stop), start)
-        return None if best is None else best[1]
+            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
+                best = (start + len(stop), start, stop)
+        return None if best is None else (best[1], best[2])

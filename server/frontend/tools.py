@@ -22,6 +22,7 @@ import json
 import secrets
 from dataclasses import dataclass
 
+from server.frontend.pieces import Piece, Text, ToolCallArgs, ToolCallStart, merge_pieces
 from server.frontend.stops import find_first, partial_match_len
 from server.frontend.tool_schema import ToolSchemas, typed_value
 
@@ -35,31 +36,8 @@ PARAM_CLOSE = "</parameter>"
 VALUE_ENDS = (PARAM_CLOSE, PARAM_OPEN, FUNCTION_CLOSE, TOOL_CLOSE)
 
 
-@dataclass(frozen=True)
-class ContentDelta:
-    """Plain assistant text (no tool-call markup)."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCallStart:
-    """A new tool call: `index` counts calls in this choice from 0."""
-
-    index: int
-    id: str
-    name: str
-
-
-@dataclass(frozen=True)
-class ToolCallArgs:
-    """A fragment of a call's JSON arguments; a call's fragments join to one JSON object."""
-
-    index: int
-    fragment: str
-
-
-ToolDelta = ContentDelta | ToolCallStart | ToolCallArgs
+# The parser's output: content Text and tool-call pieces (server/frontend/pieces.py).
+ToolDelta = Piece
 
 
 @dataclass(frozen=True)
@@ -283,14 +261,14 @@ class ToolCallParser:
 
     def _emit_content(self, text: str) -> None:
         if text:
-            self._out.append(ContentDelta(text))
+            self._out.append(Text("content", text))
 
     def _emit_args(self, fragment: str) -> None:
         assert self._call is not None
         self._out.append(ToolCallArgs(self._call.index, fragment))
 
     def _take(self) -> list[ToolDelta]:
-        out, self._out = merge_tool_deltas(self._out), []
+        out, self._out = merge_pieces(self._out), []
         return out
 
 
@@ -298,24 +276,6 @@ def _skip_to_next_tag(text: str) -> str:
     """Drop stray text up to the next "<" (keeping it), or all of it."""
     next_tag = text.find("<", 1)
     return text[next_tag:] if next_tag > 0 else ""
-
-
-def merge_tool_deltas(deltas: list[ToolDelta]) -> list[ToolDelta]:
-    """Join neighbouring content deltas, and neighbouring argument fragments of one call."""
-    merged: list[ToolDelta] = []
-    for delta in deltas:
-        last = merged[-1] if merged else None
-        if isinstance(delta, ContentDelta) and isinstance(last, ContentDelta):
-            merged[-1] = ContentDelta(last.text + delta.text)
-        elif (
-            isinstance(delta, ToolCallArgs)
-            and isinstance(last, ToolCallArgs)
-            and last.index == delta.index
-        ):
-            merged[-1] = ToolCallArgs(delta.index, last.fragment + delta.fragment)
-        else:
-            merged.append(delta)
-    return merged
 
 
 def parse_tool_calls(text: str, tools: list[dict] | None) -> tuple[str, list[ToolCall]]:
@@ -341,7 +301,7 @@ class ToolCallCollector:
     def add(self, deltas: list[ToolDelta]) -> None:
         """Fold in deltas from ToolCallParser.push/flush, in order."""
         for delta in deltas:
-            if isinstance(delta, ContentDelta):
+            if isinstance(delta, Text):
                 self.content += delta.text
             elif isinstance(delta, ToolCallStart):
                 self._starts.append(delta)

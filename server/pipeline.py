@@ -1,0 +1,163 @@
+"""The one shape of a generating route; each protocol (chat, completions, messages) is a
+thin adapter over it.
+
+    adapter (routes_*.py)                     pipeline (here and in the modules it names)
+    parse the body, check the model
+    prompt -> token ids                       server/prompts.py (chat-templated protocols)
+    sampling fields + OutputSpec  ------>     routes_common.sampling_params, output_constraint
+    GenerationRequest(s), a Writer ----->     serve: start_runs -> RunGroup of ChoiceStreams
+                                                stream:  writer.head, .event per event, .tail
+                                                collect: writer.body(FinishedChoice, ...)
+
+What an adapter adds after submission is a Writer: how its protocol frames the events of
+the run (one ChoiceEvent = ordered output pieces of one choice, plus the finish reason on
+its last event), its keep-alive, its in-band error and its final object. Everything
+else — engine refusals, keep-alives, stop strings, aborts on disconnect, usage — is here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from fastapi import Request, Response
+from pydantic import BaseModel
+
+from engine.types import GenerationRequest, ImageInput, InvalidRequestError, SamplingParams
+from server.errors import APIError
+from server.frontend.choice import ChoiceResult, ChoiceStream
+from server.routes_common import FieldNames, ServerState, request_error, until_disconnect
+from server.routes_generation import ChoiceEvent, RunGroup, TokenCounts, start_runs
+from server.schemas import ResponseFormat
+from server.sse import EventStreamResponse
+
+
+@dataclass(frozen=True)
+class FinishedChoice:
+    """One choice of a finished run, for a non-streaming response."""
+
+    index: int
+    result: ChoiceResult
+    finish_reason: str  # the pipeline's words: "stop", "length", "tool_calls"
+
+
+class Writer(Protocol):
+    """A protocol's framing of a run (see the module docstring)."""
+
+    keepalive: bytes  # sent while no event has come for the keep-alive interval
+
+    def head(self, counts: TokenCounts) -> list[bytes]:
+        """Stream events before the first output (counts: the prompt's, known now)."""
+        ...
+
+    def event(self, event: ChoiceEvent) -> list[bytes]:
+        """Stream events for one choice event."""
+        ...
+
+    def tail(self, counts: TokenCounts) -> list[bytes]:
+        """Stream events after every choice finished (counts: final)."""
+        ...
+
+    def error(self, err: APIError) -> bytes:
+        """The in-band error event(s) of a stream that fails after it started."""
+        ...
+
+    def body(self, choices: list[FinishedChoice], counts: TokenCounts) -> BaseModel:
+        """The non-streaming response object."""
+        ...
+
+
+ToolChoice = Literal["auto", "none", "required", "named"]
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """What a request asks of the output's shape, in protocol-neutral terms.
+
+    Adapters translate their fields into it (chat: response_format, tool_choice;
+    messages: tool_choice any/tool/none). It decides which tools the template sees
+    (prompts.template_tools) and is where a constraint would come from (output_constraint).
+    """
+
+    tool_choice: ToolChoice = "auto"
+    tool_name: str | None = None  # the forced tool when tool_choice is "named"
+    parallel_tool_calls: bool = True  # False: only a choice's first call goes out
+    response_format: ResponseFormat | None = None
+
+
+def output_constraint(spec: OutputSpec, tools: list[dict] | None) -> None:
+    """The one place a request's OutputSpec becomes an engine constraint.
+
+    Not implemented yet (issue 12, constrained decoding): a grammar compiled here from
+    `spec.response_format` (json_object / json_schema) or from a forced tool call
+    ("required" / "named", over `tools`) will ride in SamplingParams. Until then every
+    output is free text and the choices parse what the model wrote; adapters call this
+    where they build SamplingParams so the constraint lands there.
+    """
+    del spec, tools
+
+
+def generation_request(
+    names: FieldNames,
+    request_id: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    *,
+    n: int = 1,
+    prefix_hint: int = 0,
+    images: tuple[ImageInput, ...] = (),
+) -> GenerationRequest:
+    """A GenerationRequest; its own checks fail as a 400 naming the request's field."""
+    try:
+        return GenerationRequest(request_id, tuple(prompt_ids), params, n, prefix_hint, images)
+    except InvalidRequestError as exc:
+        raise request_error(exc, names) from None
+
+
+async def serve(
+    request: Request,
+    state: ServerState,
+    gens: list[GenerationRequest],
+    make_choices: Callable[[], list[ChoiceStream]],
+    writer: Writer,
+    names: FieldNames,
+    *,
+    stream: bool,
+    arrival: float,
+) -> Response:
+    """Submit `gens` (refusals → 400/429 naming `names`' fields), then stream the run
+    through `writer` or collect it into `writer.body`."""
+    group = await start_runs(state, gens, make_choices, state.metrics.timer(arrival), names)
+    if stream:
+        return EventStreamResponse(_stream(group, writer), group.close, writer.error)
+    return await until_disconnect(request, _collect(group, writer))
+
+
+async def _stream(group: RunGroup, writer: Writer) -> AsyncIterator[bytes]:
+    for chunk in writer.head(group.counts()):
+        yield chunk
+    async for event in group.events():
+        if event is None:
+            yield writer.keepalive
+            continue
+        for chunk in writer.event(event):
+            yield chunk
+    for chunk in writer.tail(group.counts()):
+        yield chunk
+
+
+async def _collect(group: RunGroup, writer: Writer) -> Response:
+    finish_reasons: dict[int, str] = {}
+    try:
+        async for event in group.events():
+            if event is not None and event.finish_reason is not None:
+                finish_reasons[event.index] = event.finish_reason
+    finally:
+        await group.close()
+    choices = [
+        FinishedChoice(index, choice.result(), finish_reasons[index])
+        for index, choice in group.choices()
+    ]
+    body = writer.body(choices, group.counts())
+    return Response(body.model_dump_json(), media_type="application/json")
