@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 
 from engine.api import EngineClient
-from server import routes_chat, routes_completions, routes_models
+from server import routes_chat, routes_completions, routes_messages, routes_models
 from server.errors import APIError, install_error_handlers
 from server.frontend.tokenizer import TextTokenizer
 from server.metrics import ServerMetrics, StatusCounterMiddleware
@@ -27,16 +27,20 @@ logger = logging.getLogger(__name__)
 
 
 def require_api_key(request: Request) -> None:
-    """401 unless the request carries `Authorization: Bearer <api_key>` (when one is set)."""
+    """401 unless the request carries the api_key (when one is set), as OpenAI clients
+    send it (`Authorization: Bearer <key>`) or as Anthropic's do (`x-api-key: <key>`)."""
     expected = request.app.state.deltaserve.settings.server.api_key
     if not expected:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    bearer = token.strip() if scheme.lower() == "bearer" else ""
+    offered = [key for key in (bearer, request.headers.get("x-api-key", "")) if key]
     # compare_digest: the time taken must not reveal how much of the key matched.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), expected):
+    if not any(hmac.compare_digest(key.encode(), expected.encode()) for key in offered):
         raise APIError(
             401,
-            "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+            "Incorrect or missing API key: send `Authorization: Bearer <key>` "
+            "or `x-api-key: <key>`.",
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
@@ -82,7 +86,7 @@ def create_app(engine: EngineClient, tokenizer: TextTokenizer, settings: Setting
 
     # /v1 needs the key; /health and /metrics stay open for probes and scrapers.
     v1 = APIRouter(dependencies=[Depends(require_api_key)])
-    for module in (routes_chat, routes_completions):
+    for module in (routes_chat, routes_completions, routes_messages):
         v1.include_router(module.router)
     v1.include_router(routes_models.models_router)
     app.include_router(v1)
