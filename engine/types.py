@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # engine/constraint.py imports InvalidRequestError from here
+    from engine.constraint import Constraint
 
 MAX_TOP_LOGPROBS = 20
 
@@ -49,6 +53,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    constraint: Constraint | None = None  # output grammar (engine/constraint.py)
 
     def __post_init__(self) -> None:
         finite = all(
@@ -99,6 +104,12 @@ class SamplingParams:
         )
         if self.seed is not None:
             _check(0 <= self.seed < 2**63, "seed must be in [0, 2^63)", "seed")
+        # A finished grammar allows only EOS: ignoring it would run the row past its end.
+        _check(
+            self.constraint is None or not self.ignore_eos,
+            "ignore_eos cannot be combined with a constraint",
+            "ignore_eos",
+        )
 
     @property
     def is_greedy(self) -> bool:
