@@ -70,6 +70,8 @@ RESERVED = {"add_generation_prompt": False}
 ROLE, TOOL_NAME = "messages.0.role", "tools.0.function.name"
 TOOL_PARAMS = "tools.0.function.parameters"
 TEMPLATE_KWARGS = "chat_template_kwargs"
+FORMAT, FORMAT_TYPE = "response_format", "response_format.type"
+USAGE, OPTIONS = {"include_usage": True}, "stream_options"  # OpenAI: only with stream: true
 
 # (id, path, JSON body or raw bytes, expected status, expected param)
 CASES: list[tuple[str, str, Any, int, str | None]] = [
@@ -121,6 +123,10 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("tool-choice-bad-value", CHAT, chat(tools=[TOOL], tool_choice="maybe"), 400, "tool_choice"),
     ("template-kwargs-reserved", CHAT, chat(chat_template_kwargs=RESERVED), 400, TEMPLATE_KWARGS),
     ("unknown-model", CHAT, chat(model="gpt-4"), 404, "model"),
+    ("response-format-type", CHAT, chat(response_format={"type": "bad"}), 400, FORMAT_TYPE),
+    ("json-schema-missing", CHAT, chat(response_format={"type": "json_schema"}), 400, FORMAT),
+    ("stream-options-no-stream", CHAT, chat(stream_options=USAGE), 400, "stream_options"),
+    ("completions-stream-options", COMPLETIONS, completion(stream_options=USAGE), 400, OPTIONS),
     ("completions-no-prompt", COMPLETIONS, {"model": MODEL}, 400, "prompt"),
     ("completions-empty-list", COMPLETIONS, completion(prompt=[]), 400, "prompt"),
     ("completions-negative-id", COMPLETIONS, completion(prompt=[1, -2]), 400, "prompt.1"),
