@@ -1,16 +1,14 @@
 """Qwen3.5 vision tower (HF `model.visual`) in MLX, and the splice of its features.
 
 patches [N, C*T*P*P] in the image processor's order (per image: frames, then 2x2 merge
-blocks row-major, then the 4 patches of a block; each patch flattened as (C, T, P, P))
--> patch embed (the Conv3d with kernel = stride, as one matmul) + learned position table
+blocks row-major, then a block's 4 patches; each patch flattened as (C, T, P, P)) ->
+patch embed (the Conv3d with kernel = stride, as one matmul) + learned position table
 resampled bilinearly to each grid -> pre-LN ViT blocks with 2-D rotary, attention only
 within a frame -> merger (LayerNorm, 2x2 merge, MLP) -> [N / merge^2, out_hidden].
 
 Several images run in one call: frames of equal patch count attend as one batched
 attention [frames, heads, L, D] (no mask, no wasted scores); frames are regrouped by size
-once before the blocks and the merged features put back in input order at the end.
-Parameter names are the HF ones below `model.visual.`; `load_vision` also reads
-mlx-vlm's layout (Conv3d weight channels-last).
+before the blocks and the features put back in input order after the merger.
 """
 
 from __future__ import annotations
