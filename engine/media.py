@@ -173,10 +173,11 @@ def vision_flops(cfg: VisionConfig, grid: tuple[int, int, int]) -> float:
 
 def vision_activation_bytes(cfg: VisionConfig, grid: tuple[int, int, int]) -> int:
     """Peak float32 memory of one image's tower pass: a block's activations (hidden, qkv,
-    MLP) plus one frame's attention scores (materialized where no fused kernel runs)."""
+    MLP) plus two copies of one frame's attention scores (the CPU's softmax holds scores
+    and weights at once; a fused GPU kernel holds none, so this overcounts there)."""
     t, h, w = grid
     n, width = t * h * w, cfg.hidden_size
     activations = n * (6 * width + 2 * cfg.intermediate_size)
-    scores = cfg.num_heads * (n // t) ** 2
+    scores = 2 * cfg.num_heads * (n // t) ** 2
     features = (n // cfg.spatial_merge_size**2) * cfg.out_hidden_size
     return 4 * (activations + scores + features)
