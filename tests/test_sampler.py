@@ -238,7 +238,7 @@ def test_gumbel_noise_matches_numpy_hash() -> None:
         return h ^ (h >> np.uint32(16))
 
     h = fmix(fmix(ids[None] ^ k[:, :1]) ^ k[:, 1:])
-    u = ((h >> np.uint32(8)).astype(np.float64) + 0.5) / (1 << 24)
+    u = ((h >> np.uint32(9)).astype(np.float64) + 0.5) / (1 << 23)
     got = gumbel_noise(mx.array(k[:, :1]), mx.array(k[:, 1:]), mx.array(ids))
     np.testing.assert_allclose(np.array(got), -np.log(-np.log(u)), rtol=1e-5, atol=1e-5)
     assert splitmix64(0) == 0xE220A8397B1DCDAF  # reference SplitMix64 output for state 0
