@@ -21,7 +21,9 @@ from engine.cache.factory import kv_bytes_per_element_pair, kv_prefix_tokens, kv
 from engine.cache.prefix_index import PrefixIndex
 from engine.cache.rows import RowStates, decode_bucket
 from engine.config import EngineConfig
+from engine.constraints import RowConstraints, RowKey
 from engine.decode import CompiledDecode
+from engine.grammar import DEFAULT_TIMEOUT_S, GrammarCompiler, grammar_compiler
 from engine.media import prepare_media
 from engine.plan import SchedulerOutput
 from engine.request import Request
@@ -42,6 +44,7 @@ class _InFlight:
     out: SchedulerOutput
     sampled: SampledBatch | None
     rows: list[SamplingRow]
+    keys: list[RowKey]  # (request_id, choice) of each row, for the grammar matchers
 
 
 @dataclass
@@ -92,6 +95,7 @@ class LLMEngine:
         vision = VisionInputs(loaded.model, loaded.vision, loaded.dtype)
         self.runner = ModelRunner(loaded.model, self.states, compiled, batch_prefill, vision)
         self.sampler = Sampler()
+        self.constraints = RowConstraints(self.grammar_compiler(), cfg.vocab_size, self.eos_ids)
         self._inflight: _InFlight | None = None
 
     def _budget_bytes(self) -> int:
@@ -144,10 +148,25 @@ class LLMEngine:
     def add_request(self, request: GenerationRequest) -> None:
         """Queue a request (raises InvalidRequestError / QueueFullError)."""
         media = prepare_media(request, self.loaded.config, self.loaded.vision_config)
+        compiled = self.constraints.compile(request.params.constraint)
         self.scheduler.add(request, self.eos_ids, media)
+        if compiled is not None:
+            self.constraints.add(request.request_id, request.n, compiled, request.params)
+
+    def grammar_compiler(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> GrammarCompiler:
+        """The process's grammar compiler for this model, registered for the server
+        (engine.grammar.find_compiler), which compiles off this thread."""
+        cfg = self.loaded.config
+        eos = tuple(cfg.eos_token_ids)
+        return grammar_compiler(self.loaded.path, cfg.vocab_size, eos, timeout_s)
 
     def abort(self, request_id: str) -> list[RequestOutput]:
-        return self.scheduler.abort(request_id)
+        return self._released(self.scheduler.abort(request_id))
+
+    def _released(self, deltas: list[RequestOutput]) -> list[RequestOutput]:
+        """Drop the grammar matchers of the choices that these deltas finish."""
+        self.constraints.release((d.request_id, d.index) for d in deltas if d.finished)
+        return deltas
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
@@ -175,15 +194,18 @@ class LLMEngine:
 
     def _sample(
         self, logits: mx.array | None, requests: list[Request]
-    ) -> tuple[SampledBatch | None, list[SamplingRow]]:
+    ) -> tuple[SampledBatch | None, list[SamplingRow], list[RowKey]]:
         if logits is None:
-            return None, []
+            return None, [], []
         # Built after the previous step's tokens were appended: seeds and penalties see
         # every earlier token whether or not the steps are pipelined.
         rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.index) for r in requests]
-        sampled = self.sampler.sample(logits, rows)
+        keys = [(r.request_id, r.index) for r in requests]
+        # Computed while the device runs this step's forward (queued by the runner).
+        mask = self.constraints.masks(keys) if len(self.constraints) else None
+        sampled = self.sampler.sample(logits, rows, mask.bits if mask is not None else None)
         mx.async_eval(*sampled.arrays())
-        return sampled, rows
+        return sampled, rows, keys
 
     def _complete_inflight(self) -> list[RequestOutput]:
         """Read back the step in flight (blocks until computed) and apply its tokens."""
@@ -193,11 +215,13 @@ class LLMEngine:
         if inflight.sampled is None:
             return self.scheduler.update(inflight.out, [], [])
         tokens, logprobs = inflight.sampled.to_python(inflight.rows)
-        return self.scheduler.update(inflight.out, tokens, logprobs)
+        self.constraints.accept(inflight.keys, tokens)
+        return self._released(self.scheduler.update(inflight.out, tokens, logprobs))
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """A step raised: every request ends with the error; states start over."""
         self._inflight = None
+        self.constraints.clear()
         self.states.reset()
         if self.runner.vision is not None:
             self.runner.vision.clear()

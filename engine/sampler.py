@@ -1,7 +1,8 @@
 """Vectorized next-token sampler: one pass over a batch whose rows have different params.
 
 Per row, in this order (each stage is built only when some row in the batch needs it):
-logit_bias (+) -> repetition penalty (HF: prompt + output tokens) -> presence/frequency
+allowed tokens (constrained rows: a packed bitmask, -inf elsewhere) -> logit_bias (+) ->
+repetition penalty (HF: prompt + output tokens) -> presence/frequency
 (OpenAI: generated tokens) -> temperature -> top_k -> top_p -> min_p -> Gumbel-max draw.
 Greedy rows (temperature 0 or top_k 1) take the argmax of their processed logits.
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from engine.token_mask import apply_token_mask
 from engine.types import SamplingParams, TokenLogprob
 
 _M64 = (1 << 64) - 1
@@ -227,11 +229,16 @@ class Sampler:
         self._plans: OrderedDict[tuple[int, ...], _Plan] = OrderedDict()
         self._prompts: OrderedDict[tuple[int, int], tuple] = OrderedDict()  # (prompt, unique ids)
 
-    def sample(self, logits: mx.array, rows: Sequence[SamplingRow]) -> SampledBatch:
-        """Draw one token per row; logits [N, V] (any float dtype), one row per SamplingRow."""
+    def sample(
+        self, logits: mx.array, rows: Sequence[SamplingRow], allowed: np.ndarray | None = None
+    ) -> SampledBatch:
+        """Draw one token per row; logits [N, V] (any float dtype), one row per SamplingRow;
+        `allowed`: the tokens each row may draw, packed (engine/token_mask.py)."""
         if not rows:  # argmax cannot reduce an empty batch
             return SampledBatch(mx.zeros((0,), dtype=mx.int32))
         plan = self._plan(rows, logits.shape[1])
+        if allowed is not None:
+            logits = apply_token_mask(logits, allowed)
         if plan.fast_greedy:
             return SampledBatch(mx.argmax(logits, axis=-1).astype(mx.int32))
         z = self._process(logits.astype(mx.float32), rows, plan)

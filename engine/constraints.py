@@ -1,0 +1,130 @@
+"""Grammar matchers of the constrained rows, owned by the engine thread.
+
+One matcher per choice of a constrained request, keyed by (request_id, choice index),
+created when the request is added and dropped when the choice finishes. The engine
+drives it once per step, in pipeline order:
+- after step N-1's tokens are read back, accept() advances each matcher by its token;
+- then masks() computes step N's allowed tokens for the rows that sample (llguidance's
+  executor, in parallel threads, while the device still runs step N's forward: the
+  runner queued it before the read-back);
+- the sampler applies them as one batched operation.
+A row whose constraint starts after a token (`</think>`) runs free until it has sampled
+that token. Choices of an n > 1 request fork right after the prefill, before any token:
+each starts from a copy of the compiled template, which is the parent's state then.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import llguidance as llg
+import numpy as np
+
+from engine.constraint import Constraint
+from engine.grammar import CompiledGrammar, GrammarCompiler
+from engine.types import SamplingParams
+
+log = logging.getLogger(__name__)
+
+RowKey = tuple[str, int]  # (request_id, choice index)
+
+
+@dataclass(frozen=True)
+class TokenMask:
+    """Allowed next tokens of one sampling batch.
+
+    bits: [N, ceil(V / 32)] int32, one row per sampling row; token t is allowed when bit
+    t % 32 of word t // 32 is set (llguidance's layout). Unconstrained rows are all ones.
+    rows: the batch positions that are constrained this step.
+    """
+
+    bits: np.ndarray
+    rows: tuple[int, ...]
+
+
+@dataclass
+class _RowState:
+    matcher: llg.LLMatcher
+    start_after: int | None  # the matcher is off until this token is sampled
+    broken: bool = False  # the matcher failed: the row may only end (EOS)
+
+
+class RowConstraints:
+    """Matchers of every constrained row; not thread-safe (the engine thread's)."""
+
+    def __init__(self, compiler: GrammarCompiler, vocab_size: int, eos_ids: Iterable[int]) -> None:
+        """compiler: the model's grammar compiler (its tokenizer loads on first use)."""
+        self.compiler = compiler
+        self.words = (vocab_size + 31) // 32
+        self._rows: dict[RowKey, _RowState] = {}
+        self._executor = llg.LLExecutor(num_threads=max(1, min(8, os.cpu_count() or 1)))
+        self._eos_only = np.zeros(self.words, dtype=np.int32)
+        for token in eos_ids:
+            self._eos_only.view(np.uint32)[token // 32] |= np.uint32(1 << (token % 32))
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def compile(self, spec: Constraint | None) -> CompiledGrammar | None:
+        """The compiled grammar of a request's constraint (a cache hit when the server
+        compiled it first); raises InvalidRequestError when it cannot compile."""
+        return None if spec is None else self.compiler.compile(spec)
+
+    def add(
+        self, request_id: str, num_choices: int, compiled: CompiledGrammar, params: SamplingParams
+    ) -> None:
+        """Give each choice of a request its own matcher in the grammar's start state."""
+        assert params.constraint is not None, "a constrained request without its constraint"
+        start_after = params.constraint.start_after_token_id
+        for index in range(num_choices):
+            matcher = compiled.matcher.deep_copy()
+            self._rows[(request_id, index)] = _RowState(matcher, start_after)
+
+    def release(self, keys: Iterable[RowKey]) -> None:
+        """Drop the matchers of finished or aborted choices (unknown keys are ignored)."""
+        for key in keys:
+            self._rows.pop(key, None)
+
+    def clear(self) -> None:
+        self._rows.clear()
+
+    def accept(self, keys: Sequence[RowKey], tokens: Sequence[int]) -> None:
+        """Advance each row's matcher by the token it sampled (rows released since that
+        step was planned are skipped: their tokens are dropped)."""
+        for key, token in zip(keys, tokens, strict=True):
+            row = self._rows.get(key)
+            if row is None or row.broken:
+                continue
+            if row.start_after is not None:
+                if token == row.start_after:
+                    row.start_after = None  # the constrained part starts with the next token
+                continue
+            if not row.matcher.consume_token(token):
+                self._break(key, row)
+
+    def masks(self, keys: Sequence[RowKey]) -> TokenMask | None:
+        """The allowed tokens of a batch whose rows are `keys` (None: nothing to mask)."""
+        active = [(i, self._rows.get(key)) for i, key in enumerate(keys)]
+        active = [(i, row) for i, row in active if row is not None and row.start_after is None]
+        if not active:
+            return None
+        bits = np.full((len(keys), self.words), -1, dtype=np.int32)
+        live = [(row.matcher, i) for i, row in active if not row.broken]
+        if live:
+            ptr = bits.ctypes.data  # rows are contiguous: row i starts at i * words * 4
+            self._executor.unsafe_compute_mask_ptr(live, ptr, self.words * 4, len(keys))
+        for i, row in active:
+            if not row.broken and row.matcher.is_error():
+                self._break(keys[i], row)
+            if row.broken:
+                bits[i] = self._eos_only
+        return TokenMask(bits, tuple(i for i, _ in active))
+
+    def _break(self, key: RowKey, row: _RowState) -> None:
+        # A token the mask allowed was refused, or a grammar limit was hit: a bug or a
+        # pathological grammar. The row may only end now; its output is not guaranteed.
+        log.error("grammar matcher of %s/%d failed: %s", *key, row.matcher.get_error())
+        row.broken = True

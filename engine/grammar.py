@@ -1,0 +1,193 @@
+"""Compiling a Constraint into a grammar matcher on the model's vocabulary (llguidance).
+
+Why llguidance and not xgrammar (both measured by `python -m bench.constrained engines`
+on the Qwen3.5 vocabulary, 248,320 tokens, 2-core x86, the 84 JSON-Schema-Test-Suite
+schemas of tests/data; FIGURES):
+- compiling a schema: llguidance builds its lexer lazily, xgrammar precomputes token masks
+  per grammar state; on this vocabulary that is the difference between milliseconds and a
+  fifth of a second per schema, paid on every request with a new schema;
+- unsupported keywords: llguidance refuses them by name ("Unimplemented keys: [not]");
+  xgrammar compiled propertyNames / dependentSchemas schemas, ignoring the keyword;
+- a mask per token costs about the same, and both write the same packed bitmask;
+- llguidance also takes Lark grammars with inline JSON schemas (the tool-call grammar)
+  and regexes, and its tokenizer loads straight from tokenizer.json.
+
+One GrammarCompiler per model directory, shared by threads: the engine registers it
+(grammar_compiler), the server finds it (find_compiler) and compiles in its thread pool,
+so errors become a 400 before the engine sees the request and the engine thread finds
+the result in the cache. A compile past `timeout_s` is refused; llguidance cannot be
+interrupted, so it finishes on its worker thread (it releases the GIL) and is dropped.
+The tokenizer (~4 s for 248k tokens) loads on first use or at warm_up().
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+
+import llguidance as llg
+
+from engine.constraint import PARAM, Constraint
+from engine.tool_grammar import tool_call_lark
+from engine.types import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 5.0
+_CACHE_SIZE = 256
+# Compact JSON with the separators json.dumps uses: fixed whitespace keeps a sampled
+# document from growing runs of blanks, and unimplemented keywords are errors (lenient).
+_JSON_OPTIONS = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "lenient": False,
+}
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A compiled constraint: `matcher` is a template in its start state; rows run
+    deep copies of it and never advance the template itself."""
+
+    matcher: llg.LLMatcher
+    grammar: str  # llguidance's serialized grammar (for logs and tests)
+
+
+class GrammarCompiler:
+    """Compiles Constraints for one tokenizer; thread-safe, with an LRU of results."""
+
+    def __init__(
+        self,
+        tokenizer_file: Path,
+        vocab_size: int,
+        eos_ids: tuple[int, ...],
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        """vocab_size: the width of the model's logits (masks have one bit per id)."""
+        self.tokenizer_file = Path(tokenizer_file)
+        self.vocab_size = vocab_size
+        self.eos_ids = tuple(eos_ids)
+        self.timeout_s = timeout_s
+        # Workers: a compile past its time limit keeps one until it finishes.
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="grammar")
+        self._tokenizer: Future[llg.LLTokenizer] | None = None
+        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def warm_up(self) -> None:
+        """Start loading the tokenizer in the background (idempotent)."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._pool.submit(self._load_tokenizer)
+
+    @property
+    def tokenizer(self) -> llg.LLTokenizer:
+        """The llguidance tokenizer; raises InvalidRequestError if it cannot load."""
+        self.warm_up()
+        assert self._tokenizer is not None
+        try:
+            return self._tokenizer.result()
+        except OSError as exc:
+            raise InvalidRequestError(
+                f"constrained decoding is unavailable: {exc}", PARAM
+            ) from None
+
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
+        """The compiled grammar of `constraint`; raises InvalidRequestError naming the
+        problem (bad schema, unsupported keyword, over the time limit)."""
+        key = constraint.key()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        self.tokenizer  # noqa: B018 - the one-off load is not part of the time limit
+        future = self._pool.submit(self._build, constraint)
+        try:
+            compiled = future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise InvalidRequestError(
+                f"the {constraint.kind} constraint did not compile within {self.timeout_s:g} s",
+                PARAM,
+            ) from None
+        with self._lock:
+            self._cache[key] = compiled
+            if len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _load_tokenizer(self) -> llg.LLTokenizer:
+        text = self.tokenizer_file.read_text(encoding="utf-8")
+        return llg.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=list(self.eos_ids))
+
+    def _build(self, constraint: Constraint) -> CompiledGrammar:
+        grammar = self._grammar(constraint)
+        matcher = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(f"{constraint.kind}: {matcher.get_error()}", PARAM)
+        for warning in matcher.get_grammar_warnings():
+            log.warning("grammar warning (%s): %s", constraint.kind, warning)
+        return CompiledGrammar(matcher, grammar)
+
+    def _grammar(self, constraint: Constraint) -> str:
+        kind = constraint.kind
+        if kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(constraint.grammar)
+        if kind == "lark":
+            return llg.LLMatcher.grammar_from_lark(constraint.grammar)
+        if kind == "tool_calls":
+            call_open, call_close = self._tag("<tool_call>"), self._tag("</tool_call>")
+            lark = tool_call_lark(
+                constraint.tools, call_open, call_close, constraint.parallel_calls
+            )
+            return llg.LLMatcher.grammar_from_lark(lark)
+        schema = {"type": "object"} if kind == "json_object" else constraint.schema
+        # strict never approximates; otherwise oneOf may be read as anyOf.
+        options = {**_JSON_OPTIONS, "coerce_one_of": not constraint.strict}
+        try:
+            return llg.LLMatcher.grammar_from_json_schema(schema, overrides=options)
+        except ValueError as exc:
+            raise InvalidRequestError(f"{kind}: {exc}", PARAM) from None
+
+    def _tag(self, text: str) -> str:
+        """A markup tag for a Lark grammar: its token when the tokenizer has it as one
+        special token (as Qwen3.5's chat template writes it), else the literal text."""
+        ids = self.tokenizer.tokenize_str(text, parse_special=True)
+        if len(ids) == 1 and self.tokenizer.is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return json.dumps(text)
+
+
+_REGISTRY: dict[Path, GrammarCompiler] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def grammar_compiler(
+    model_dir: Path, vocab_size: int, eos_ids: tuple[int, ...], timeout_s: float
+) -> GrammarCompiler:
+    """The process's compiler for a model directory (its tokenizer.json), created on first
+    call (cheap: nothing loads yet) and registered for find_compiler."""
+    key = Path(model_dir).resolve()
+    with _REGISTRY_LOCK:
+        compiler = _REGISTRY.get(key)
+        same = compiler is not None and (compiler.vocab_size, compiler.eos_ids) == (
+            vocab_size,
+            tuple(eos_ids),
+        )
+        if not same:
+            compiler = GrammarCompiler(key / "tokenizer.json", vocab_size, eos_ids, timeout_s)
+            _REGISTRY[key] = compiler
+        return compiler
+
+
+def find_compiler(model_dir: Path) -> GrammarCompiler | None:
+    """The compiler an engine in this process registered for `model_dir`, if any."""
+    with _REGISTRY_LOCK:
+        return _REGISTRY.get(Path(model_dir).resolve())
