@@ -70,9 +70,7 @@ async def create_chat_completion(request: Request, body: ChatBody) -> Response:
     messages = [message.model_dump(exclude_none=True) for message in body.messages]
     prompt = await render_prompt(state, messages, tools, body.chat_template_kwargs)
     state.metrics.images.inc(len(prompt.images))
-    names = _FIELD_NAMES
-    if body.max_completion_tokens is not None:  # the client used the new name
-        names = {**names, "max_tokens": "max_completion_tokens"}
+    names = _field_names(body)
     params = sampling_params(
         state,
         body,
@@ -94,8 +92,8 @@ async def create_chat_completion(request: Request, body: ChatBody) -> Response:
     )
 
     def choices() -> list[ChoiceStream]:
-        reasoning, parse_tools = prompt.starts_in_reasoning, tools is not None
-        stops = body.stop_strings()
+        reasoning, stops = prompt.starts_in_reasoning, body.stop_strings()
+        parse_tools = tools is not None
         return [
             ChoiceStream(state.tokenizer, stops, tools, reasoning, parse_tools)
             for _ in range(gen.n)
@@ -105,6 +103,12 @@ async def create_chat_completion(request: Request, body: ChatBody) -> Response:
     return await serve(
         request, state, [gen], choices, writer, names, stream=body.stream, arrival=arrival
     )
+
+
+def _field_names(body: ChatCompletionRequest) -> dict[str, str]:
+    if body.max_completion_tokens is not None:  # the client used the new name
+        return {**_FIELD_NAMES, "max_tokens": "max_completion_tokens"}
+    return _FIELD_NAMES
 
 
 def output_spec(body: ChatCompletionRequest) -> OutputSpec:

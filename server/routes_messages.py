@@ -40,7 +40,14 @@ from server.messages_api import (
     TokenCountOut,
     ToolUseBlockOut,
 )
-from server.pipeline import FinishedChoice, OutputSpec, generation_request, output_constraint, serve
+from server.pipeline import (
+    FinishedChoice,
+    OutputSpec,
+    ToolChoice,
+    generation_request,
+    output_constraint,
+    serve,
+)
 from server.prompts import RenderedPrompt, render_prompt, template_tools
 from server.routes_common import ServerState, check_model, json_body, sampling_params, server_state
 from server.routes_generation import ChoiceEvent, TokenCounts
@@ -49,7 +56,12 @@ from server.sse import sse_event
 router = APIRouter()
 # Engine field names -> this endpoint's request fields, for 400 messages.
 _FIELD_NAMES = {"prompt_ids": "messages", "images": "messages", "stop_token_ids": "stop_sequences"}
-_TOOL_CHOICES = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
+_TOOL_CHOICES: dict[str, ToolChoice] = {
+    "auto": "auto",
+    "any": "required",
+    "tool": "named",
+    "none": "none",
+}
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}  # the rest: end_turn
 MessagesBody = Annotated[MessagesRequest, Depends(json_body(MessagesRequest))]
 CountBody = Annotated[CountTokensRequest, Depends(json_body(CountTokensRequest))]
@@ -103,7 +115,7 @@ def output_spec(body: PromptFields) -> OutputSpec:
     if choice is None:
         return OutputSpec()
     name = choice.name if choice.type == "tool" else None
-    return OutputSpec(_TOOL_CHOICES[choice.type], name, not choice.disable_parallel_tool_use)  # type: ignore[arg-type]
+    return OutputSpec(_TOOL_CHOICES[choice.type], name, not choice.disable_parallel_tool_use)
 
 
 async def _render(
