@@ -22,6 +22,7 @@ from server.frontend import (
     ChoiceStream,
     IncrementalDetokenizer,
     PromptError,
+    Text,
     TextTokenizer,
 )
 from server.frontend.messages import normalize_messages
@@ -299,6 +300,21 @@ def test_choice_pipeline_is_the_same_for_every_token_chunking(tokenizer: TextTok
         assert choice.finish_reason("stop") == "tool_calls"
         assert choice.result().content == "Checking now."
         assert choice.result().tool_calls[0].arguments == totals["args"][0]
+
+
+def test_pieces_keep_generation_order(tokenizer: TextTokenizer) -> None:
+    """Text after a tool call stays after it (Anthropic blocks follow this order), and a
+    delta followed by the flush merges into one piece per run."""
+    text = "Let me check.<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n"
+    text += "</parameter>\n</function>\n</tool_call>\nDone."
+    ids = tokenizer.encode(text)
+    choice = ChoiceStream(tokenizer, tools=[WEATHER_TOOL])
+    delta = choice.push(RequestOutput("r", 0, tuple(ids))).then(choice.finish())
+    kinds = [type(piece).__name__ for piece in delta.pieces]
+    assert kinds == ["Text", "ToolCallStart", "ToolCallArgs", "Text"]
+    assert delta.pieces[-1] == Text("content", "Done.")
+    assert list(choice.result().pieces) == delta.pieces
+    assert json.loads(delta.tool_calls[0].arguments) == {"city": "Oslo"}
 
 
 def test_stop_string_spanning_tokens_stops_the_choice(tokenizer: TextTokenizer) -> None:
