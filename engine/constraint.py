@@ -17,6 +17,7 @@ from engine.types import InvalidRequestError
 
 PARAM = "constraint"  # the SamplingParams field that errors name
 KINDS = ("json_object", "json_schema", "regex", "lark", "tool_calls")
+JSON_KINDS = ("json_object", "json_schema")
 # A function name goes into the call markup `<function=NAME>`: no markup characters.
 _TOOL_NAME = re.compile(r"[^<>\s]{1,128}")
 
@@ -36,7 +37,8 @@ class Constraint:
     kind: "json_object" (any JSON object), "json_schema" (`schema`), "regex" / "lark"
     (`grammar`: a regex the whole output matches, or a Lark grammar in llguidance's
     dialect), "tool_calls" (one or more Qwen3.5 XML tool calls of `tools`, arguments valid
-    against each tool's `parameters`; only one when `parallel_calls` is False).
+    against each tool's `parameters`; only one when `parallel_calls` is False). The JSON
+    kinds with `tools`: the document, or else tool calls of those tools.
     strict (json_schema): True never approximates the schema; False lets the compiler
     treat `oneOf` as `anyOf` where it cannot prove them equal. Unsupported keywords are an
     error either way.
@@ -60,7 +62,8 @@ class Constraint:
             _require(ok, "json_schema needs a schema object")
         if self.kind in ("regex", "lark"):
             _require(bool(self.grammar), f"an empty {self.kind} grammar")
-        if self.kind == "tool_calls":
+        if self.kind == "tool_calls" or self.tools:
+            _require(self.kind in ("tool_calls", *JSON_KINDS), f"{self.kind} with tools")
             _check_tools(self.tools)
         if self.start_after_token_id is not None:
             _require(self.start_after_token_id >= 0, "bad start token id")

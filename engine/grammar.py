@@ -142,15 +142,16 @@ class GrammarCompiler:
             return llg.LLMatcher.grammar_from_regex(constraint.grammar)
         if kind == "lark":
             return llg.LLMatcher.grammar_from_lark(constraint.grammar)
-        if kind == "tool_calls":
-            call_open, call_close = self._tag("<tool_call>"), self._tag("</tool_call>")
-            lark = tool_call_lark(
-                constraint.tools, call_open, call_close, constraint.parallel_calls
-            )
-            return llg.LLMatcher.grammar_from_lark(lark)
         schema = {"type": "object"} if kind == "json_object" else constraint.schema
         # strict never approximates; otherwise oneOf may be read as anyOf.
         options = {**_JSON_OPTIONS, "coerce_one_of": not constraint.strict}
+        if constraint.tools:  # tool calls, or (JSON kinds) the document instead
+            document = None if kind == "tool_calls" else _inline_json(schema, options)
+            call_open, call_close = self._tag("<tool_call>"), self._tag("</tool_call>")
+            lark = tool_call_lark(
+                constraint.tools, call_open, call_close, constraint.parallel_calls, document
+            )
+            return llg.LLMatcher.grammar_from_lark(lark)
         try:
             return llg.LLMatcher.grammar_from_json_schema(schema, overrides=options)
         except ValueError as exc:
@@ -163,6 +164,15 @@ class GrammarCompiler:
         if len(ids) == 1 and self.tokenizer.is_special_token(ids[0]):
             return f"<[{ids[0]}]>"
         return json.dumps(text)
+
+
+def _inline_json(schema: object, options: dict) -> str:
+    """A Lark `%json` expansion of a schema; the options ride in its x-guidance key."""
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}  # false: refused by the compiler, by name
+    _json = dict(schema)  # type: ignore[arg-type]
+    _json["x-guidance"] = {**_json.get("x-guidance", {}), **options}
+    return "%json " + json.dumps(_json, ensure_ascii=False)
 
 
 _REGISTRY: dict[Path, GrammarCompiler] = {}

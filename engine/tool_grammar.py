@@ -45,16 +45,22 @@ _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 
 
 def tool_call_lark(
-    tools: tuple[ToolSpec, ...], call_open: str, call_close: str, parallel: bool
+    tools: tuple[ToolSpec, ...],
+    call_open: str,
+    call_close: str,
+    parallel: bool,
+    alternative: str | None = None,
 ) -> str:
-    """The grammar: one call (or several, when `parallel`) of `tools`.
+    """The grammar: one call (or several, when `parallel`) of `tools`, or `alternative`.
 
     call_open / call_close: how `<tool_call>` / `</tool_call>` are written in the grammar
     (a token reference such as `<[248058]>` when the tokenizer has them as single special
-    tokens, else a quoted literal).
+    tokens, else a quoted literal). alternative: a Lark expansion the whole output may be
+    instead (e.g. an inline `%json {...}` document).
     """
+    calls = 'call ("\\n" call)*' if parallel else "call"
     lines = [
-        'start: call ("\\n" call)*' if parallel else "start: call",
+        f"start: {alternative} | {calls}" if alternative else f"start: {calls}",
         f'call: {call_open} "\\n<function=" fn "</function>\\n" {call_close}',
         "fn: " + " | ".join(f"fn_{i}" for i in range(len(tools))),
     ]
