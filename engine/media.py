@@ -99,12 +99,12 @@ def prepare_media(
     if not request.images:
         if image_id is not None and image_id in ids:
             raise InvalidRequestError(
-                "the prompt holds image-pad tokens but the request has no images", "messages"
+                "the prompt holds image-pad tokens but the request has no images", "prompt_ids"
             )
         return None
     if vision is None:
         raise InvalidRequestError(
-            "this model has no vision tower: images are not supported", "messages"
+            "this model has no vision tower: images are not supported", "images"
         )
     spans = image_runs(np.asarray(ids), image_id)
     counts = [end - start for start, end in spans]
@@ -112,7 +112,7 @@ def prepare_media(
     if counts != wanted:
         raise InvalidRequestError(
             f"the prompt's image-pad runs {counts} do not match the images' tokens {wanted}",
-            "messages",
+            "images",
         )
     grids = [image.grid for image in request.images]
     positions, delta = mrope_positions(ids, grids, image_id, vision.spatial_merge_size)
