@@ -18,15 +18,17 @@ else — engine refusals, keep-alives, stop strings, aborts on disconnect, usage
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 from fastapi import Request, Response
 from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
 
 from engine.types import GenerationRequest, ImageInput, InvalidRequestError, SamplingParams
 from server.errors import APIError
 from server.frontend.choice import ChoiceResult, ChoiceStream
+from server.frontend.grammar import check_constraint, constraint_for, reasoning_end_id
 from server.routes_common import FieldNames, ServerState, request_error, until_disconnect
 from server.routes_generation import ChoiceEvent, RunGroup, TokenCounts, start_runs
 from server.schemas import ResponseFormat
@@ -86,16 +88,31 @@ class OutputSpec:
     response_format: ResponseFormat | None = None
 
 
-def output_constraint(spec: OutputSpec, tools: list[dict] | None) -> None:
-    """The one place a request's OutputSpec becomes an engine constraint.
-
-    Not implemented yet (issue 12, constrained decoding): a grammar compiled here from
-    `spec.response_format` (json_object / json_schema) or from a forced tool call
-    ("required" / "named", over `tools`) will ride in SamplingParams. Until then every
-    output is free text and the choices parse what the model wrote; adapters call this
-    where they build SamplingParams so the constraint lands there.
-    """
-    del spec, tools
+async def output_constraint(
+    state: ServerState,
+    params: SamplingParams,
+    spec: OutputSpec,
+    tools: list[dict] | None,
+    starts_in_reasoning: bool,
+    names: FieldNames,
+) -> SamplingParams:
+    """The one place a request's OutputSpec becomes an engine constraint: `params` with
+    the grammar of `spec.response_format` (json_object / json_schema) or of a forced tool
+    call ("required" / "named", over `tools`), starting after `</think>` when the output
+    opens in reasoning (server/frontend/grammar.py). The grammar compiles here, in the
+    thread pool, so a schema the engine cannot compile is a 400 naming its field."""
+    end = reasoning_end_id(state.tokenizer.encode) if starts_in_reasoning else None
+    try:
+        constraint = constraint_for(
+            spec.response_format, spec.tool_choice, tools, tool_name=spec.tool_name,
+            parallel_tool_calls=spec.parallel_tool_calls, reasoning_end_id=end,
+        )  # fmt: skip
+        if constraint is None:
+            return params
+        await run_in_threadpool(check_constraint, state.tokenizer.model_dir, constraint)
+        return replace(params, constraint=constraint)
+    except InvalidRequestError as exc:
+        raise request_error(exc, names) from None
 
 
 def generation_request(

@@ -75,8 +75,7 @@ def template_tools(
 ) -> list[dict[str, Any]] | None:
     """The tools (OpenAI function shape) the chat template gets, per the tool choice:
     "none" hides them (and output is not parsed for calls); "required" sends them all,
-    "named" only the named one. Generation is not constrained (see output_constraint):
-    the template asks for a call, but if the model answers in prose that is the answer."""
+    "named" only the named one (and output_constraint forces the call by grammar)."""
     if not tools or spec.tool_choice == "none":
         return None
     if spec.tool_choice == "named":

@@ -6,10 +6,10 @@ events as chat.completion.chunk objects and the finished choices as a chat.compl
 
 Tools: tool_choice "none" hides the tools from the template (and output is not parsed
 for calls); "required" and a named function send the tools (only the named one for the
-latter). Generation is NOT grammar-constrained yet (pipeline.output_constraint): the
-template asks for a call, but if the model answers in prose we return what it produced.
-parallel_tool_calls=false keeps only the first call. response_format is validated and
-not yet enforced.
+latter), and the output is grammar-constrained to tool calls of those tools
+(pipeline.output_constraint; one call when parallel_tool_calls is false).
+response_format json_object / json_schema constrains the content the same way (with
+callable tools under "auto": the document or tool calls); reasoning stays free.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ async def create_chat_completion(request: Request, body: ChatBody) -> Response:
         logprobs=body.logprobs,
         top_logprobs=body.top_logprobs or 0,
     )
-    output_constraint(spec, tools)
+    reasoning = prompt.starts_in_reasoning
+    params = await output_constraint(state, params, spec, tools, reasoning, names)
     gen = generation_request(
         names,
         new_id("chatcmpl"),

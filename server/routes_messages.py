@@ -8,7 +8,7 @@ content blocks: reasoning -> thinking, text -> text, a tool call -> tool_use.
 Mapping: `thinking` enabled/disabled -> the template's enable_thinking (absent or
 adaptive: the model's default, which thinks); tool_choice any -> "required", tool ->
 the named tool, none -> tools hidden, disable_parallel_tool_use -> only the first call.
-Tool use is not grammar-forced yet (pipeline.output_constraint). stop_reason: end_turn,
+any / tool force the call by grammar (pipeline.output_constraint). stop_reason: end_turn,
 max_tokens, stop_sequence (with the sequence), tool_use. usage: input_tokens +
 cache_read_input_tokens is the prompt (the second is what the prefix cache restored).
 Errors come in Anthropic's shape (server/errors.py picks it by path); a final assistant
@@ -77,7 +77,8 @@ async def create_message(request: Request, body: MessagesBody) -> Response:
     prompt, tools = await _render(state, body, spec)
     state.metrics.images.inc(len(prompt.images))
     params = sampling_params(state, body, len(prompt.ids), body.max_tokens, _FIELD_NAMES)
-    output_constraint(spec, tools)
+    reasoning = prompt.starts_in_reasoning
+    params = await output_constraint(state, params, spec, tools, reasoning, _FIELD_NAMES)
     message_id = "msg_" + secrets.token_hex(12)
     gen = generation_request(
         _FIELD_NAMES,

@@ -120,7 +120,7 @@ class JSONSchemaFormat(_In):
 
 
 class ResponseFormat(_In):
-    """Accepted and checked; not yet enforced (see server/pipeline.py output_constraint)."""
+    """Enforced by a grammar (server/pipeline.py output_constraint)."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None

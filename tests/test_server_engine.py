@@ -276,3 +276,34 @@ def test_openai_sdk_sends_images_end_to_end(
         [(e.token, e.logprob) for e in c.top_logprobs] for c in other.choices[0].logprobs.content
     ]
     assert top != top_other
+
+
+def test_response_format_and_forced_tool_calls_are_enforced(server: LiveServer) -> None:
+    """At temperature 1 on random weights: a json_schema answer parses and validates, a
+    forced tool call names the tool with valid arguments, a bad schema is a 400."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    kwargs = {
+        "model": MODEL, "temperature": 1.0, "max_tokens": 64, "seed": 3,
+        "messages": [{"role": "user", "content": "Answer in JSON"}],
+        "extra_body": {"chat_template_kwargs": {"enable_thinking": False}},
+    }  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    got = client.chat.completions.create(response_format=fmt, **kwargs)
+    assert got.choices[0].finish_reason == "stop"
+    document = json.loads(got.choices[0].message.content)
+    assert isinstance(document["ok"], bool) and document["n"] in (1, 2, 3)
+    tool = {"type": "function", "function": {"name": "pick", "parameters": schema}}
+    called = client.chat.completions.create(tools=[tool], tool_choice="required", **kwargs)
+    (call,) = called.choices[0].message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "pick" and set(arguments) == {"ok", "n"}
+    bad = {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "nope"}}}
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(response_format=bad, **kwargs)
+    assert error.value.body["param"] == "response_format"
