@@ -117,8 +117,8 @@ class RowConstraints:
             ptr = bits.ctypes.data  # rows are contiguous: row i starts at i * words * 4
             self._executor.unsafe_compute_mask_ptr(live, ptr, self.words * 4, len(keys))
         for i, row in active:
-            if not row.broken and row.matcher.is_error():
-                self._break(keys[i], row)
+            if not row.broken and (row.matcher.is_error() or not bits[i].any()):
+                self._break(keys[i], row)  # an empty mask would leave nothing to draw
             if row.broken:
                 bits[i] = self._eos_only
         return TokenMask(bits, tuple(i for i, _ in active))
@@ -126,5 +126,6 @@ class RowConstraints:
     def _break(self, key: RowKey, row: _RowState) -> None:
         # A token the mask allowed was refused, or a grammar limit was hit: a bug or a
         # pathological grammar. The row may only end now; its output is not guaranteed.
-        log.error("grammar matcher of %s/%d failed: %s", *key, row.matcher.get_error())
+        reason = row.matcher.get_error().split("\n")[0] or "no token allowed"
+        log.error("grammar matcher of %s/%d failed: %s", *key, reason)
         row.broken = True
