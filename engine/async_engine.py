@@ -67,7 +67,11 @@ class AsyncEngine:
     def start(cls, model: str, config: EngineConfig, name: str | None = None) -> AsyncEngine:
         """Load `model` (local dir or hub id) and start the engine thread."""
         loaded = load_model(model)
-        return cls(LLMEngine(loaded, config), name or model, loaded.path)
+        engine = LLMEngine(loaded, config)
+        # The grammar engine's tokenizer (~4 s for 248k tokens) loads in the background
+        # now, not in the first constrained request.
+        engine.grammar_compiler().warm_up()
+        return cls(engine, name or model, loaded.path)
 
     # -- asyncio side ---------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:

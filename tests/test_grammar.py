@@ -20,7 +20,7 @@ import regex
 from engine.constraint import Constraint, ToolSpec
 from engine.constraints import RowConstraints
 from engine.grammar import GrammarCompiler, grammar_compiler
-from engine.sampler import gumbel_noise
+from engine.noise import gumbel_noise
 from engine.token_mask import allowed_ids, apply_token_mask
 from engine.tool_grammar import is_text
 from engine.types import InvalidRequestError, SamplingParams

@@ -10,7 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.sampler import Sampler, SamplingRow, gumbel_noise, row_key, splitmix64
+from engine.noise import gumbel_noise, row_key, splitmix64
+from engine.sampler import Sampler, SamplingRow
 from engine.types import SamplingParams
 
 
