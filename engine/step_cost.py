@@ -25,7 +25,8 @@ one decode batch size seen, it is that size's time), and they need no bound. Unt
 are MIN_SAMPLES decode-only steps, `prefill_allowance` returns None: no constraint, as
 without the model. With decode samples but no prefill sample yet it returns 0 (the
 scheduler then runs its minimum): the first prefill next to decode rows is a small probe,
-and the allowance grows from what it measured.
+and the allowance grows from what it measured, at most GROWTH x the largest prefill in
+the window per step (a probe's residual is mostly noise).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ WINDOW = 32  # samples kept of each kind
 DECAY = 0.9  # weight of a sample relative to the next newer one
 MIN_SAMPLES = 3  # decode-only steps before the model constrains anything
 OUTLIER = 3.0  # decode-only samples above this x the median are ignored
+GROWTH = 2  # the allowance is at most this x the largest prefill sample in the window
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,11 @@ class StepCostModel:
         if not self._prefill:
             return 0
         extra = (max_stall_factor - 1.0) * self.decode_seconds(num_decode)
-        return int(extra / self.token_seconds() + 1e-6)  # not 139 for 139.99999
+        fit = int(extra / self.token_seconds() + 1e-6)  # not 139 for 139.99999
+        # Slow start: at most GROWTH x the largest prefill seen next to decode rows. A
+        # small probe's residual is mostly noise (a 3-token chunk can look free), and
+        # the fit alone would then hand the next step the whole token budget.
+        return min(fit, GROWTH * max(s.num_prefill for s in self._prefill))
 
     def _decode_line(self) -> tuple[float, float]:
         if self._line is None:

@@ -3,7 +3,6 @@ learns it, and steps holding decode rows stay within max_stall_factor x decode-o
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import pytest
@@ -91,9 +90,11 @@ def test_stall_bound_holds_with_decode_rows() -> None:
         num_decode = len(out.decode_row_ids)
         assert num_decode == 4
         assert cost.seconds(out) <= 2 * cost.decode_only(num_decode) + 1e-12
-    assert outs[0].num_tokens - 4 == MIN_PREFILL_TOKENS  # first one: a probe
-    assert all(cost.seconds(o) >= 1.9 * cost.decode_only(4) for o in outs[1:-1])
-    assert len(outs) == 1 + math.ceil((3000 - 16) / 280)  # 280 tokens = 14 ms at 0.05 ms
+    sizes = [out.num_tokens - 4 for out in outs]
+    assert sizes[0] == MIN_PREFILL_TOKENS  # first one: a probe
+    assert sizes[1:5] == [32, 64, 128, 256]  # slow start: twice the largest seen, per step
+    assert all(cost.seconds(o) >= 1.9 * cost.decode_only(4) for o in outs[5:-1])
+    assert sizes[5] == 280  # then the fit: 280 tokens = 14 ms at 0.05 ms
 
 
 def test_no_decode_rows_prefill_uses_the_whole_budget() -> None:
@@ -159,7 +160,7 @@ def test_allowance_adapts_when_costs_change() -> None:
     s = _scheduler(cost)
     _decoding(s, cost)
     s.add(_req("long", 15000, max_tokens=2), EOS)
-    for _ in range(4):
+    for _ in range(6):  # the probe and the slow start (16 .. 256 tokens)
         _step(s, cost)
     before = _step(s, cost).num_tokens - 4
     cost.per_token *= 2
