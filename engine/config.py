@@ -63,6 +63,9 @@ class EngineConfig:
     # No snapshot before this many prompt tokens: taking one splits the prefill there (one
     # more forward), which a short prefix does not repay
     prefix_min_tokens: int = 512
+    # A constraint (JSON schema, forced tool calls) whose grammar takes longer than this
+    # to compile is refused with a 400 (engine/grammar.py)
+    grammar_timeout_s: float = 5.0
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
 
     def __post_init__(self) -> None:
@@ -80,5 +83,7 @@ class EngineConfig:
             raise ValueError("prefix_cache_bytes must be >= 0 and prefix_block_tokens >= 1")
         if self.prefix_min_tokens < 1:
             raise ValueError("prefix_min_tokens must be >= 1")
+        if not self.grammar_timeout_s > 0:
+            raise ValueError("grammar_timeout_s must be > 0")
         if self.max_stall_factor and self.max_stall_factor <= 1:
             raise ValueError("max_stall_factor must be > 1 (or 0 / unset: no latency bound)")

@@ -23,7 +23,7 @@ from engine.cache.rows import RowStates, decode_bucket
 from engine.config import EngineConfig
 from engine.constraints import RowConstraints, RowKey
 from engine.decode import CompiledDecode
-from engine.grammar import DEFAULT_TIMEOUT_S, GrammarCompiler, grammar_compiler
+from engine.grammar import GrammarCompiler, grammar_compiler
 from engine.media import prepare_media
 from engine.plan import SchedulerOutput
 from engine.request import Request
@@ -169,12 +169,14 @@ class LLMEngine:
         if compiled is not None:
             self.constraints.add(request.request_id, request.n, compiled, request.params)
 
-    def grammar_compiler(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> GrammarCompiler:
+    def grammar_compiler(self) -> GrammarCompiler:
         """The process's grammar compiler for this model, registered for the server
-        (engine.grammar.find_compiler), which compiles off this thread."""
+        (engine.grammar.find_compiler), which compiles off this thread; a compile past
+        config.grammar_timeout_s is refused."""
         cfg = self.loaded.config
         eos = tuple(cfg.eos_token_ids)
-        return grammar_compiler(self.loaded.path, cfg.vocab_size, eos, timeout_s)
+        timeout = self.config.grammar_timeout_s
+        return grammar_compiler(self.loaded.path, cfg.vocab_size, eos, timeout)
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         return self._released(self.scheduler.abort(request_id))
