@@ -118,12 +118,15 @@ def _value(rule: str, schema: Any, root: Mapping, where: str) -> tuple[str, list
 
 def is_text(schema: Mapping) -> bool:
     """Whether the server's parser keeps this parameter's value as text (its rule)."""
-    types = _declared_types(schema)
+    types = declared_types(schema)
     return not types or "string" in types
 
 
-def _declared_types(schema: Mapping) -> frozenset[str]:
-    """JSON types a schema names by type / anyOf / oneOf / enum (tool_schema.py's rule)."""
+def declared_types(schema: Mapping) -> frozenset[str]:
+    """JSON types a schema names by type / anyOf / oneOf / enum; empty when none. An
+    enum with a string names "string", an all-non-string one "any" ("not a string").
+    The server's tool-call parser (server/frontend/tool_schema.py) keeps a parameter's
+    value as text by the same rule, so grammar and parser agree."""
     declared = schema.get("type")
     if isinstance(declared, str):
         return frozenset({declared})
@@ -132,7 +135,7 @@ def _declared_types(schema: Mapping) -> frozenset[str]:
     for key in ("anyOf", "oneOf"):
         options = schema.get(key)
         if isinstance(options, list):
-            found = [_declared_types(o) for o in options if isinstance(o, Mapping)]
+            found = [declared_types(o) for o in options if isinstance(o, Mapping)]
             return frozenset().union(*found)
     enum = schema.get("enum")
     if isinstance(enum, list) and enum:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-_STRING_TYPES = frozenset({"string"})
+from engine.tool_grammar import declared_types
 
 
 class ToolSchemas:
@@ -35,24 +35,6 @@ class ToolSchemas:
     def is_string(types: frozenset[str]) -> bool:
         """Whether a value of these declared types stays text (unknown types do too)."""
         return not types or "string" in types
-
-
-def declared_types(schema: dict[str, Any]) -> frozenset[str]:
-    """JSON types named by a schema's type / anyOf / oneOf / enum; empty when none."""
-    declared = schema.get("type")
-    if isinstance(declared, str):
-        return frozenset({declared})
-    if isinstance(declared, list):
-        return frozenset(t for t in declared if isinstance(t, str))
-    for key in ("anyOf", "oneOf"):
-        options = schema.get(key)
-        if isinstance(options, list):
-            return frozenset().union(*(declared_types(o) for o in options if isinstance(o, dict)))
-    enum = schema.get("enum")
-    if isinstance(enum, list) and enum:
-        # Only an all-non-string enum asks for parsing; "any" stands for "not a string".
-        return _STRING_TYPES if any(isinstance(v, str) for v in enum) else frozenset({"any"})
-    return frozenset()
 
 
 def _reject_constant(name: str) -> Any:
