@@ -119,7 +119,8 @@ class LLMEngine:
             return self.config.memory_budget_bytes
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         info = dict(mx.device_info())
-        return default_budget_bytes(info, host, self.loaded.weight_bytes(), on_cpu())
+        weights = self.loaded.weight_bytes() + self.loaded.vision_weight_bytes()
+        return default_budget_bytes(info, host, weights, on_cpu())
 
     def _compiled_decode(self) -> CompiledDecode | None:
         enabled = self.config.compile_decode
