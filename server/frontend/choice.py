@@ -58,23 +58,30 @@ class ToolCallChunk:
     arguments: str
 
 
+class _TextViews:
+    """The answer and thinking text of a choice's ordered pieces (tool-call markup is
+    never text)."""
+
+    pieces: Sequence[Piece]
+
+    @property
+    def content(self) -> str:
+        """The answer text."""
+        return text_of(self.pieces, "content")
+
+    @property
+    def reasoning(self) -> str:
+        """The thinking text."""
+        return text_of(self.pieces, "reasoning")
+
+
 @dataclass
-class ChoiceDelta:
+class ChoiceDelta(_TextViews):
     """What one push produced for a choice, in generation order; empty means nothing new."""
 
     pieces: list[Piece] = field(default_factory=list)
     logprobs: list[LogprobEntry] = field(default_factory=list)
     stop_hit: bool = False  # a stop string ended the text: abort the engine request
-
-    @property
-    def content(self) -> str:
-        """The answer text in this delta."""
-        return text_of(self.pieces, "content")
-
-    @property
-    def reasoning(self) -> str:
-        """The thinking text in this delta."""
-        return text_of(self.pieces, "reasoning")
 
     @property
     def tool_calls(self) -> list[ToolCallChunk]:
@@ -94,22 +101,12 @@ class ChoiceDelta:
 
 
 @dataclass(frozen=True)
-class ChoiceResult:
+class ChoiceResult(_TextViews):
     """The whole choice, for non-streaming responses."""
 
     pieces: tuple[Piece, ...]  # merged: one piece per text run or tool call part
     logprobs: tuple[LogprobEntry, ...]
     stop_string: str | None  # the stop string that ended the text, if one did
-
-    @property
-    def content(self) -> str:
-        """The answer text (tool-call markup removed)."""
-        return text_of(self.pieces, "content")
-
-    @property
-    def reasoning(self) -> str:
-        """The thinking text."""
-        return text_of(self.pieces, "reasoning")
 
     @property
     def tool_calls(self) -> tuple[ToolCall, ...]:
