@@ -24,8 +24,9 @@ from engine.api import EngineStats
 from engine.cache.prefix_index import PrefixCacheStats
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.tensor_parallel import start_engine
 from engine.types import GenerationRequest, RequestOutput
-from models.build import load_model
+from models.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +65,20 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    def start(cls, model: str, config: EngineConfig, name: str | None = None) -> AsyncEngine:
-        """Load `model` (local dir or hub id) and start the engine thread."""
-        loaded = load_model(model)
-        engine = LLMEngine(loaded, config)
+    def start(
+        cls,
+        model: str,
+        config: EngineConfig,
+        name: str | None = None,
+        parallel: TensorParallel | None = None,
+    ) -> AsyncEngine:
+        """Load `model` (local dir or hub id) and start the engine thread. `parallel`:
+        this is rank 0 of a tensor-parallel group (the others run tensor_parallel.follow)."""
+        engine = start_engine(model, config, parallel)
         # The grammar engine's tokenizer (~4 s for 248k tokens) loads in the background
         # now, not in the first constrained request.
         engine.grammar_compiler().warm_up()
-        return cls(engine, name or model, loaded.path)
+        return cls(engine, name or model, engine.loaded.path)
 
     # -- asyncio side ---------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
@@ -137,6 +144,7 @@ class AsyncEngine:
                 break
             if not self.engine.has_work():
                 self._publish_stats()
+                self.engine.idle()
                 self._wakeup.wait(0.5)
                 self._wakeup.clear()
                 continue
@@ -148,6 +156,7 @@ class AsyncEngine:
             self._dispatch(deltas)
             self._publish_stats()
         self._dispatch(self._abort_all())
+        self.engine.close()
 
     def _drain_inbox(self) -> None:
         while True:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+DISTRIBUTED_BACKENDS = ("any", "ring", "jaccl", "mpi", "nccl")
+
 
 @dataclass(frozen=True)
 class KVCacheConfig:
@@ -66,6 +68,11 @@ class EngineConfig:
     # A constraint (JSON schema, forced tool calls) whose grammar takes longer than this
     # to compile is refused with a 400 (engine/grammar.py)
     grammar_timeout_s: float = 5.0
+    # Tensor parallel, when started on several processes by mlx.launch (README "Several
+    # GPUs or Macs"): the mx.distributed backend to join; any = the one launched
+    distributed_backend: str = "any"
+    # A rank that waits this long on the others (one died or hangs) ends with an error
+    distributed_timeout_s: float = 60.0
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
 
     def __post_init__(self) -> None:
@@ -85,5 +92,9 @@ class EngineConfig:
             raise ValueError("prefix_min_tokens must be >= 1")
         if not self.grammar_timeout_s > 0:
             raise ValueError("grammar_timeout_s must be > 0")
+        if self.distributed_backend not in DISTRIBUTED_BACKENDS:
+            raise ValueError(f"distributed_backend must be one of {DISTRIBUTED_BACKENDS}")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError("distributed_timeout_s must be > 0")
         if self.max_stall_factor and self.max_stall_factor <= 1:
             raise ValueError("max_stall_factor must be > 1 (or 0 / unset: no latency bound)")

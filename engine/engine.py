@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
@@ -33,6 +34,9 @@ from engine.scheduler import Scheduler
 from engine.types import GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
 from engine.vision_inputs import VisionInputs
 from models.build import LoadedModel, on_cpu
+
+if TYPE_CHECKING:  # tensor_parallel.py builds engines
+    from engine.tensor_parallel import Leader
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +82,15 @@ class LLMEngine:
         loaded: LoadedModel,
         config: EngineConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        leader: Leader | None = None,
     ) -> None:
-        """`clock` times the steps (the scheduler's cost model learns from it)."""
+        """`clock` times the steps (the scheduler's cost model learns from it). `leader`:
+        this is rank 0 of a tensor-parallel group (engine/tensor_parallel.py); each step's
+        plan goes to the other ranks first, and steps are not pipelined."""
         self.config = config or EngineConfig()
         self.loaded = loaded
+        self.leader = leader
+        self.pipeline = self.config.pipeline_steps and leader is None
         cfg = loaded.config
         loaded.model.pack_token_wise = self.config.pack_token_wise
         self.max_context = self.config.max_context or cfg.max_position_embeddings
@@ -120,6 +129,9 @@ class LLMEngine:
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         info = dict(mx.device_info())
         weights = self.loaded.weight_bytes() + self.loaded.vision_weight_bytes()
+        parallel = self.loaded.parallel
+        if parallel is not None and on_cpu():  # ranks may share this host's memory
+            host //= parallel.size
         return default_budget_bytes(info, host, weights, on_cpu())
 
     def _compiled_decode(self) -> CompiledDecode | None:
@@ -200,6 +212,8 @@ class LLMEngine:
         sampled tokens. A row that finished at N-1 computes one discarded token at N.
         """
         out = self.scheduler.schedule()
+        if self.leader is not None:
+            self.leader.publish(out, self.scheduler.rows)
         prev = self._inflight
         prev_tokens = prev.sampled.tokens if prev is not None and prev.sampled else None
         logits = self.runner.execute(out, self.scheduler.rows, prev_tokens)
@@ -207,7 +221,7 @@ class LLMEngine:
         deltas = self._complete_inflight()  # reads N-1 back while N computes
         if not out.is_empty:
             self._inflight = _InFlight(out, *self._sample(logits, requests))
-        if not self.config.pipeline_steps:
+        if not self.pipeline:
             deltas += self._complete_inflight()
         return deltas
 
@@ -241,10 +255,26 @@ class LLMEngine:
         """A step raised: every request ends with the error; states start over."""
         self._inflight = None
         self.constraints.clear()
+        self.reset_states()
+        if self.leader is not None:
+            self.leader.reset()
+        return self.scheduler.fail_all(error)
+
+    def reset_states(self) -> None:
+        """Drop every row's state and pending vision work (the scheduler is not told)."""
         self.states.reset()
         if self.runner.vision is not None:
             self.runner.vision.clear()
-        return self.scheduler.fail_all(error)
+
+    def idle(self) -> None:
+        """Called while there is no work: rank 0 of a tensor-parallel group heartbeats."""
+        if self.leader is not None:
+            self.leader.heartbeat()
+
+    def close(self) -> None:
+        """At shutdown (after every request ended): the other ranks stop following."""
+        if self.leader is not None:
+            self.leader.stop()
 
     # -- offline API ------------------------------------------------------------------------
     def generate(

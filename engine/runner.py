@@ -132,7 +132,7 @@ class ModelRunner:
         length = max(c.length for c in members)
         pads = [length - c.length for c in members]
         ids = [
-            [0] * pad + rows[c.row_id].prompt_ids[c.start : c.start + c.length]
+            [0] * pad + list(rows[c.row_id].prompt_ids[c.start : c.start + c.length])
             for c, pad in zip(members, pads, strict=True)
         ]
         tokens = mx.array(ids, dtype=mx.int32)

@@ -10,8 +10,15 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from models.config import TextConfig
+from models.hub import resolve_checkpoint
 from models.layers import EXPERT_PROJECTIONS, SparseMoE
-from models.loader import Checkpoint, CheckpointError, biases_name, load_checkpoint
+from models.loader import (
+    Checkpoint,
+    CheckpointError,
+    biases_name,
+    load_checkpoint,
+)
+from models.parallel import TensorParallel, shard_config, shard_weights
 from models.qwen35 import Qwen35Model
 from models.vision import VisionConfig, VisionTower, load_vision
 
@@ -35,6 +42,9 @@ class LoadedModel:
     # (no vision_config, or a conversion that dropped the vision tensors).
     vision: VisionTower | None = field(default=None, repr=False)
     vision_config: VisionConfig | None = None
+    # This process's place in a tensor-parallel group (None: the whole model here); then
+    # `config` holds the per-rank sizes (models/parallel.shard_config)
+    parallel: TensorParallel | None = None
 
     def weight_bytes(self) -> int:
         """Bytes of the language model's weights (what a decode step reads)."""
@@ -49,18 +59,28 @@ def _parameter_bytes(module: nn.Module) -> int:
     return sum(v.nbytes for _, v in nn.utils.tree_flatten(module.parameters()))
 
 
-def load_model(path_or_id: str, dtype: mx.Dtype | None = None) -> LoadedModel:
+def load_model(
+    path_or_id: str, dtype: mx.Dtype | None = None, parallel: TensorParallel | None = None
+) -> LoadedModel:
     """Load a Qwen3.5 checkpoint (local dir or hub id).
 
     On CPU: weights are upcast / dequantized to float32 (BLAS-backed f32 GEMM is an order
     of magnitude faster there than bf16 or quantized matmuls). On Metal/CUDA: checkpoint
-    dtype and MLX quantized matmuls.
+    dtype and MLX quantized matmuls. `parallel`: keep only this rank's slices
+    (models/parallel.py); quantized weights are cut in their packed form.
     """
     cpu = on_cpu()
     compute_dtype = dtype or (mx.float32 if cpu else None)
-    ckpt = load_checkpoint(path_or_id, compute_dtype=compute_dtype, keep_quantized=not cpu)
+    transform = None
+    if parallel is not None:
+        full = TextConfig.from_dict(_raw_config(path_or_id))
+        shard_config(full, parallel.size)  # uneven shapes fail before any tensor is read
+        transform = shard_weights(full, parallel.rank, parallel.size)
+    ckpt = load_checkpoint(path_or_id, compute_dtype, not cpu, transform)
     cfg = TextConfig.from_dict(ckpt.config)
-    model = Qwen35Model(cfg)
+    if parallel is not None:
+        cfg = shard_config(cfg, parallel.size)
+    model = Qwen35Model(cfg, parallel)
     if ckpt.quantization:
         _quantize_experts(model, ckpt)
         _quantize_like(model, ckpt.quantization)
@@ -76,8 +96,12 @@ def load_model(path_or_id: str, dtype: mx.Dtype | None = None) -> LoadedModel:
         ckpt.vision_weights = {}  # the tower holds them now (dequantized / reshaped copies)
     return LoadedModel(
         model, cfg, ckpt.path, model_dtype, bool(ckpt.quantization), ckpt,
-        vision, vision.config if vision is not None else None,
+        vision, vision.config if vision is not None else None, parallel,
     )  # fmt: skip
+
+
+def _raw_config(path_or_id: str) -> dict:
+    return json.loads((resolve_checkpoint(path_or_id) / "config.json").read_text())
 
 
 def _quantize_experts(model: Qwen35Model, ckpt: Checkpoint) -> None:

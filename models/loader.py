@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,7 +81,10 @@ def biases_name(weight_name: str) -> str:
 
 
 def load_checkpoint(
-    path_or_id: str | Path, compute_dtype: mx.Dtype | None = None, keep_quantized: bool = False
+    path_or_id: str | Path,
+    compute_dtype: mx.Dtype | None = None,
+    keep_quantized: bool = False,
+    transform: Callable[[dict[str, mx.array], dict | None], None] | None = None,
 ) -> Checkpoint:
     """Load a Qwen3.5 checkpoint directory (or hub id) into internal naming.
 
@@ -89,6 +93,10 @@ def load_checkpoint(
     mlx-community weights are dequantized into compute_dtype unless keep_quantized, in
     which case the (weight, scales, biases) triples are kept and described in
     `Checkpoint.quantization`.
+
+    transform(weights, quantization) edits the converted text weights in place before
+    anything is read (models/parallel.shard_weights keeps one rank's slices); the MTP
+    head is then dropped (it is not sharded).
     """
     path = resolve_checkpoint(str(path_or_id))
     raw_config = _read_json(path / "config.json")
@@ -103,6 +111,9 @@ def load_checkpoint(
         weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
     _check_names(weights, config)
     mtp = ctx.convert(sections.pop("mtp"), quant_prefix="mtp.")
+    if transform is not None:
+        transform(weights, ctx.quantization if keep_quantized else None)
+        mtp = {}
     vision = {k: _cast(v, compute_dtype) for k, v in sections.pop("vision").items()}
     show_progress = sum(f.stat().st_size for f in files) >= PROGRESS_BYTES
     _materialize([weights, mtp, vision], show_progress)

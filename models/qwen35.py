@@ -15,14 +15,21 @@ from models.attention import GatedAttention
 from models.config import TextConfig
 from models.deltanet import GatedDeltaNet
 from models.layers import MLP, MRoPE, RMSNorm, SparseMoE
+from models.parallel import TensorParallel
 from models.state import ForwardGroup
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: h = x + mixer(norm(x)); out = h + mlp(norm(h))."""
+    """Pre-norm block: h = x + mixer(norm(x)); out = h + mlp(norm(h)).
 
-    def __init__(self, cfg: TextConfig, layer_idx: int) -> None:
+    Tensor-parallel (`parallel` set): mixer and MLP hold this rank's heads / intermediate
+    slice, so their outputs are partial sums, all-reduced before each residual add."""
+
+    def __init__(
+        self, cfg: TextConfig, layer_idx: int, parallel: TensorParallel | None = None
+    ) -> None:
         super().__init__()
+        self.parallel = parallel
         self.is_full_attention = cfg.is_full_attention(layer_idx)
         if self.is_full_attention:
             self.self_attn = GatedAttention(cfg)
@@ -49,7 +56,7 @@ class DecoderLayer(nn.Module):
             out = self.self_attn(h, ctx.rope, ctx.cos_sin, state, group.left_pad)
         else:
             out = self.linear_attn(h, state, ctx.mask, group.left_pad)
-        return x + out
+        return x + self._reduce(out)
 
     def mix_many(
         self, xs: list[mx.array], groups: list[ForwardGroup], states: list
@@ -58,12 +65,15 @@ class DecoderLayer(nn.Module):
         normed = [self.input_layernorm(x) for x in xs]
         pads = [g.left_pad for g in groups]
         outs = self.linear_attn.prefill_many(normed, states, pads)
-        return [x + out for x, out in zip(xs, outs, strict=True)]
+        return [x + self._reduce(out) for x, out in zip(xs, outs, strict=True)]
 
     def feed_forward(self, x: mx.array) -> mx.array:
         """Residual + MLP over tokens x [N, H] (any leading shape is flattened)."""
         flat = x.reshape(-1, x.shape[-1])
-        return x + self.mlp(self.post_attention_layernorm(flat)).reshape(x.shape)
+        return x + self._reduce(self.mlp(self.post_attention_layernorm(flat))).reshape(x.shape)
+
+    def _reduce(self, partial: mx.array) -> mx.array:
+        return partial if self.parallel is None else self.parallel.all_sum(partial)
 
 
 class _GroupContext:
@@ -76,15 +86,22 @@ class _GroupContext:
 
 
 class Qwen35Model(nn.Module):
-    """Embeddings, decoder layers, final norm and LM head; HF parameter names."""
+    """Embeddings, decoder layers, final norm and LM head; HF parameter names.
 
-    def __init__(self, cfg: TextConfig) -> None:
+    parallel: this rank's place in a tensor-parallel group; `cfg` then has the per-rank
+    sizes (models/parallel.shard_config) and the LM head holds this rank's vocabulary
+    rows (always an own `lm_head`, tied checkpoints too)."""
+
+    def __init__(self, cfg: TextConfig, parallel: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = cfg
+        self.parallel = parallel
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.layers = [DecoderLayer(cfg, i, parallel) for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if not cfg.tie_word_embeddings:
+        if parallel is not None:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // parallel.size, bias=False)
+        elif not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._rope = MRoPE(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section)
         self.pack_token_wise = False  # the engine sets it from EngineConfig
@@ -155,7 +172,9 @@ class Qwen35Model(nn.Module):
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Final-normed hidden [..., H] -> logits [..., V] (float32)."""
-        if self.config.tie_word_embeddings:
+        if self.parallel is not None:
+            out = self.parallel.gather_last(self.lm_head(hidden))  # [..., V/N] per rank
+        elif self.config.tie_word_embeddings:
             out = self.embed_tokens.as_linear(hidden)
         else:
             out = self.lm_head(hidden)

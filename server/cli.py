@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # action would then kill us with status 143 instead of exiting 0.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     with contextlib.suppress(KeyboardInterrupt):
-        serve(settings, checkpoint)
+        return serve(settings, checkpoint)
     return 0
 
 
@@ -109,14 +109,31 @@ def quiet_third_party_logs() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
-def serve(settings: Settings, checkpoint: Path) -> None:
-    """Load the model, start the engine thread and serve until a shutdown signal."""
+def serve(settings: Settings, checkpoint: Path) -> int:
+    """Load the model, start the engine thread and serve until a shutdown signal.
+
+    Started by `mlx.launch` on several processes: tensor parallel. Rank 0 serves HTTP and
+    schedules; the other ranks follow its steps (engine/tensor_parallel.py) and exit
+    when it stops. Returns the exit status (2: the ranks were started differently)."""
     from engine.async_engine import AsyncEngine
+    from engine.tensor_parallel import SetupMismatchError, follow, join_group, start_engine
     from server.app import begin_shutdown, create_app
     from server.frontend.tokenizer import TextTokenizer
 
     logger.info("model: %s (served as %s)", settings.model.path, settings.model.name)
-    engine = AsyncEngine.start(str(checkpoint), settings.engine, name=settings.model.name)
+    parallel = join_group(settings.engine.distributed_backend)
+    try:
+        if parallel is not None:
+            logger.info("tensor parallel: rank %d of %d", parallel.rank, parallel.size)
+            if parallel.rank > 0:
+                follow(start_engine(str(checkpoint), settings.engine, parallel))
+                return 0
+        engine = AsyncEngine.start(
+            str(checkpoint), settings.engine, name=settings.model.name, parallel=parallel
+        )
+    except SetupMismatchError as e:
+        print(f"deltaserve: error: {e}", file=sys.stderr)
+        return 2
     tokenizer = TextTokenizer(engine.model_path, engine.eos_token_ids)
     log_startup(engine, settings)
     app = create_app(engine, tokenizer, settings)
@@ -128,6 +145,7 @@ def serve(settings: Settings, checkpoint: Path) -> None:
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
     StreamEndingServer(config, lambda: begin_shutdown(app)).run()
+    return 0
 
 
 class StreamEndingServer(uvicorn.Server):

@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from engine.config import EngineConfig
+from engine.config import DISTRIBUTED_BACKENDS, EngineConfig
 from engine.types import InvalidRequestError, SamplingParams
 
 ENV_PREFIX = "DELTASERVE_"
@@ -166,6 +166,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "engine.kv_cache.kind": ("fp", "affine", "turboquant"),
     "engine.kv_cache.bits": (4, 8),
     "engine.kv_cache.group_size": (32, 64, 128),
+    "engine.distributed_backend": DISTRIBUTED_BACKENDS,
 }
 
 
