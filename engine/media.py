@@ -9,6 +9,7 @@ costs; the runner reads images and positions).
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,21 @@ class VisionProgress:
     blocks: int = 0
 
 
+@dataclass(frozen=True)
+class VisionPrice:
+    """What tower blocks cost in one step's plan, in prefill tokens: `scale` x their FLOP
+    estimate (block_tokens), as the step-cost model measured it; and at most `limit` of
+    those estimates' worth of tower work in the step (None: no limit). Written by the
+    scheduler."""
+
+    scale: float = 1.0
+    limit: int | None = None
+
+    def block(self, tokens: int) -> int:
+        """Prefill tokens that one block of `tokens` estimated equivalents costs."""
+        return max(1, math.ceil(tokens * self.scale - 1e-9))
+
+
 @dataclass(frozen=True, eq=False)
 class PromptMedia:
     """A prompt's images. Written by prepare_media; read by the scheduler and runner."""
@@ -45,42 +61,51 @@ class PromptMedia:
     vision_bytes: int  # peak activation + feature memory of the tower over these images
 
     def plan(
-        self, progress: VisionProgress, start: int, end: int, budget: int, must_advance: bool
+        self,
+        progress: VisionProgress,
+        start: int,
+        end: int,
+        budget: int,
+        must_advance: bool,
+        price: VisionPrice = VisionPrice(),
     ) -> tuple[int, tuple[VisionWork, ...], VisionProgress]:
-        """A chunk from prompt position `start` (at most to `end`) within `budget` token
-        equivalents: where its tokens end, the tower blocks it runs, and the progress
-        after it. Tokens stop at the first image whose tower has not finished; blocks of
-        that image then take what the budget affords (its tokens follow in the same chunk
-        once the last block ran). `must_advance`: at least one block when the chunk would
-        otherwise do nothing (the oldest prompt always advances)."""
+        """A chunk from prompt position `start` (at most to `end`) within `budget` prefill
+        tokens: where its tokens end, the tower blocks it runs, and the progress after
+        it. Tokens stop at the first image whose tower has not finished; blocks of that
+        image then take what the budget affords at `price` (its tokens follow in the same
+        chunk once the last block ran). `must_advance`: at least one block when the chunk
+        would otherwise do nothing (the oldest prompt always advances)."""
         pos, left, work = start, budget, []
         image, blocks = progress.image, progress.blocks
+        limit = price.limit if price.limit is not None else math.inf
         while True:
             wall = self.spans[image][0] if image < len(self.spans) else end
             take = max(0, min(max(pos, min(wall, end)) - pos, left))  # left < 0: forced block
             pos, left = pos + take, left - take
             if image >= len(self.spans) or pos < wall or wall >= end:
                 break  # the budget ran out, or no unencoded image before `end`
-            afford = min(self.depth - blocks, left // self.block_tokens[image])
+            tokens, cost = self.block_tokens[image], price.block(self.block_tokens[image])
+            afford = max(0, int(min(self.depth - blocks, left // cost, limit // tokens)))
             if afford == 0 and must_advance and pos == start and not work:
                 afford = 1
             if afford == 0:
                 break
             work.append(VisionWork(image, blocks, blocks + afford))
-            left -= afford * self.block_tokens[image]
+            left, limit = left - afford * cost, limit - afford * tokens
             blocks += afford
             if blocks < self.depth:
                 break
             image, blocks = image + 1, 0
         return pos, tuple(work), VisionProgress(image, blocks)
 
-    def cost(self, progress: VisionProgress, end: int) -> int:
-        """Token equivalents of the tower blocks still to run for images before `end`."""
+    def cost(self, progress: VisionProgress, end: int, price: VisionPrice = VisionPrice()) -> int:
+        """Prefill tokens (at `price`) of the tower blocks still to run for images before
+        `end`."""
         total, blocks = 0, progress.blocks
         for i in range(progress.image, len(self.spans)):
             if self.spans[i][0] >= end:
                 break
-            total += (self.depth - blocks) * self.block_tokens[i]
+            total += (self.depth - blocks) * price.block(self.block_tokens[i])
             blocks = 0
         return total
 

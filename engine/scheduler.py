@@ -5,7 +5,10 @@ through SchedulerOutput, which rows exist, which run, and which were freed or fo
 
 Latency bound: the scheduler times its own steps (schedule() to update(), with the
 engine's clock) and feeds a StepCostModel, which sizes the prefill of steps that hold
-decode rows (config.max_stall_factor).
+decode rows (config.max_stall_factor). Vision-tower work is reported to it apart from
+prompt tokens, and each step prices tower blocks at what the model measured them to cost
+(a VisionPrice: block_tokens x vision_scale, and at most vision_limit of them next to
+decode rows while that cost is still being learned).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from engine.api import QueueFullError
 from engine.cache.budget import MemoryBudget
 from engine.cache.prefix_index import CacheSave, PrefixIndex
 from engine.config import EngineConfig
-from engine.media import PromptMedia, VisionProgress
+from engine.media import PromptMedia, VisionPrice, VisionProgress
 from engine.plan import PrefillChunk, SchedulerOutput, VisionWork
 from engine.request import Request, Status, choices_of
 from engine.step_cost import StepCostModel
@@ -58,6 +61,7 @@ class Scheduler:
         self._clock = clock
         self._started: dict[int, float] = {}  # step -> when it was planned
         self._last_done = float("-inf")  # when the last step was updated
+        self._price = VisionPrice()  # what tower blocks cost in this step's plan
         self.prefix = prefix
         self._saves: list[CacheSave] = []
 
@@ -149,14 +153,18 @@ class Scheduler:
         return out
 
     def _prefill_allowance(self) -> int:
-        """Prefill tokens this step: the token budget, or less to bound the decode stall."""
+        """Prefill tokens this step: the token budget, or less to bound the decode stall.
+        Sets the step's price of tower blocks (in those tokens) as a side effect."""
         budget = self.config.max_num_batched_tokens - len(self.decoding)
         factor = self.config.max_stall_factor
+        scale = self.step_cost.vision_scale() if factor else 1.0
+        self._price = VisionPrice(scale)
         if not factor or not self.decoding:
             return budget  # nobody waits on this step: prefill at full speed
         allowance = self.step_cost.prefill_allowance(len(self.decoding), factor)
         if allowance is None:
             return budget  # costs not learned yet
+        self._price = VisionPrice(scale, self.step_cost.vision_limit())
         return min(budget, max(allowance, MIN_PREFILL_TOKENS))
 
     def _plan_prefill(self, allowance: int) -> list[PrefillChunk]:
@@ -207,10 +215,10 @@ class Scheduler:
         tokens = min(req.num_prompt - req.num_computed, self.config.max_prefill_chunk)
         return tokens + self._vision_cost(req, req.num_computed + tokens)
 
-    @staticmethod
-    def _vision_cost(req: Request, end: int) -> int:
-        """Token equivalents of the tower blocks `req` still needs before position `end`."""
-        return req.media.cost(req.vision, end) if req.media is not None else 0
+    def _vision_cost(self, req: Request, end: int) -> int:
+        """Prefill tokens (at this step's price) of the tower blocks `req` still needs
+        before position `end`."""
+        return req.media.cost(req.vision, end, self._price) if req.media is not None else 0
 
     def _chunk(self, req: Request, budget: int, oldest: bool) -> PrefillChunk:
         """The next chunk of `req`, ending at its next snapshot position if it gets there
@@ -223,7 +231,7 @@ class Scheduler:
             stop = req.num_computed + min(req.num_prompt - req.num_computed, budget)
             stop = min(stop, req.num_computed + self.config.max_prefill_chunk)
             end, work, req.vision = req.media.plan(
-                req.vision, req.num_computed, stop, budget, oldest
+                req.vision, req.num_computed, stop, budget, oldest, self._price
             )
             length = end - req.num_computed
         if req.snapshot_at and end >= req.snapshot_at[0]:
@@ -304,8 +312,9 @@ class Scheduler:
         started = self._started.pop(out.step, done)
         seconds = done - max(started, self._last_done)
         self._last_done = done
-        num_prefill = sum(c.length + c.vision_tokens for c in out.prefill)
-        self.step_cost.observe(len(out.decode_row_ids), num_prefill, seconds)
+        num_prefill = sum(c.length for c in out.prefill)
+        num_vision = sum(c.vision_tokens for c in out.prefill)
+        self.step_cost.observe(len(out.decode_row_ids), num_prefill, seconds, num_vision)
 
     def _promote(self, req: Request) -> None:
         """Prefill done: the request and its forks join the decode batch (a choice that

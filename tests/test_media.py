@@ -11,7 +11,7 @@ import numpy as np
 
 from engine.cache.budget import MemoryBudget, StateCosts
 from engine.config import EngineConfig
-from engine.media import PromptMedia, VisionProgress
+from engine.media import PromptMedia, VisionPrice, VisionProgress
 from engine.plan import VisionWork
 from engine.scheduler import Scheduler
 from engine.types import GenerationRequest, ImageInput, SamplingParams
@@ -77,6 +77,31 @@ def test_encoded_images_are_not_charged_again_and_later_ones_wait() -> None:
     assert media.plan(at_second, 20, 84, 90, False) == (40, (), at_second)
     assert media.plan(START, 0, 84, 70, False) == (40, (VisionWork(0, 0, 4),), at_second)
     assert media.first_needed(30) == 1 and media.first_needed(29) == 0
+
+
+def test_blocks_cost_their_price_and_stop_at_its_limit() -> None:
+    """The step-cost model's price: blocks cost scale x their estimate (rounded up, at
+    least one token), and no more than `limit` estimated equivalents of them run."""
+    media = _media([(10, 30)], [10])
+    assert VisionPrice(2.5).block(10) == 25 and VisionPrice(0.01).block(10) == 1
+    assert media.cost(START, 64, VisionPrice(2.5)) == 100
+    assert media.plan(START, 10, 64, 60, True, VisionPrice(2.5)) == (
+        10,
+        (VisionWork(0, 0, 2),),
+        VisionProgress(0, 2),
+    )
+    assert media.plan(START, 10, 64, 200, True, VisionPrice(1.0, limit=30)) == (
+        10,
+        (VisionWork(0, 0, 3),),
+        VisionProgress(0, 3),
+    )
+    probe = VisionPrice(1.0, limit=0)  # nothing measured yet: the oldest runs one block
+    assert media.plan(START, 10, 64, 200, True, probe) == (
+        10,
+        (VisionWork(0, 0, 1),),
+        VisionProgress(0, 1),
+    )
+    assert media.plan(START, 10, 64, 200, False, probe) == (10, (), START)
 
 
 def _scheduler(budget_bytes: int) -> Scheduler:

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 
 from engine.cache.budget import MemoryBudget, StateCosts
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.media import PromptMedia
 from engine.plan import SchedulerOutput
 from engine.scheduler import MIN_PREFILL_TOKENS, Scheduler
 from engine.step_cost import StepCostModel
-from engine.types import GenerationRequest, SamplingParams
+from engine.types import GenerationRequest, ImageInput, SamplingParams
 from models.build import load_model
 from models.testing import cached_checkpoint
 
@@ -23,11 +25,13 @@ BUDGET = 512
 
 @dataclass
 class FakeCost:
-    """The machine's true step time: base + per_row * decode rows + per_token * prefill."""
+    """The machine's true step time: base + per_row * decode rows + per_token * prefill
+    + per_vision * the tower blocks' estimated token equivalents."""
 
     base: float = 0.010
     per_row: float = 0.001
     per_token: float = 0.00005
+    per_vision: float = 0.00005
     now: float = 0.0  # the fake clock
 
     def __call__(self) -> float:
@@ -38,7 +42,9 @@ class FakeCost:
 
     def seconds(self, out: SchedulerOutput) -> float:
         num_prefill = sum(c.length for c in out.prefill)
-        return self.decode_only(len(out.decode_row_ids)) + self.per_token * num_prefill
+        num_vision = sum(c.vision_tokens for c in out.prefill)
+        tower = self.per_vision * num_vision
+        return self.decode_only(len(out.decode_row_ids)) + self.per_token * num_prefill + tower
 
 
 def _scheduler(cost: FakeCost, **kw) -> Scheduler:
@@ -215,3 +221,83 @@ def test_real_engine_default_config_tokens_unchanged() -> None:
     bounded = run(EngineConfig(max_num_batched_tokens=512))
     unbounded = run(EngineConfig(max_num_batched_tokens=512, max_stall_factor=0))
     assert bounded == unbounded and len(bounded["long"]) == 24
+
+
+def test_cost_model_learns_what_tower_work_costs_apart_from_tokens() -> None:
+    """Steps with tower blocks cost 3x what their token equivalents say: the model learns
+    that scale from them and keeps the prompt tokens' cost as the text steps measured it."""
+    model = StepCostModel()
+    for _ in range(5):
+        model.observe(4, 0, 0.014)
+    assert model.vision_scale() == 1.0 and model.vision_limit() == 0  # nothing seen yet
+    for _ in range(4):
+        model.observe(4, 200, 0.024)
+        model.observe(4, 0, 0.014 + 100 * 0.00015, num_vision=100)
+        model.observe(4, 50, 0.014 + 50 * 0.00005 + 20 * 0.00015, num_vision=20)
+    assert model.token_seconds() == pytest.approx(0.00005)
+    assert model.vision_seconds() == pytest.approx(0.00015)
+    assert model.vision_scale() == pytest.approx(3.0)
+    assert model.vision_limit() == 200  # slow start: twice the most seen in one step
+    assert model.predict(4, 10, 10) == pytest.approx(0.014 + 0.0005 + 0.0015)
+    assert model.prefill_allowance(4, 2.0) == 280  # in tokens: 14 ms of them
+
+
+def test_cost_model_with_tower_steps_only_counts_equivalents_as_tokens() -> None:
+    """An image at the prompt's start: no text-only step yet, so tokens and equivalents
+    share one cost (scale 1) until text steps tell them apart."""
+    model = StepCostModel()
+    for _ in range(5):
+        model.observe(4, 0, 0.014)
+    model.observe(4, 20, 0.014 + 120 * 0.0001, num_vision=100)
+    assert model.token_seconds() == pytest.approx(0.0001)
+    assert model.vision_scale() == 1.0
+    assert model.prefill_allowance(4, 2.0) == 140  # 14 ms / 0.1 ms = 140 (cap: 2 x 120)
+
+
+def _image_request(length: int, span: tuple[int, int], block_tokens: int, depth: int):
+    """A prompt of `length` tokens with one image over `span`, as prepare_media gives."""
+    a, b = span
+    image = ImageInput(np.zeros((4 * (b - a), 8), np.float32), (1, 2, 2 * (b - a)), b - a, "i")
+    media = PromptMedia(
+        images=(image,),
+        spans=(span,),
+        positions=np.zeros((3, length), np.int32),
+        rope_delta=0,
+        key_ids=tuple(range(length)),
+        depth=depth,
+        block_tokens=(block_tokens,),
+        vision_bytes=1000,
+    )
+    return _req("img", length), media
+
+
+def test_tower_blocks_priced_at_their_measured_cost_keep_the_bound() -> None:
+    """Tower blocks cost 3x their FLOP estimate. The first step with blocks is a one-block
+    probe; from then on blocks are priced at the learned scale, so every step with
+    blocks stays within 2x a decode-only step and still runs more than one block."""
+    cost = FakeCost(per_vision=3 * FakeCost.per_token)
+    s = _scheduler(cost)
+    _decoding(s, cost)
+    s.add(_req("text", 600), EOS)  # the token cost is known before the image arrives
+    _prefill_until_done(s, cost, "text/0")
+    req, media = _image_request(300, (10, 250), block_tokens=40, depth=12)
+    s.add(req, EOS, media)
+    outs = _prefill_until_done(s, cost, "img/0")
+    tower = [o for o in outs if any(c.vision for c in o.prefill)]
+    blocks = [sum(w.stop - w.start for c in o.prefill for w in c.vision) for o in tower]
+    assert blocks[0] == 1 and sum(blocks) == 12 and max(blocks) >= 2
+    assert s.step_cost.vision_scale() == pytest.approx(3.0, rel=0.05)  # the line: b = 0
+    for out in outs:
+        assert cost.seconds(out) <= 2 * cost.decode_only(len(out.decode_row_ids)) + 1e-12
+
+
+def test_one_lucky_tower_step_does_not_make_blocks_free() -> None:
+    """A step with blocks that happened to take no longer than a decode-only step, then a
+    normal one: the price stays near the true 3x (a median of the two would say ~0)."""
+    model = StepCostModel()
+    for _ in range(5):
+        model.observe(4, 0, 0.014)
+    model.observe(4, 200, 0.024)
+    model.observe(4, 0, 0.014 + 2 * 100 * 0.00015, num_vision=100)
+    model.observe(4, 0, 0.014, num_vision=100)  # lucky: the tower looked free
+    assert 2.5 < model.vision_scale() < 3.0
