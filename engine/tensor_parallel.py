@@ -253,14 +253,18 @@ class Leader:
 
 
 def start_engine(
-    model: str, config: EngineConfig, parallel: TensorParallel | None = None
+    model: str,
+    config: EngineConfig,
+    parallel: TensorParallel | None = None,
+    dtype: mx.Dtype | None = None,
 ) -> LLMEngine:
-    """Load `model` and build its engine. In a group, every rank calls this at once: it
-    checks that all start alike, loads this rank's slices, and gives rank 0 its Leader."""
+    """Load `model` (in `dtype`, None: models.build's default) and build its engine. In a
+    group, every rank calls this at once: it checks that all start alike, loads this
+    rank's slices, and gives rank 0 its Leader."""
     if parallel is None:
-        return LLMEngine(load_model(model), config)
-    check_same_setup(parallel, setup_parts(model, config))
-    loaded = load_model(model, parallel=parallel)
+        return LLMEngine(load_model(model, dtype), config)
+    check_same_setup(parallel, [*setup_parts(model, config), str(dtype).encode()])
+    loaded = load_model(model, dtype, parallel)
     leader = None
     if parallel.rank == 0:
         leader = Leader(Channel(parallel), Watchdog(config.distributed_timeout_s))
