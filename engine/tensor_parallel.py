@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 EXIT_LOST = 3  # a process that lost its group exits with this status
 HEARTBEAT_S = 1.0  # an idle rank 0 tells the others it is alive this often
+STOP_S = 5.0  # how long shutdown waits for the others to take the stop
 STARTUP_S = 300.0  # the first plan may take this long (rank 0 finishing its start-up)
 HEADER_WORDS = 4096  # int32 words of a plan's first collective (16 KiB: most plans)
 
@@ -239,8 +240,13 @@ class Leader:
         self._sent.clear()
 
     def stop(self) -> None:
-        """Shutdown: the others return from `follow`."""
-        self._send(StepPlan(stop=True))
+        """Shutdown: the others return from `follow` (those already gone are not waited
+        for: a launcher stops every rank at once)."""
+        try:
+            with self.watchdog.guard("every rank to take the stop", STOP_S):
+                self.channel.send(StepPlan(stop=True))
+        except RuntimeError as exc:
+            log.info("tensor parallel: not every rank took the stop (%s)", exc)
 
     def _send(self, plan: StepPlan) -> None:
         try:

@@ -126,6 +126,10 @@ def serve(settings: Settings, checkpoint: Path) -> int:
         if parallel is not None:
             logger.info("tensor parallel: rank %d of %d", parallel.rank, parallel.size)
             if parallel.rank > 0:
+                # A signal ends a follower at once (it may be blocked in a collective,
+                # where Python handlers never run); rank 0 then ends too (lost rank).
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 follow(start_engine(str(checkpoint), settings.engine, parallel))
                 return 0
         engine = AsyncEngine.start(

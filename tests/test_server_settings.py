@@ -181,18 +181,20 @@ def _get(settings: Settings, key: str) -> object:
 
 def test_listed_choices_match_the_dataclass_checks() -> None:
     """--help's choices are exactly what the dataclasses accept (kv kind, bits, group
-    size, log level), so the lists in server/settings.py cannot drift."""
+    size, log level, distributed backend), so the lists in server/settings.py cannot drift."""
     build = {
         "engine.kv_cache.kind": lambda v: KVCacheConfig(kind=v),
         "engine.kv_cache.bits": lambda v: KVCacheConfig(kind="affine", bits=v),
         "engine.kv_cache.group_size": lambda v: KVCacheConfig(group_size=v),
         "server.log_level": lambda v: ServerSettings(log_level=v),
+        "engine.distributed_backend": lambda v: EngineConfig(distributed_backend=v),
     }
     outside = {
         "engine.kv_cache.kind": "int4",
         "engine.kv_cache.bits": 6,
         "engine.kv_cache.group_size": 16,
         "server.log_level": "loud",
+        "engine.distributed_backend": "carrier-pigeon",
     }
     with_choices = {ck.key: ck.choices for ck in CONFIG_KEYS if ck.choices}
     assert set(with_choices) == set(build)
