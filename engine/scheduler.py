@@ -314,7 +314,7 @@ class Scheduler:
         self._last_done = done
         num_prefill = sum(c.length for c in out.prefill)
         num_vision = sum(c.vision_tokens for c in out.prefill)
-        self.step_cost.observe(len(out.decode_row_ids), num_prefill, seconds, num_vision)
+        self.step_cost.observe(len(out.decode_row_ids), num_prefill, seconds, num_vision, done)
 
     def _promote(self, req: Request) -> None:
         """Prefill done: the request and its forks join the decode batch (a choice that

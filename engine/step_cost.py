@@ -13,13 +13,26 @@ fitted online from the engine's own steps, three kinds of sample kept apart:
 
 - decode-only steps (P = V = 0) give `a + b * D`: a least-squares line through the last
   WINDOW samples, recent ones weighing more (each older sample by DECAY), after dropping
-  outliers above OUTLIER x the median (a GC pause, a first-use compile). With no spread
-  in D it is the weighted mean (b = 0); b is never negative.
+  outliers above OUTLIER x the median of the samples with the same D (a GC pause, a
+  first-use compile, an image decoded on the same cores). With no spread in D it is
+  the weighted mean (b = 0); b is never negative. A cut at 3x kept steps at 2x (the one
+  as an image arrived, measured on the CPU: 1.77 s among ~0.83 s), and as the newest,
+  with the most weight, it lifted the line 12% and with it the allowance; the median is
+  per D so that a window of mostly small batches does not cut the large ones.
 - steps with decode rows and prompt tokens but no tower work give `c`: each one's
   residual over the decode line, per prefill token; c is the weighted median of those
   (weights: tokens x recency), so one slow step does not shrink the allowance for long.
   The residual absorbs per-group overheads and the attention cost of long contexts at
   the sizes the scheduler actually runs, and moves with them as a prompt's context grows.
+  Only the samples of the last MAX_AGE seconds count: older ones were measured at
+  another load and, refitted against today's decode line, at decode batch sizes it may
+  never have seen (measured, CPU: 8 streams' own 16-token chunks at 4-7 rows, read
+  two minutes later against a flat 8-row line, priced a token at 0.017 s where the
+  image's tokens then cost 0.024-0.032 s, and its chunks ran at 2.0-2.2x). Below
+  PROBE_TOKENS tokens in the window c is not fitted from prompt tokens alone: a residual
+  over 4 tokens is the decode step's noise (replaying a logged CPU run, a 4-token chunk
+  faster than the line priced tokens at the floor and tower work at 12-39x a token);
+  prompt-token and tower samples then share one cost, units alike.
 - steps with tower work give `v`: their residuals over the decode line less their
   tokens' c * P, summed, over their token equivalents summed (recency-weighted). Not a
   median: tower steps are few, and a block's residual is small next to a step's noise
@@ -32,19 +45,23 @@ fitted online from the engine's own steps, three kinds of sample kept apart:
   weights. One c for both let the more frequent kind set the other's price, and steps
   overshot the bound (issue 10: 2.39x where 2x was asked, 448x448 image, CPU).
 
-Samples are kept raw and refitted against the current decode line. Prefill-only steps
-are not used: with no decode row the line's intercept is an extrapolation (with one
-decode batch size seen, it is that size's time), and they need no bound. Until there are
-MIN_SAMPLES decode-only steps, `prefill_allowance` returns None: no constraint, as
-without the model. With decode samples but no prefill sample yet it returns 0 (the
-scheduler then runs its minimum): the first prefill next to decode rows is a small probe,
-and the allowance grows from what it measured, at most GROWTH x the largest prefill in
-the window per step (a probe's residual is mostly noise). Tower work starts the same
-way on its own: `vision_limit` is 0 before any step with blocks was measured (the
-scheduler then runs one block, the oldest prompt's forced advance) and GROWTH x the most
-seen in one step after: one block is measured before more run at its price. Without
-tower samples v = c (scale 1); without text samples c comes from the tower steps too,
-tokens and token equivalents counted alike.
+Tower samples age out like prompt-token samples; decode-only samples do not (while a
+long prompt prefills next to decode rows no decode-only step comes, and the line is
+still needed). A sample's age is from its step's completion to the newest step's (the
+scheduler's clock). Samples are kept raw and refitted against the current decode line.
+Prefill-only steps are not used: with no decode row the line's intercept is an
+extrapolation (with one decode batch size seen, it is that size's time), and they need
+no bound. Until there are MIN_SAMPLES decode-only steps, `prefill_allowance` returns
+None: no constraint, as without the model. With decode samples but no prefill sample yet
+it returns 0 (the scheduler then runs its minimum), and again once they all aged out:
+the first prefill next to decode rows is a small probe, and the allowance grows from
+what it measured, at most GROWTH x the largest prefill in the window per step (a probe's
+residual is mostly noise). Tower work starts the same way on its own: `vision_limit` is
+0 before any step with blocks was measured (the scheduler then runs one block, the
+oldest prompt's forced advance) and GROWTH x the most seen in one step after: one block
+is measured before more run at its price. Without tower samples v = c (scale 1); below
+PROBE_TOKENS prompt tokens in the window (none included) c comes from the prompt-token
+and tower steps together, tokens and token equivalents counted alike, and v = c.
 """
 
 from __future__ import annotations
@@ -56,8 +73,10 @@ from dataclasses import dataclass
 WINDOW = 32  # samples kept of each kind
 DECAY = 0.9  # weight of a sample relative to the next newer one
 MIN_SAMPLES = 3  # decode-only steps before the model constrains anything
-OUTLIER = 3.0  # decode-only samples above this x the median are ignored
+OUTLIER = 1.5  # decode-only samples above this x their row count's median are ignored
+MAX_AGE = 30.0  # seconds: older prompt-token and tower samples are forgotten
 GROWTH = 2  # the allowance is at most this x the largest prefill sample in the window
+PROBE_TOKENS = 16  # prompt tokens (in the window) before they get a cost of their own
 
 
 @dataclass(frozen=True)
@@ -66,6 +85,7 @@ class StepSample:
     num_prefill: int  # prompt tokens of the step
     seconds: float  # measured wall time of the step
     num_vision: int = 0  # vision-tower work of the step, in block_tokens' equivalents
+    done: float = 0.0  # when the step completed (the scheduler's clock, seconds)
 
 
 class StepCostModel:
@@ -80,15 +100,29 @@ class StepCostModel:
         self._vision_cost: float | None = None
 
     def observe(
-        self, num_decode: int, num_prefill: int, seconds: float, num_vision: int = 0
+        self,
+        num_decode: int,
+        num_prefill: int,
+        seconds: float,
+        num_vision: int = 0,
+        done: float = 0.0,
     ) -> None:
-        """Record one completed step (ignored if it took no time or decoded nothing)."""
+        """Record one step that completed at `done` (ignored if it took no time or
+        decoded nothing); prompt-token and tower samples older than MAX_AGE seconds
+        before `done` are dropped."""
+        self._forget_before(done - MAX_AGE)
         if seconds <= 0 or num_decode == 0:
             return
-        sample = StepSample(num_decode, num_prefill, seconds, num_vision)
+        sample = StepSample(num_decode, num_prefill, seconds, num_vision, done)
         kind = self._vision if num_vision else self._prefill if num_prefill else self._decode
         kind.append(sample)
         self._line = self._token_cost = self._vision_cost = None
+
+    def _forget_before(self, oldest: float) -> None:
+        for kind in (self._prefill, self._vision):
+            while kind and kind[0].done < oldest:
+                kind.popleft()
+                self._token_cost = self._vision_cost = None
 
     @property
     def is_ready(self) -> bool:
@@ -105,17 +139,23 @@ class StepCostModel:
         prefill or tower sample)."""
         if self._token_cost is None:
             line = self._decode_line()
-            if self._prefill:
+            if self._tokens_known():
                 self._token_cost = _unit_cost(list(self._prefill), line, _tokens)
-            else:  # tower steps only so far: their tokens and equivalents alike
-                self._token_cost = _unit_cost(list(self._vision), line, _all_units)
+            else:  # few prompt tokens measured: they and tower equivalents alike
+                mixed = sorted((*self._prefill, *self._vision), key=lambda s: s.done)
+                self._token_cost = _unit_cost(mixed, line, _all_units)
         return self._token_cost
+
+    def _tokens_known(self) -> bool:
+        """Enough prompt tokens in the window to price them apart from tower work (a
+        residual over a few tokens is mostly the decode step's noise)."""
+        return sum(s.num_prefill for s in self._prefill) >= PROBE_TOKENS
 
     def vision_seconds(self) -> float:
         """Predicted marginal time of one token equivalent of tower work (= a token's
         until a step with tower work was measured)."""
         if self._vision_cost is None:
-            if not self._vision or not self._prefill:
+            if not self._vision or not self._tokens_known():
                 self._vision_cost = self.token_seconds()
             else:
                 self._vision_cost = _tower_cost(
@@ -166,13 +206,21 @@ def _weights(n: int) -> list[float]:
     return [DECAY ** (n - 1 - i) for i in range(n)]
 
 
+def _medians(samples: list[StepSample]) -> dict[int, float]:
+    """Median seconds of the samples of each decode row count (the upper one of two)."""
+    by_rows: dict[int, list[float]] = {}
+    for s in samples:
+        by_rows.setdefault(s.num_decode, []).append(s.seconds)
+    return {rows: sorted(t)[len(t) // 2] for rows, t in by_rows.items()}
+
+
 def _fit_line(samples: list[StepSample]) -> tuple[float, float]:
     """Weighted least squares of seconds on decode rows, outliers dropped; b >= 0."""
-    median = sorted(s.seconds for s in samples)[len(samples) // 2]
+    median = _medians(samples)
     kept = [
         (w, s)
         for w, s in zip(_weights(len(samples)), samples, strict=True)
-        if s.seconds <= OUTLIER * median
+        if s.seconds <= OUTLIER * median[s.num_decode]
     ]
     total = sum(w for w, _ in kept)
     mean_x = sum(w * s.num_decode for w, s in kept) / total

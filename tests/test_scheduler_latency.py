@@ -14,7 +14,7 @@ from engine.engine import LLMEngine
 from engine.media import PromptMedia
 from engine.plan import SchedulerOutput
 from engine.scheduler import MIN_PREFILL_TOKENS, Scheduler
-from engine.step_cost import StepCostModel
+from engine.step_cost import MAX_AGE, StepCostModel
 from engine.types import GenerationRequest, ImageInput, SamplingParams
 from models.build import load_model
 from models.testing import cached_checkpoint
@@ -301,3 +301,93 @@ def test_one_lucky_tower_step_does_not_make_blocks_free() -> None:
     model.observe(4, 0, 0.014 + 2 * 100 * 0.00015, num_vision=100)
     model.observe(4, 0, 0.014, num_vision=100)  # lucky: the tower looked free
     assert 2.5 < model.vision_scale() < 3.0
+
+
+def test_slow_decode_step_under_3x_does_not_lift_the_line() -> None:
+    """The newest decode step ran at 2.1x (an image decoded on the same cores): dropped,
+    where a cut at 3x kept it with the most weight and lifted the line ~12%."""
+    model = StepCostModel()
+    for _ in range(20):
+        model.observe(8, 0, 0.8)
+    model.observe(8, 0, 1.7)
+    assert model.decode_seconds(8) == pytest.approx(0.8)
+
+
+def test_outlier_cut_is_per_decode_batch_size() -> None:
+    """Mostly 1-row steps in the window: the 8-row steps at 2.75x their median stay."""
+    model = StepCostModel()
+    for _ in range(12):
+        model.observe(1, 0, 0.4)
+    for _ in range(4):
+        model.observe(8, 0, 1.1)
+    assert model.decode_seconds(8) == pytest.approx(1.1)
+    assert model.decode_seconds(1) == pytest.approx(0.4)
+
+
+def test_prompt_token_samples_age_out() -> None:
+    """Prompt-token samples older than MAX_AGE seconds before the newest step are
+    forgotten: the allowance is a probe again, then the cost measured now."""
+    model = StepCostModel()
+    for i in range(5):
+        model.observe(4, 0, 0.014, done=i)
+    for i in range(5, 10):
+        model.observe(4, 200, 0.024, done=i)
+    late = 9 + MAX_AGE - 1
+    model.observe(4, 0, 0.014, done=late)
+    assert model.prefill_allowance(4, 2.0) == 280  # still within MAX_AGE
+    model.observe(4, 0, 0.014, done=late + 2)
+    assert model.prefill_allowance(4, 2.0) == 0  # all aged out: probe
+    model.observe(4, 16, 0.014 + 16 * 0.0002, done=late + 3)
+    assert model.token_seconds() == pytest.approx(0.0002)
+    assert model.prefill_allowance(4, 2.0) == 32  # slow start again (fit: 70)
+
+
+def test_tower_samples_age_out() -> None:
+    """After MAX_AGE the next image's tower starts from one block again."""
+    model = StepCostModel()
+    for i in range(5):
+        model.observe(4, 0, 0.014, done=i)
+    model.observe(4, 200, 0.024, done=5)
+    model.observe(4, 0, 0.014 + 100 * 0.00015, num_vision=100, done=6)
+    assert model.vision_limit() == 200
+    model.observe(4, 0, 0.014, done=7 + MAX_AGE)
+    assert model.vision_limit() == 0 and model.vision_scale() == 1.0
+
+
+def test_a_few_prompt_tokens_do_not_price_tower_work() -> None:
+    """A 4-token chunk that ran faster than the decode line: with fewer than 16 prompt
+    tokens measured, tokens and tower equivalents share one cost (scale 1), instead of
+    tokens at the floor and tower work at hundreds of tokens each."""
+    model = StepCostModel()
+    for _ in range(5):
+        model.observe(4, 0, 0.014)
+    model.observe(4, 4, 0.013)
+    model.observe(4, 0, 0.014 + 14 * 0.0003, num_vision=14)
+    assert model.vision_scale() == 1.0
+    assert model.token_seconds() == pytest.approx(0.0003)  # 14 equivalents outweigh 4
+    model.observe(4, 16, 0.014 + 16 * 0.0001)
+    assert model.token_seconds() == pytest.approx(0.0001)
+    assert model.vision_scale() == pytest.approx(3.0)
+
+
+def test_stale_token_cost_is_not_used_after_the_load_changed() -> None:
+    """Prompts prefilled next to the decode rows, then a minute of decoding, and prompt
+    tokens now cost 3x (another load on the machine): a new long prompt is probed again
+    and every one of its steps stays within 2x (the stale cost would give 280 tokens, 3x
+    their price)."""
+    cost = FakeCost()
+    s = _scheduler(cost)
+    _decoding(s, cost)
+    s.add(_req("text", 600, max_tokens=1), EOS)  # done on its first token: 4 rows stay
+    while s.waiting or s.prefilling:
+        _step(s, cost)
+    assert s.step_cost.prefill_allowance(4, 2.0) == 280  # learned: 0.05 ms a token
+    for _ in range(3):
+        cost.now += MAX_AGE / 2  # a slow spell: decode steps far apart
+        _step(s, cost)
+    cost.per_token *= 3
+    s.add(_req("long", 3000), EOS)
+    outs = _prefill_until_done(s, cost, "long/0")
+    assert sum(c.length for c in outs[0].prefill) == MIN_PREFILL_TOKENS  # a probe again
+    for out in outs:
+        assert cost.seconds(out) <= 2 * cost.decode_only(len(out.decode_row_ids)) + 1e-12
