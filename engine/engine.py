@@ -255,16 +255,12 @@ class LLMEngine:
         """A step raised: every request ends with the error; states start over."""
         self._inflight = None
         self.constraints.clear()
-        self.reset_states()
-        if self.leader is not None:
-            self.leader.reset()
-        return self.scheduler.fail_all(error)
-
-    def reset_states(self) -> None:
-        """Drop every row's state and pending vision work (the scheduler is not told)."""
         self.states.reset()
         if self.runner.vision is not None:
             self.runner.vision.clear()
+        if self.leader is not None:
+            self.leader.fail(error)
+        return self.scheduler.fail_all(error)
 
     def idle(self) -> None:
         """Called while there is no work: rank 0 of a tensor-parallel group heartbeats."""

@@ -17,7 +17,9 @@ same graph from the same plan, and evaluate it before waiting for the next plan.
 Faults: a rank that dies breaks its sockets, and the others' next collective raises; a
 rank that stops answering is caught by `Watchdog`, which ends the process when any wait
 on the others outlasts the timeout. Rank 0 sends a heartbeat plan while idle, so an idle
-follower can tell a quiet leader from a dead one. Either way every rank exits with a
+follower can tell a quiet leader from a dead one (a broken ring may also hand back
+zeros instead of raising: an empty plan counts as a lost rank). A step that raises on
+rank 0 ends the group too: the others may be inside it. Every rank then exits with a
 clear message (status EXIT_LOST) instead of hanging.
 """
 
@@ -76,7 +78,6 @@ class StepPlan:
 
     out: SchedulerOutput | None = None  # None: a heartbeat (nothing to run)
     rows: dict[str, RowInputs] = field(default_factory=dict)  # rows new to the followers
-    reset: bool = False  # rank 0 dropped every row's state (a failed step): do the same
     stop: bool = False  # rank 0 is shutting down
 
 
@@ -200,18 +201,17 @@ def check_same_setup(parallel: TensorParallel, parts: Sequence[bytes]) -> None:
 
 class Leader:
     """Rank 0's side: sends each step's plan before the step runs (LLMEngine.step), a
-    heartbeat while idle, a reset after a failed step, and stop at shutdown."""
+    heartbeat while idle, and stop at shutdown; a failed step ends the group (`fail`)."""
 
     def __init__(
         self, channel: Channel, watchdog: Watchdog, on_lost: Callable[[str], None] | None = None
     ) -> None:
-        """on_lost: what a failed send does (default: exit_lost, after a short delay so
-        the requests that failed with the step get their error events out)."""
+        """on_lost: what a lost rank or a failed step does (default: exit_lost, after a
+        short delay so the requests that failed get their error events out)."""
         self.channel = channel
         self.watchdog = watchdog
         self._on_lost = on_lost or (lambda message: exit_lost(message, delay_s=0.5))
         self._sent: dict[str, int] = {}  # row id -> prompt length the followers hold
-        self._reset = False
         self._last_sent = time.monotonic()
 
     def publish(self, out: SchedulerOutput, rows: Mapping[str, RowSource]) -> None:
@@ -224,20 +224,20 @@ class Leader:
             if self._sent.get(chunk.row_id) != len(row.prompt_ids):  # new, or re-queued
                 new[chunk.row_id] = RowInputs(tuple(row.prompt_ids), row.media)
                 self._sent[chunk.row_id] = len(row.prompt_ids)
-        self._send(StepPlan(out, new, reset=self._reset))
-        self._reset = False
+        self._send(StepPlan(out, new))
 
     def heartbeat(self) -> None:
-        """While idle: tell the others rank 0 is alive (every HEARTBEAT_S), or pass on a
-        reset at once."""
-        if self._reset or time.monotonic() - self._last_sent >= HEARTBEAT_S:
-            self._send(StepPlan(reset=self._reset))
-            self._reset = False
+        """While idle: tell the others rank 0 is alive (every HEARTBEAT_S)."""
+        if time.monotonic() - self._last_sent >= HEARTBEAT_S:
+            self._send(StepPlan())
 
-    def reset(self) -> None:
-        """Rank 0 dropped every row's state: the next plan tells the others to."""
-        self._reset = True
-        self._sent.clear()
+    def fail(self, error: str) -> None:
+        """A step raised on rank 0: the others may be inside that step's collectives, and
+        no rank can tell which state changes the rest applied. The group ends (after a
+        second, so the failed requests' error events go out first); a supervisor
+        restarts it."""
+        message = f"a step failed on rank 0 ({error}); the ranks' states may disagree"
+        threading.Timer(1.0, self._on_lost, args=(message,)).start()
 
     def stop(self) -> None:
         """Shutdown: the others return from `follow` (those already gone are not waited
@@ -299,9 +299,6 @@ def _follow(engine: LLMEngine, channel: Channel, watchdog: Watchdog) -> None:
         limit = None
         if plan.stop:
             return
-        if plan.reset:
-            engine.reset_states()
-            rows.clear()
         if plan.out is None:
             continue
         rows.update(plan.rows)

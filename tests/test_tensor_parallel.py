@@ -19,7 +19,8 @@ import mlx.core as mx
 import pytest
 
 import tests.tp_scenarios as scenarios
-from engine.tensor_parallel import Watchdog
+from engine.plan import PrefillChunk, SchedulerOutput
+from engine.tensor_parallel import Leader, RowInputs, StepPlan, Watchdog
 from models.config import TextConfig
 from models.loader import load_checkpoint, scales_name
 from models.parallel import ShardError, shard_config, shard_tensor, shard_weights
@@ -128,3 +129,39 @@ def test_watchdog_fires_only_on_a_wait_that_outlasts_it() -> None:
     with dog.guard("a plan"):
         assert event.wait(5)
     assert "within 0.3 s while waiting for a plan" in fired[0]
+
+
+# --------------------------------------------------------------------------- leader
+
+
+class _Recorder:
+    """A Channel stand-in that keeps what rank 0 sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[StepPlan] = []
+
+    def send(self, plan: StepPlan) -> None:
+        self.sent.append(plan)
+
+
+def _plan(*chunks: PrefillChunk, freed: tuple[str, ...] = ()) -> SchedulerOutput:
+    return SchedulerOutput((), (), (), (), chunks, freed, (), sum(c.length for c in chunks))
+
+
+def test_leader_sends_a_rows_prompt_once_and_again_after_it_was_freed() -> None:
+    channel, lost = _Recorder(), []
+    leader = Leader(channel, Watchdog(30), on_lost=lost.append)
+    rows = {"a/0": RowInputs((1, 2, 3, 4)), "b/0": RowInputs((5, 6))}
+    leader.publish(_plan(PrefillChunk("a/0", 0, 2), PrefillChunk("b/0", 0, 2)), rows)
+    leader.publish(_plan(PrefillChunk("a/0", 2, 2)), rows)
+    leader.publish(_plan(PrefillChunk("b/0", 0, 2), freed=("b/0",)), rows)  # re-queued
+    assert [sorted(p.rows) for p in channel.sent] == [["a/0", "b/0"], [], ["b/0"]]
+    assert channel.sent[0].rows["a/0"].prompt_ids == (1, 2, 3, 4) and not lost
+
+
+def test_a_failed_step_on_rank_0_ends_the_group() -> None:
+    lost: list[str] = []
+    done = threading.Event()
+    leader = Leader(_Recorder(), Watchdog(30), on_lost=lambda m: (lost.append(m), done.set()))
+    leader.fail("engine error: boom")
+    assert done.wait(5) and "a step failed on rank 0 (engine error: boom)" in lost[0]
