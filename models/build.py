@@ -12,12 +12,7 @@ import mlx.nn as nn
 from models.config import TextConfig
 from models.hub import resolve_checkpoint
 from models.layers import EXPERT_PROJECTIONS, SparseMoE
-from models.loader import (
-    Checkpoint,
-    CheckpointError,
-    biases_name,
-    load_checkpoint,
-)
+from models.loader import Checkpoint, CheckpointError, biases_name, load_checkpoint
 from models.parallel import TensorParallel, shard_config, shard_weights
 from models.qwen35 import Qwen35Model
 from models.vision import VisionConfig, VisionTower, load_vision
