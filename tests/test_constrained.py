@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_grammar import (
+from grammar_corpus import (
     REFUSED,
     _bounded_strings,
     is_bounded,

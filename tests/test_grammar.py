@@ -1,142 +1,39 @@
-"""Grammar compilation, tool-call grammars, token masks and the server's mapping, without a
-model: llguidance on the real Qwen3.5 vocabulary (the tiny checkpoint's tokenizer.json).
-
-Also holds the corpus helpers test_constrained.py shares (tests/data/README.md says where
-the schemas and tools come from).
+"""Grammar compilation, token masks and the server's mapping, without a model: llguidance on
+the real Qwen3.5 vocabulary (the tiny checkpoint's tokenizer.json). Schemas of the corpus
+compile or are refused by name, random walks end in valid compact documents, rows stay free
+until their start token, masks are exact, and response_format / tool_choice map to
+constraints. Tool-call grammars are in test_tool_grammar.py, the shared corpus helpers in
+grammar_corpus.py.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Any
 
-import jsonschema
 import mlx.core as mx
 import numpy as np
 import pytest
-import regex
+from grammar_corpus import (
+    REFUSED,
+    VOCAB,
+    _decode,
+    _walk,
+    compiler_fixture,  # noqa: F401 - the `compiler` fixture
+    is_bounded,
+    load_schemas,
+    load_tools,
+    validate,
+)
 
-from engine.constraint import Constraint, ToolSpec
+from engine.constraint import Constraint
 from engine.constraints import RowConstraints
-from engine.grammar import GrammarCompiler, grammar_compiler
+from engine.grammar import GrammarCompiler
 from engine.noise import gumbel_noise
 from engine.token_mask import allowed_ids, apply_token_mask
-from engine.tool_grammar import is_text
 from engine.types import InvalidRequestError, SamplingParams
 from models.testing import cached_checkpoint
-from models.testing.tokenizer import EOS_TOKEN_IDS, THINK_END_ID, TOOL_CALL_ID
+from models.testing.tokenizer import EOS_TOKEN_IDS, THINK_END_ID
 from server.frontend.grammar import check_constraint, constraint_for, reasoning_end_id
-from server.frontend.tool_schema import ToolSchemas
-from server.frontend.tools import parse_tool_calls
-
-DATA = Path(__file__).parent / "data"
-VOCAB = 248320  # the test checkpoints' logits width (Qwen3.5's padded vocabulary)
-# Schemas of the suite the engine refuses, and the words its error must name.
-REFUSED = {
-    "additionalProperties with propertyNames": "propertyNames",
-    "dependentSchemas with additionalProperties": "dependentSchemas",
-    "maxLength validation with a decimal": "maxLength",
-    "minLength validation with a decimal": "minLength",
-    "allOf with boolean schemas, some false": "Unsatisfiable",
-    "allOf with boolean schemas, all false": "Unsatisfiable",
-    "minProperties validation with a decimal": "minProperties",
-}
-
-
-# -- corpus helpers (shared with test_constrained.py) ---------------------------------------
-def _pattern(validator: Any, pattern: str, instance: Any, schema: dict) -> Any:
-    # ECMA-262 patterns such as \p{Letter} need `regex`; Python's re rejects them.
-    if isinstance(instance, str) and not regex.search(pattern, instance):
-        yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
-
-
-_Validator = jsonschema.validators.extend(jsonschema.Draft202012Validator, {"pattern": _pattern})
-
-
-def validate(instance: Any, schema: Any) -> None:
-    """jsonschema's draft 2020-12 validation, with ECMA-style patterns."""
-    _Validator(schema).validate(instance)
-
-
-def load_schemas() -> list[dict[str, Any]]:
-    """The JSON-Schema-Test-Suite draft 2020-12 entries: {file, description, schema}."""
-    return json.loads((DATA / "json_schema_suite.json").read_text(encoding="utf-8"))
-
-
-def load_tools() -> list[dict[str, Any]]:
-    """The BFCL functions as OpenAI tools, BFCL's own type names mapped to JSON Schema's
-    (dict -> object, float -> number, as BFCL's OpenAI handler does)."""
-    functions = json.loads((DATA / "bfcl_exec_simple_functions.json").read_text())
-    renamed = json.loads(json.dumps(functions).replace('"dict"', '"object"'))
-    renamed = json.loads(json.dumps(renamed).replace('"float"', '"number"'))
-    return [{"type": "function", "function": f} for f in renamed]
-
-
-def is_bounded(schema: Any, root: Any = None) -> bool:
-    """Whether every document of `schema` has bounded strings (keys included), so a model
-    sampling at random must close them: enums, consts, maxLength strings, numbers,
-    booleans, null, and arrays / closed objects of those."""
-    root = schema if root is None else root
-    if not isinstance(schema, dict):
-        return schema is False
-    if "enum" in schema or "const" in schema:
-        return True
-    if "$ref" in schema:
-        name = schema["$ref"].split("/")[-1]
-        return is_bounded(root.get("$defs", {}).get(name, {}), root)
-    if any(is_bounded(b, root) for b in schema.get("allOf", [])):
-        return True
-    for key in ("anyOf", "oneOf"):
-        if key in schema:
-            return all(is_bounded(b, root) for b in schema[key])
-    types = schema.get("type")
-    if types is None:
-        return False  # any JSON value: strings and free object keys included
-    types = [types] if isinstance(types, str) else types
-    return all(_type_bounded(t, schema, root) for t in types)
-
-
-def _type_bounded(kind: str, schema: dict, root: Any) -> bool:
-    if kind == "string":
-        return "maxLength" in schema
-    if kind == "array":
-        prefix = all(is_bounded(s, root) for s in schema.get("prefixItems", []))
-        return prefix and is_bounded(schema.get("items", True), root)
-    if kind == "object":
-        closed = schema.get("additionalProperties", True) is False
-        props = schema.get("properties", {}).values()
-        return closed and all(is_bounded(p, root) for p in props)
-    return True
-
-
-# -- fixtures -------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def compiler() -> GrammarCompiler:
-    path = cached_checkpoint("tiny")
-    return grammar_compiler(path, VOCAB, tuple(EOS_TOKEN_IDS), 5.0)
-
-
-def _walk(compiler: GrammarCompiler, constraint: Constraint, seed: int, steps: int = 80):
-    """Random allowed tokens until the grammar ends: (token ids, whether it ended)."""
-    rows = RowConstraints(compiler, VOCAB, EOS_TOKEN_IDS)
-    rows.add("w", 1, rows.compile(constraint), SamplingParams(constraint=constraint))
-    rng = np.random.default_rng(seed)
-    tokens: list[int] = []
-    for _ in range(steps):
-        mask = rows.masks([("w", 0)])
-        assert mask is not None
-        ids = allowed_ids(mask.bits[0], VOCAB)
-        token = int(rng.choice(ids))
-        if token in EOS_TOKEN_IDS:
-            return tokens, True
-        tokens.append(token)
-        rows.accept([("w", 0)], [token])
-    return tokens, False
-
-
-def _decode(compiler: GrammarCompiler, tokens: list[int]) -> str:
-    return compiler.tokenizer.decode_str(tokens)
 
 
 # -- schemas --------------------------------------------------------------------------------
@@ -218,109 +115,6 @@ def test_json_output_is_compact(compiler: GrammarCompiler) -> None:
     assert ended
     text = _decode(compiler, tokens)
     assert text == json.dumps(json.loads(text))
-
-
-# -- tool calls -----------------------------------------------------------------------------
-def _tool_specs() -> tuple[ToolSpec, ...]:
-    return tuple(ToolSpec(t["function"]["name"], t["function"]["parameters"]) for t in load_tools())
-
-
-def test_tool_call_grammar_accepts_the_template_rendering(compiler: GrammarCompiler) -> None:
-    """The grammar takes a call exactly as the chat template writes it."""
-    spec = Constraint("tool_calls", tools=_tool_specs())
-    text = (
-        "<tool_call>\n<function=math_gcd>\n<parameter=a>\n450\n</parameter>\n"
-        "<parameter=b>\n300\n</parameter>\n</function>\n</tool_call>"
-    )
-    matcher = compiler.compile(spec).matcher.deep_copy()
-    ids = compiler.tokenizer.tokenize_str(text, parse_special=True)
-    assert ids[0] == TOOL_CALL_ID
-    assert matcher.consume_tokens(ids), matcher.get_error()
-    assert matcher.is_accepting()
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_random_tool_calls_parse_to_declared_tools_with_valid_arguments(
-    compiler: GrammarCompiler, seed: int
-) -> None:
-    """Random walks through the tool grammar are calls the server's parser reads as
-    declared tools whose arguments validate against their schemas."""
-    tools = load_tools()
-    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
-    bounded = _bounded_strings(tools)
-    specs = tuple(ToolSpec(t["function"]["name"], t["function"]["parameters"]) for t in bounded)
-    spec = Constraint("tool_calls", tools=specs)
-    tokens, ended = _walk(compiler, spec, seed, steps=400)
-    assert ended
-    content, calls = parse_tool_calls(_decode(compiler, tokens), tools)
-    assert content == "" and calls
-    for call in calls:
-        validate(json.loads(call.arguments), by_name[call.name])
-
-
-def _bounded_strings(tools: list[dict]) -> list[dict]:
-    """The tools with a maxLength on their string parameters (random text rarely closes)."""
-    out = json.loads(json.dumps(tools))
-    for tool in out:
-        for schema in tool["function"]["parameters"]["properties"].values():
-            if schema.get("type") == "string":
-                schema["maxLength"] = 12
-    return out
-
-
-@pytest.mark.parametrize(
-    ("parameters", "word"),
-    [
-        ({"type": "object", "properties": {"s": {"type": "string", "pattern": "^a$"}}}, "pattern"),
-        ({"type": "object", "properties": {"s": {"type": "string", "format": "date"}}}, "format"),
-        ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required"),
-        ({"type": "object", "properties": {}, "minProperties": 1}, "minProperties"),
-        ({"type": "object", "properties": {"a>b": {"type": "integer"}}}, "name"),
-    ],
-)
-def test_tool_parameters_the_grammar_cannot_force_are_refused(
-    compiler: GrammarCompiler, parameters: dict, word: str
-) -> None:
-    with pytest.raises(InvalidRequestError, match=word):
-        compiler.compile(Constraint("tool_calls", tools=(ToolSpec("f", parameters),)))
-
-
-def test_text_parameters_follow_the_parsers_rule() -> None:
-    """engine/tool_grammar.is_text agrees with server/frontend/tool_schema on which values
-    stay text (the engine may not import the server)."""
-    schemas = [
-        {},
-        {"type": "string"},
-        {"type": ["string", "null"]},
-        {"type": "integer"},
-        {"anyOf": [{"type": "integer"}, {"type": "string"}]},
-        {"oneOf": [{"type": "integer"}, {"type": "boolean"}]},
-        {"enum": ["a", 1]},
-        {"enum": [1, 2]},
-        {"description": "no type"},
-        *[p for t in load_tools() for p in t["function"]["parameters"]["properties"].values()],
-    ]
-    for schema in schemas:
-        tools = [
-            {
-                "type": "function",
-                "function": {"name": "f", "parameters": {"properties": {"x": schema}}},
-            }
-        ]
-        parser = ToolSchemas(tools)
-        assert is_text(schema) == parser.is_string(parser.param_types("f", "x")), schema
-
-
-def test_json_or_tool_calls(compiler: GrammarCompiler) -> None:
-    """A JSON format with callable tools: the document, or tool calls, nothing else."""
-    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
-    spec = Constraint("json_schema", schema=schema, tools=_tool_specs()[:2])
-    template = compiler.compile(spec).matcher
-    for text, special in (('{"x": 3}', False), ("<tool_call>\n<function=calc", True)):
-        matcher = template.deep_copy()
-        assert matcher.consume_tokens(compiler.tokenizer.tokenize_str(text, parse_special=special))
-    matcher = template.deep_copy()
-    assert not matcher.consume_tokens(compiler.tokenizer.tokenize_str("hello"))
 
 
 # -- rows and masks -------------------------------------------------------------------------
