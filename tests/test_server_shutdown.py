@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,21 +19,16 @@ import httpx
 import pytest
 
 from models.testing import cached_checkpoint
+from tests.processes import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_STREAMS = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str, Path]]:
     """A `deltaserve serve` subprocess on a free port; yields (process, url, stderr file)."""
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "server.cli", "serve", "--config", "/dev/null"]
     command += ["--model", str(cached_checkpoint("tiny")), "--port", str(port)]
     stderr_path = tmp_path / "stderr.log"
@@ -45,16 +39,7 @@ def server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str, Path]]:
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, f"server exited early:\n{stderr_path.read_text()}"
-            assert time.monotonic() < deadline, "server did not become ready"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(url, [(proc, stderr_path)])
         yield proc, url, stderr_path
     finally:
         if proc.poll() is None:

@@ -22,7 +22,7 @@ from engine.types import SamplingParams
 from models.build import load_model
 from models.testing import cached_checkpoint
 from server.frontend.tokenizer import TextTokenizer
-from tests.ring import free_port, ring_envs
+from tests.processes import free_port, ring_envs, wait_healthy
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 10  # --distributed-timeout-s (start-up holds the GIL for seconds at a time)
@@ -48,16 +48,7 @@ class Ranks:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + 180
-        while True:
-            for proc, log in zip(self.procs, self.logs, strict=True):
-                assert proc.poll() is None, f"a rank exited early:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "the server did not become ready"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_healthy(self.url, list(zip(self.procs, self.logs, strict=True)))
 
     def wait_exit(self, rank: int, within_s: float) -> int:
         try:

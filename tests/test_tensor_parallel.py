@@ -25,7 +25,7 @@ from models.config import TextConfig
 from models.loader import load_checkpoint, scales_name
 from models.parallel import ShardError, shard_config, shard_tensor, shard_weights
 from models.testing import cached_checkpoint
-from tests.ring import ring_envs
+from tests.processes import ring_envs
 
 REPO = Path(__file__).resolve().parent.parent
 
