@@ -211,6 +211,14 @@ class LLMEngine:
         graph building overlap the device; decode rows take their input from N-1's lazy
         sampled tokens. A row that finished at N-1 computes one discarded token at N.
         """
+        if self.leader is None:
+            return self._step()
+        # the step's collectives and read-back wait on the other ranks: a hung rank ends
+        # the group instead of hanging it
+        with self.leader.watchdog.guard("a step's collectives"):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if self.leader is not None:
             self.leader.publish(out, self.scheduler.rows)

@@ -114,15 +114,15 @@ class Watchdog:
     @contextlib.contextmanager
     def guard(self, what: str, timeout_s: float | None = None) -> Iterator[None]:
         """Time out `what` (a wait on the other ranks) after timeout_s (default: the
-        watchdog's)."""
+        watchdog's). Guards nest: the inner one's limit holds while it is open."""
         limit = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
-            self._deadline = (time.monotonic() + limit, what, limit)
+            outer, self._deadline = self._deadline, (time.monotonic() + limit, what, limit)
         try:
             yield
         finally:
             with self._lock:
-                self._deadline = None
+                self._deadline = outer  # a guard inside another hands the outer one back
 
     def _watch(self) -> None:
         tick = min(0.1, self.timeout_s / 10)

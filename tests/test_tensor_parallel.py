@@ -165,3 +165,14 @@ def test_a_failed_step_on_rank_0_ends_the_group() -> None:
     leader = Leader(_Recorder(), Watchdog(30), on_lost=lambda m: (lost.append(m), done.set()))
     leader.fail("engine error: boom")
     assert done.wait(5) and "a step failed on rank 0 (engine error: boom)" in lost[0]
+
+
+def test_watchdog_guards_nest() -> None:
+    """An inner guard (a plan sent inside a step) hands the outer limit back: the rest of
+    the step stays guarded."""
+    fired = threading.Event()
+    dog = Watchdog(0.3, lambda message: fired.set())
+    with dog.guard("a step"):
+        with dog.guard("a plan", timeout_s=5):
+            assert not fired.wait(0.5)  # the inner limit holds
+        assert fired.wait(5)  # the outer one is back and runs out
