@@ -236,27 +236,30 @@ def _fit_line(samples: list[StepSample]) -> tuple[float, float]:
     return a, b
 
 
-# What a sample's residual over the decode line is divided among: (seconds left, units).
-Units = Callable[[StepSample, float], tuple[float, int]]
+def _tokens(s: StepSample) -> int:
+    return s.num_prefill
 
 
-def _tokens(s: StepSample, residual: float) -> tuple[float, int]:
-    return residual, s.num_prefill
+def _all_units(s: StepSample) -> int:
+    return s.num_prefill + s.num_vision
 
 
-def _all_units(s: StepSample, residual: float) -> tuple[float, int]:
-    return residual, s.num_prefill + s.num_vision
-
-
-def _unit_cost(samples: list[StepSample], line: tuple[float, float], units: Units) -> float:
-    """Weighted median of each sample's per-unit residual over the decode line (weights:
-    units x recency)."""
+def _floor(line: tuple[float, float]) -> float:
+    """The least a unit costs: never free, so the allowance stays finite."""
     a, b = line
-    floor = 1e-3 * (a + b) + 1e-9  # a token is never free: keeps the allowance finite
+    return 1e-3 * (a + b) + 1e-9
+
+
+def _unit_cost(
+    samples: list[StepSample], line: tuple[float, float], units: Callable[[StepSample], int]
+) -> float:
+    """Weighted median of each sample's residual over the decode line per unit (`units`
+    counts a sample's; weights: units x recency)."""
+    a, b = line
     pairs = []
     for w, s in zip(_weights(len(samples)), samples, strict=True):
-        seconds, count = units(s, s.seconds - a - b * s.num_decode)
-        pairs.append((max(seconds / count, floor), w * count))
+        count = units(s)
+        pairs.append((max((s.seconds - a - b * s.num_decode) / count, _floor(line)), w * count))
     pairs.sort()
     half = sum(w for _, w in pairs) / 2
     seen = 0.0
@@ -277,4 +280,4 @@ def _tower_cost(samples: list[StepSample], line: tuple[float, float], token: flo
         for w, s in zip(weights, samples, strict=True)
     )
     units = sum(w * s.num_vision for w, s in zip(weights, samples, strict=True))
-    return max(seconds / units, 1e-3 * (a + b) + 1e-9)
+    return max(seconds / units, _floor(line))
