@@ -23,6 +23,7 @@ from functools import cache, partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from kernels import deltanet_decode as dn_decode
 from kernels import fastmath
 from kernels.gated_delta import gated_delta
 from models.config import TextConfig
@@ -135,6 +136,12 @@ def prefill_buckets(rows: int, length: int) -> tuple[int, int]:
     return _bucket(rows, 1, 16), _bucket(length, 16, 64)
 
 
+def fused_decode_default() -> bool:
+    """The one-kernel decode token (kernels/deltanet_decode.py) on Metal/CUDA, where a
+    decode step costs its kernel launches; the plain ops of `deltanet_core` on the CPU."""
+    return mx.default_device() != mx.cpu
+
+
 def compile_prefill_default() -> bool:
     """Compiled prefill core on Metal/CUDA (op-bound there); plain ops on the CPU, where
     an op's cost is its arithmetic and compiling only adds traces."""
@@ -146,6 +153,8 @@ class GatedDeltaNet(nn.Module):
     gated RMSNorm -> out_proj. State: conv tail [B, K-1, C] and recurrent [B, Hv, Dv, Dk].
 
     compile_prefill: run `deltanet_core` compiled for L > 1; None = compile_prefill_default().
+    fused_decode: run an unmasked L = 1 input as one kernel (kernels/deltanet_decode.py);
+    None = fused_decode_default().
     """
 
     def __init__(self, cfg: TextConfig) -> None:
@@ -159,8 +168,17 @@ class GatedDeltaNet(nn.Module):
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = cfg.conv_dim
         self.compile_prefill: bool | None = None
+        self.fused_decode: bool | None = None
         self._dims = CoreDims(
             self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim, cfg.rms_norm_eps
+        )
+        self._decode_dims = dn_decode.DecodeDims(
+            self.num_k_heads,
+            self.head_k_dim,
+            self.num_v_heads,
+            self.head_v_dim,
+            self.kernel_size,
+            cfg.rms_norm_eps,
         )
         hidden = cfg.hidden_size
         self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
@@ -190,6 +208,27 @@ class GatedDeltaNet(nn.Module):
         if enabled is None:
             enabled = compile_prefill_default()
         return enabled and length > 1
+
+    def use_fused_decode(self) -> bool:
+        """Whether an unmasked L = 1 input runs as the one-kernel decode token."""
+        enabled = self.fused_decode
+        if enabled is None:
+            enabled = fused_decode_default() and dn_decode.supported(self._decode_dims)
+        return enabled
+
+    def _decode_fused(self, x: mx.array, state: RecurrentState) -> mx.array:
+        """x [B, 1, H] -> [B, 1, H] through kernels/deltanet_decode.py."""
+        b = x.shape[0]
+        if "in_proj" in self:  # the fused projection unsplit: [B, 1, P] is contiguous
+            proj = self.in_proj.proj(x)
+        else:
+            proj = mx.concatenate(self._project(x), axis=-1)
+        conv_state, ssm = self._states(state, b, proj.dtype)
+        weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
+        y, state.conv, state.ssm = dn_decode.deltanet_decode(
+            self._decode_dims, proj.reshape(b, -1), conv_state, ssm, *weights
+        )
+        return self.out_proj(y[:, None])
 
     def _states(self, state: RecurrentState, rows: int, dtype: mx.Dtype) -> tuple:
         """(conv tail, recurrent state) of `state`, zeros for fresh rows."""
@@ -255,6 +294,8 @@ class GatedDeltaNet(nn.Module):
         b, length, _ = x.shape
         if self.use_compiled(length):
             return self.prefill_many([x], [state], [left_pad])[0]
+        if length == 1 and mask is None and self.use_fused_decode():
+            return self._decode_fused(x, state)
         qkv, z, beta_in, a_in = self._project(x)
         conv_state, ssm = self._states(state, b, qkv.dtype)
         masked = () if mask is None else (mask, mx.array(left_pad, dtype=mx.int32))

@@ -1,0 +1,484 @@
+"""A whole Gated-DeltaNet decode token after the input projection, as one kernel.
+
+    proj       [B, P]          the fused input projection: qkv (C) | z (Hv*Dv) | b (Hv) | a (Hv)
+    conv_state [B, K-1, C]     the conv tail (proj's dtype T)
+    ssm        [B, Hv, Dv, Dk] float32 recurrent state
+    conv_w     [C, K]; a_log, dt_bias [Hv] (float32); norm_w [Dv]
+ -> y [B, Hv*Dv] (T, gated-normed: the input of out_proj), conv_state', ssm'
+
+with C = 2*Hk*Dk + Hv*Dv. In order, per row: causal conv over the K-1 tail and the new
+token + SiLU; L2-normalised q (scaled by Dk**-0.5) and k; beta = sigmoid(b);
+g = -exp(a_log) * softplus(a + dt_bias); the gated delta rule on the state; then
+norm_w * rmsnorm(y) * silu(z). It is `models.deltanet.deltanet_core` at L = 1 without a
+mask, which on the GPU ran as ~15 kernels per layer (concat, conv, three for each L2 norm,
+gates, copies of non-contiguous slices, the state update, three for the gated norm): a
+decode step there costs about its kernel launches (bench/decode_graph.py), so the 18-24
+DeltaNet layers of a model were most of them.
+
+Layout (CUDA and Metal alike): one block per (row, value head), LANES * Dv threads.
+Threads [0, Dk) compute the head's q channels, [Dk, 2 Dk) its k channels, [2 Dk, 2 Dk + Dv)
+its v channels (conv + SiLU), rounded to T where the reference rounds; block sums give the
+L2 norms; then LANES lanes per state row do the update as in kernels/gated_delta_fused.py
+(one read, one write of the state); a last block sum gives the gated norm. Blocks of value
+head h with h % (Hv / Hk) == 0 also write the q/k channels of the new conv tail.
+
+Backends (by the default device): CUDA -> `mx.fast.cuda_kernel`; Metal -> the same
+algorithm as `mx.fast.metal_kernel` (never run here: no Mac); CPU -> `deltanet_decode_ops`,
+plain MLX ops, which is the reference the tests compare the kernels against.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from kernels import fastmath
+from kernels.gated_delta import gated_delta_step
+from kernels.gated_delta_fused import _backend
+
+__all__ = ["DecodeDims", "deltanet_decode", "deltanet_decode_ops", "supported"]
+
+_LANES = 8  # lanes per state row (as kernels/gated_delta_fused.py)
+
+
+@dataclass(frozen=True)
+class DecodeDims:
+    """Static sizes of one DeltaNet layer (per tensor-parallel rank)."""
+
+    num_k_heads: int
+    head_k_dim: int
+    num_v_heads: int
+    head_v_dim: int
+    kernel: int
+    norm_eps: float
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+    @property
+    def proj_dim(self) -> int:
+        return self.conv_dim + self.num_v_heads * (self.head_v_dim + 2)
+
+
+def supported(dims: DecodeDims) -> bool:
+    """Whether the kernels take these sizes (every Qwen3.5 shape: Dk = Dv = 128)."""
+    dk, dv = dims.head_k_dim, dims.head_v_dim
+    block = _LANES * dv
+    return (
+        dk % (4 * _LANES) == 0
+        and block % 32 == 0
+        and block <= 1024
+        and block >= 2 * dk + dv
+        and dims.num_v_heads % dims.num_k_heads == 0
+    )
+
+
+def _l2(x: mx.array, eps: float = 1e-6) -> mx.array:
+    return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + eps)
+
+
+def deltanet_decode_ops(
+    dims: DecodeDims,
+    proj: mx.array,
+    conv_state: mx.array,
+    ssm: mx.array,
+    conv_w: mx.array,
+    a_log: mx.array,
+    dt_bias: mx.array,
+    norm_w: mx.array,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The reference: the same token as plain MLX ops (shapes in the module docstring)."""
+    b, dtype = proj.shape[0], proj.dtype
+    hk, dk, hv, dv = dims.num_k_heads, dims.head_k_dim, dims.num_v_heads, dims.head_v_dim
+    c, vd = dims.conv_dim, hv * dv
+    qkv, z = proj[:, :c], proj[:, c : c + vd]
+    beta_in, a_in = proj[:, c + vd : c + vd + hv], proj[:, c + vd + hv :]
+    full = mx.concatenate([conv_state.astype(dtype), qkv[:, None]], axis=1)  # [B, K, C]
+    w = conv_w.astype(dtype)
+    conv = full[:, 0] * w[:, 0]
+    for j in range(1, dims.kernel):
+        conv = conv + full[:, j] * w[:, j]
+    conv = fastmath.silu(conv)
+    q = _l2(conv[:, : hk * dk].reshape(b, 1, hk, dk).astype(mx.float32)) * dk**-0.5
+    k = _l2(conv[:, hk * dk : 2 * hk * dk].reshape(b, 1, hk, dk).astype(mx.float32))
+    v = conv[:, 2 * hk * dk :].reshape(b, 1, hv, dv)
+    beta = fastmath.sigmoid(beta_in.astype(mx.float32))[:, None]
+    a = a_in.astype(mx.float32) + dt_bias
+    g = (-mx.exp(a_log) * mx.logaddexp(a, mx.zeros_like(a)))[:, None]
+    y, ssm = gated_delta_step(q, k, v, g, beta, ssm)  # y [B, 1, Hv, Dv] in T
+    normed = mx.fast.rms_norm(y[:, 0].astype(mx.float32), None, dims.norm_eps)
+    gate = fastmath.silu(z.reshape(b, hv, dv).astype(mx.float32))
+    out = (norm_w.astype(mx.float32) * normed * gate).astype(dtype).reshape(b, vd)
+    return out, full[:, 1:], ssm
+
+
+_CUDA_HEADER = """
+namespace deltaserve_dn {
+
+// Sum over the LANES consecutive lanes that share one state row (xor butterfly).
+template <int LANES>
+__device__ __forceinline__ float row_sum(float x) {
+#pragma unroll
+  for (int o = LANES / 2; o > 0; o /= 2) {
+    x += __shfl_xor_sync(0xffffffffu, x, o);
+  }
+  return x;
+}
+
+// Sum of x over the whole block (every thread gets it); scratch holds NW floats.
+template <int NW>
+__device__ __forceinline__ float block_sum(float x, float* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+    x += __shfl_xor_sync(0xffffffffu, x, o);
+  }
+  __syncthreads();  // earlier readers of scratch are done
+  if ((threadIdx.x & 31) == 0) {
+    scratch[threadIdx.x >> 5] = x;
+  }
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int i = 0; i < NW; ++i) {
+    total += scratch[i];
+  }
+  return total;
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
+}  // namespace deltaserve_dn
+"""
+
+# Template constants: Dk, Dv, Hk, Hv, K, LANES; T (proj dtype), Tw (conv_w), Tn (norm_w),
+# EPS_BITS (norm eps as float bits: template arguments are integers).
+_CUDA_SOURCE = """
+  using namespace deltaserve_dn;
+  constexpr int BLOCK = LANES * Dv;
+  constexpr int NW = BLOCK / 32;
+  constexpr int NV4 = Dk / (4 * LANES);
+  constexpr int QK = Hk * Dk;
+  constexpr int C = 2 * QK + Hv * Dv;
+  constexpr int VD = Hv * Dv;
+  constexpr int P = C + VD + 2 * Hv;
+  __shared__ float4 q4[Dk / 4];
+  __shared__ float4 k4[Dk / 4];
+  __shared__ float vs[Dv];
+  __shared__ float scratch[NW];
+  float* qf = reinterpret_cast<float*>(q4);
+  float* kf = reinterpret_cast<float*>(k4);
+
+  const int tid = threadIdx.x;
+  const int n = blockIdx.x;  // b * Hv + h
+  const int b = n / Hv;
+  const int h = n % Hv;
+  const int hk = h / (Hv / Hk);
+  const T* pr = proj + size_t(b) * P;
+  const T* cs = conv_state + size_t(b) * (K - 1) * C;
+  T* co = conv_out + size_t(b) * (K - 1) * C;
+
+  // 1. conv + SiLU of this head's channels; the new conv tail of those channels
+  int ch = -1;
+  bool write_tail = true;
+  if (tid < Dk) {
+    ch = hk * Dk + tid;
+    write_tail = (h % (Hv / Hk)) == 0;
+  } else if (tid < 2 * Dk) {
+    ch = QK + hk * Dk + (tid - Dk);
+    write_tail = (h % (Hv / Hk)) == 0;
+  } else if (tid < 2 * Dk + Dv) {
+    ch = 2 * QK + h * Dv + (tid - 2 * Dk);
+  }
+  float x2q = 0.f, x2k = 0.f;
+  if (ch >= 0) {
+    // as the reference: each product and partial sum rounded to T
+    const float w0 = static_cast<float>(static_cast<T>(conv_w[ch * K]));
+    T acc = static_cast<T>(static_cast<float>(cs[ch]) * w0);
+#pragma unroll
+    for (int j = 1; j < K; ++j) {
+      const float x = j < K - 1 ? static_cast<float>(cs[j * C + ch]) : static_cast<float>(pr[ch]);
+      const T prod = static_cast<T>(x * static_cast<float>(static_cast<T>(conv_w[ch * K + j])));
+      acc = static_cast<T>(static_cast<float>(acc) + static_cast<float>(prod));
+    }
+    const float val = static_cast<float>(static_cast<T>(silu(static_cast<float>(acc))));
+    if (tid < Dk) {
+      qf[tid] = val;
+      x2q = val * val;
+    } else if (tid < 2 * Dk) {
+      kf[tid - Dk] = val;
+      x2k = val * val;
+    } else {
+      vs[tid - 2 * Dk] = val;
+    }
+    if (write_tail) {
+#pragma unroll
+      for (int j = 0; j < K - 2; ++j) {
+        co[j * C + ch] = cs[(j + 1) * C + ch];
+      }
+      co[(K - 2) * C + ch] = pr[ch];
+    }
+  }
+
+  // 2. L2 norms of q and k (block sums), gates
+  const float q_scale = rsqrtf(block_sum<NW>(x2q, scratch) + 1e-6f) * rsqrtf(float(Dk));
+  const float k_scale = rsqrtf(block_sum<NW>(x2k, scratch) + 1e-6f);
+  if (tid < Dk) {
+    qf[tid] *= q_scale;
+  } else if (tid < 2 * Dk) {
+    kf[tid - Dk] *= k_scale;
+  }
+  const float beta = 1.f / (1.f + expf(-static_cast<float>(pr[C + VD + h])));
+  const float ain = static_cast<float>(pr[C + VD + Hv + h]) + dt_bias[h];
+  const float softplus = fmaxf(ain, 0.f) + log1pf(expf(-fabsf(ain)));
+  const float a = expf(-expf(a_log[h]) * softplus);
+  __syncthreads();
+
+  // 3. the state update: LANES lanes per state row, one read and one write of the row
+  const int lane = tid % LANES;
+  const int row = tid / LANES;
+  const size_t s_off = (size_t(n) * Dv + row) * Dk;
+  const float* src = ssm + s_off;
+  float4* dst = reinterpret_cast<float4*>(ssm_out + s_off);
+  const bool vec = (reinterpret_cast<size_t>(ssm) & 15) == 0;
+  float4 s[NV4];
+#pragma unroll
+  for (int i = 0; i < NV4; ++i) {
+    const int c = 4 * (lane + i * LANES);
+    s[i] = vec ? *reinterpret_cast<const float4*>(src + c)
+               : make_float4(src[c], src[c + 1], src[c + 2], src[c + 3]);
+  }
+  float sk = 0.f, sq = 0.f, kq = 0.f;
+#pragma unroll
+  for (int i = 0; i < NV4; ++i) {
+    const float4 kk = k4[lane + i * LANES];
+    const float4 qq = q4[lane + i * LANES];
+    sk += s[i].x * kk.x + s[i].y * kk.y + s[i].z * kk.z + s[i].w * kk.w;
+    sq += s[i].x * qq.x + s[i].y * qq.y + s[i].z * qq.z + s[i].w * qq.w;
+    kq += kk.x * qq.x + kk.y * qq.y + kk.z * qq.z + kk.w * qq.w;
+  }
+  sk = row_sum<LANES>(sk);
+  sq = row_sum<LANES>(sq);
+  kq = row_sum<LANES>(kq);
+  const float delta = beta * (vs[row] - a * sk);
+#pragma unroll
+  for (int i = 0; i < NV4; ++i) {
+    const float4 kk = k4[lane + i * LANES];
+    dst[lane + i * LANES] = make_float4(a * s[i].x + delta * kk.x, a * s[i].y + delta * kk.y,
+                                        a * s[i].z + delta * kk.z, a * s[i].w + delta * kk.w);
+  }
+  // y rounded to T as the reference's state step returns it
+  const float yr = static_cast<float>(static_cast<T>(a * sq + delta * kq));
+
+  // 4. gated RMSNorm over the head's Dv outputs
+  const float ss = block_sum<NW>(lane == 0 ? yr * yr : 0.f, scratch);
+  if (lane == 0) {
+    const float eps = __int_as_float(EPS_BITS);
+    const float normed = yr * rsqrtf(ss / float(Dv) + eps);
+    const float z = static_cast<float>(pr[C + h * Dv + row]);
+    const float out = static_cast<float>(norm_w[row]) * normed * silu(z);
+    y[size_t(b) * VD + h * Dv + row] = static_cast<T>(out);
+  }
+"""
+
+_METAL_HEADER = """
+// Sum over the LANES consecutive lanes that share one state row.
+template <int LANES>
+inline float row_sum(float x) {
+  for (ushort o = LANES / 2; o > 0; o /= 2) {
+    x += simd_shuffle_xor(x, o);
+  }
+  return x;
+}
+
+// Sum of x over the threadgroup (every thread gets it); scratch holds NW floats.
+template <int NW>
+inline float block_sum(float x, threadgroup float* scratch, uint tid) {
+  x = simd_sum(x);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if ((tid & 31) == 0) {
+    scratch[tid >> 5] = x;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float total = 0.0f;
+  for (int i = 0; i < NW; ++i) {
+    total += scratch[i];
+  }
+  return total;
+}
+
+inline float dn_silu(float x) { return x / (1.0f + metal::exp(-x)); }
+"""
+
+# Same algorithm as _CUDA_SOURCE (untested here: no Metal device); threadgroups of
+# LANES * Dv threads, one per (row, value head); the state is read as plain floats.
+_METAL_SOURCE = """
+  constexpr int BLOCK = LANES * Dv;
+  constexpr int NW = BLOCK / 32;
+  constexpr int NPL = Dk / LANES;
+  constexpr int QK = Hk * Dk;
+  constexpr int C = 2 * QK + Hv * Dv;
+  constexpr int VD = Hv * Dv;
+  constexpr int P = C + VD + 2 * Hv;
+  threadgroup float qf[Dk];
+  threadgroup float kf[Dk];
+  threadgroup float vs[Dv];
+  threadgroup float scratch[NW];
+
+  const uint tid = thread_position_in_threadgroup.x;
+  const uint n = threadgroup_position_in_grid.x;
+  const uint b = n / Hv;
+  const uint h = n % Hv;
+  const uint hk = h / (Hv / Hk);
+  const device T* pr = proj + b * P;
+  const device T* cs = conv_state + b * (K - 1) * C;
+  device T* co = conv_out + b * (K - 1) * C;
+
+  int ch = -1;
+  bool write_tail = true;
+  if (tid < Dk) {
+    ch = hk * Dk + tid;
+    write_tail = (h % (Hv / Hk)) == 0;
+  } else if (tid < 2 * Dk) {
+    ch = QK + hk * Dk + (tid - Dk);
+    write_tail = (h % (Hv / Hk)) == 0;
+  } else if (tid < 2 * Dk + Dv) {
+    ch = 2 * QK + h * Dv + (tid - 2 * Dk);
+  }
+  float x2q = 0.0f, x2k = 0.0f;
+  if (ch >= 0) {
+    const float w0 = static_cast<float>(static_cast<T>(conv_w[ch * K]));
+    T acc = static_cast<T>(static_cast<float>(cs[ch]) * w0);
+    for (int j = 1; j < K; ++j) {
+      const float x = j < K - 1 ? static_cast<float>(cs[j * C + ch]) : static_cast<float>(pr[ch]);
+      const T prod = static_cast<T>(x * static_cast<float>(static_cast<T>(conv_w[ch * K + j])));
+      acc = static_cast<T>(static_cast<float>(acc) + static_cast<float>(prod));
+    }
+    const float val = static_cast<float>(static_cast<T>(dn_silu(static_cast<float>(acc))));
+    if (tid < Dk) {
+      qf[tid] = val;
+      x2q = val * val;
+    } else if (tid < 2 * Dk) {
+      kf[tid - Dk] = val;
+      x2k = val * val;
+    } else {
+      vs[tid - 2 * Dk] = val;
+    }
+    if (write_tail) {
+      for (int j = 0; j < K - 2; ++j) {
+        co[j * C + ch] = cs[(j + 1) * C + ch];
+      }
+      co[(K - 2) * C + ch] = pr[ch];
+    }
+  }
+
+  const float q_sum = block_sum<NW>(x2q, scratch, tid);
+  const float q_scale = metal::rsqrt(q_sum + 1e-6f) * metal::rsqrt(float(Dk));
+  const float k_scale = metal::rsqrt(block_sum<NW>(x2k, scratch, tid) + 1e-6f);
+  if (tid < Dk) {
+    qf[tid] *= q_scale;
+  } else if (tid < 2 * Dk) {
+    kf[tid - Dk] *= k_scale;
+  }
+  const float beta = 1.0f / (1.0f + metal::exp(-static_cast<float>(pr[C + VD + h])));
+  const float ain = static_cast<float>(pr[C + VD + Hv + h]) + dt_bias[h];
+  const float softplus = metal::max(ain, 0.0f) + metal::log(1.0f + metal::exp(-metal::abs(ain)));
+  const float a = metal::exp(-metal::exp(a_log[h]) * softplus);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  const uint lane = tid % LANES;
+  const uint row = tid / LANES;
+  const device float* src = ssm + (n * Dv + row) * Dk;
+  device float* dst = ssm_out + (n * Dv + row) * Dk;
+  float s[NPL];
+  float sk = 0.0f, sq = 0.0f, kq = 0.0f;
+  for (int i = 0; i < NPL; ++i) {
+    const uint c = lane + i * LANES;
+    s[i] = src[c];
+    sk += s[i] * kf[c];
+    sq += s[i] * qf[c];
+    kq += kf[c] * qf[c];
+  }
+  sk = row_sum<LANES>(sk);
+  sq = row_sum<LANES>(sq);
+  kq = row_sum<LANES>(kq);
+  const float delta = beta * (vs[row] - a * sk);
+  for (int i = 0; i < NPL; ++i) {
+    const uint c = lane + i * LANES;
+    dst[c] = a * s[i] + delta * kf[c];
+  }
+  const float yr = static_cast<float>(static_cast<T>(a * sq + delta * kq));
+
+  const float ss = block_sum<NW>(lane == 0 ? yr * yr : 0.0f, scratch, tid);
+  if (lane == 0) {
+    const float eps = as_type<float>(EPS_BITS);
+    const float normed = yr * metal::rsqrt(ss / float(Dv) + eps);
+    const float z = static_cast<float>(pr[C + h * Dv + row]);
+    const float out = static_cast<float>(norm_w[row]) * normed * dn_silu(z);
+    y[b * VD + h * Dv + row] = static_cast<T>(out);
+  }
+"""
+
+_INPUTS = ["proj", "conv_state", "ssm", "conv_w", "a_log", "dt_bias", "norm_w"]
+_OUTPUTS = ["y", "conv_out", "ssm_out"]
+
+
+@functools.cache
+def _kernel(backend: str) -> Callable[..., list[mx.array]]:
+    if backend == "cuda":
+        make, source, header = mx.fast.cuda_kernel, _CUDA_SOURCE, _CUDA_HEADER
+    else:
+        make, source, header = mx.fast.metal_kernel, _METAL_SOURCE, _METAL_HEADER
+    return make(
+        name="deltaserve_dn_decode",
+        input_names=_INPUTS,
+        output_names=_OUTPUTS,
+        source=source,
+        header=header,
+    )
+
+
+def _float_bits(x: float) -> int:
+    return int(mx.array(x, mx.float32).view(mx.int32).item())
+
+
+def deltanet_decode(
+    dims: DecodeDims,
+    proj: mx.array,
+    conv_state: mx.array,
+    ssm: mx.array,
+    conv_w: mx.array,
+    a_log: mx.array,
+    dt_bias: mx.array,
+    norm_w: mx.array,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """One decode token of a DeltaNet layer (shapes in the module docstring): the kernel on
+    CUDA/Metal, `deltanet_decode_ops` on the CPU. Raises ValueError on shapes the kernel
+    does not take (`supported`)."""
+    b, p = proj.shape
+    c = dims.conv_dim
+    if p != dims.proj_dim or conv_state.shape != (b, dims.kernel - 1, c):
+        raise ValueError(f"proj {proj.shape} / conv_state {conv_state.shape} do not fit {dims}")
+    backend = _backend()
+    args = (proj, conv_state.astype(proj.dtype), ssm.astype(mx.float32), conv_w, a_log, dt_bias)
+    if backend == "cpu":
+        return deltanet_decode_ops(dims, *args, norm_w)
+    if not supported(dims):
+        raise ValueError(f"no fused DeltaNet decode kernel for {dims}")
+    hk, dk, hv, dv = dims.num_k_heads, dims.head_k_dim, dims.num_v_heads, dims.head_v_dim
+    block = _LANES * dv
+    template = [("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv), ("K", dims.kernel)]
+    template += [("LANES", _LANES), ("EPS_BITS", _float_bits(dims.norm_eps))]
+    template += [("T", proj.dtype), ("Tw", conv_w.dtype), ("Tn", norm_w.dtype)]
+    y, conv, state = _kernel(backend)(
+        inputs=[*args, norm_w],
+        template=template,
+        grid=(b * hv * block, 1, 1),
+        threadgroup=(block, 1, 1),
+        output_shapes=[(b, hv * dv), conv_state.shape, ssm.shape],
+        output_dtypes=[proj.dtype, proj.dtype, mx.float32],
+    )
+    return y, conv, state
