@@ -321,8 +321,9 @@ class Scheduler:
         already finished on its first token stays out; forks still copy its state)."""
         if req in self.prefilling:
             self.prefilling.remove(req)
-        self.budget.release(req.vision_reserved)
-        req.reserved_bytes -= req.vision_reserved
+        if not req.is_finished:  # else _finish gave back all of it, the tower's part too
+            self.budget.release(req.vision_reserved)
+            req.reserved_bytes -= req.vision_reserved
         req.vision_reserved = 0
         for child in req.children:
             if child.is_finished:

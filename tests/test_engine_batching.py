@@ -137,6 +137,31 @@ def test_long_prompt_never_stalls_decode(loaded: LoadedModel) -> None:
     assert steps >= 200 // SMALL.max_num_batched_tokens
 
 
+def test_prompt_work_next_to_decode_rows_runs_in_lockstep(loaded: LoadedModel) -> None:
+    """A pipelined engine reads back a step that prefills next to decoding rows before
+    planning the next (its measured time is its own: the stall bound is sized from it);
+    decode-only steps stay pipelined."""
+    engine = LLMEngine(loaded, dataclasses.replace(SMALL, pipeline_steps=True))
+    plans = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        plans.append(schedule())
+        return plans[-1]
+
+    engine.scheduler.schedule = recording
+    engine.add_request(GenerationRequest("short", (5, 6, 7), _greedy(30)))
+    kinds = set()
+    for step in range(24):
+        if step == 4:
+            engine.add_request(GenerationRequest("long", tuple(range(1000, 1100)), _greedy(2)))
+        engine.step()
+        mixed = bool(plans[-1].prefill) and bool(plans[-1].decode_row_ids)
+        assert (engine._inflight is None) == mixed or plans[-1].is_empty, step
+        kinds.add(mixed)
+    assert kinds == {True, False}
+
+
 def test_pipelined_steps_equal_lockstep(loaded: LoadedModel) -> None:
     """Planning step N+1 before reading step N back changes no token (greedy, seeded,
     penalised rows; joins and aborts), only when tokens become visible."""

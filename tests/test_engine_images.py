@@ -9,6 +9,7 @@ the pixels are, only that the features land on the right tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -130,6 +131,22 @@ def test_forks_share_one_tower_pass(loaded: LoadedModel) -> None:
     got = _run(LLMEngine(loaded, SMALL), {0: [forked]})
     ref = _alone(loaded, req)
     assert [got[("g", i)] for i in range(3)] == [ref] * 3
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_an_image_row_that_ends_on_its_first_token_gives_its_memory_back(
+    loaded: LoadedModel, pipeline: bool
+) -> None:
+    """In lockstep a row's first token is read back before the next step promotes it: a
+    row that ends there (max_tokens=1) must not give the tower's reservation back twice
+    (next to a decoding row, the pipelined engine runs such steps in lockstep too)."""
+    config = dataclasses.replace(SMALL, pipeline_steps=pipeline, prefix_cache=False)
+    engine = LLMEngine(loaded, config)
+    joins = {0: [_request(loaded, "text", [], 3, max_tokens=12)]}
+    joins[2] = [_request(loaded, "img", [image(4)], 5, max_tokens=1)]
+    got = _run(engine, joins)
+    assert len(got[("img", 0)]) == 1 and len(got[("text", 0)]) == 12
+    assert engine.budget.reserved == 0
 
 
 def test_prefix_cache_keys_on_the_image(loaded: LoadedModel) -> None:
