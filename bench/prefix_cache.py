@@ -28,6 +28,7 @@ from bench.server_vs_mlxlm import (
     _f32_copy,
     _free_port,
     _start,
+    _stop,
     _wait_ready,
     served_name,
 )
@@ -135,8 +136,7 @@ async def _bench(kind: str, model: Path, args: argparse.Namespace) -> list[dict]
             rows.append({"server": kind, "background_streams": background, **row})
             print(json.dumps(rows[-1]), flush=True)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        _stop(proc)
     return rows
 
 

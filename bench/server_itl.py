@@ -29,7 +29,15 @@ import numpy as np
 from PIL import Image
 
 from bench.prefix_cache import _history
-from bench.server_vs_mlxlm import _f32_copy, _free_port, _pct, _start, _wait_ready, served_name
+from bench.server_vs_mlxlm import (
+    _f32_copy,
+    _free_port,
+    _pct,
+    _start,
+    _stop,
+    _wait_ready,
+    served_name,
+)
 from models.testing import cached_checkpoint
 
 
@@ -110,7 +118,7 @@ async def _scenario(base: str, model: str, args: argparse.Namespace) -> dict:
 
 async def _bench(kind: str, model: Path, args: argparse.Namespace) -> dict:
     port = _free_port()
-    proc = _start(kind, model, port, Path(f"/tmp/bench-itl-{kind}.log"))
+    proc = _start(kind, model, port, Path(f"/tmp/bench-itl-{kind}.log"), args.log_level)
     base = f"http://127.0.0.1:{port}"
     try:
         await _wait_ready(base, proc)
@@ -121,8 +129,7 @@ async def _bench(kind: str, model: Path, args: argparse.Namespace) -> dict:
         print(json.dumps(row), flush=True)
         return row
     finally:
-        proc.terminate()
-        proc.wait(30)
+        _stop(proc)
 
 
 def main() -> None:
@@ -133,6 +140,9 @@ def main() -> None:
     parser.add_argument("--arrival", type=float, default=8.0, help="seconds before it arrives")
     parser.add_argument("--only", choices=["deltaserve", "mlx_lm"])
     parser.add_argument("--image", help="WxH: the arriving chat carries one image instead")
+    parser.add_argument(
+        "--log-level", default="warning", help="ours: debug logs each step (/tmp/bench-itl-*.log)"
+    )
     args = parser.parse_args()
     if args.image:
         args.only = "deltaserve"  # mlx_lm.server takes no images

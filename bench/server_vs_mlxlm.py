@@ -72,7 +72,10 @@ def _f32_copy(src: Path) -> Path:
     return dst
 
 
-def _start(kind: str, model: Path, port: int, log: Path) -> subprocess.Popen:
+def _start(
+    kind: str, model: Path, port: int, log: Path, log_level: str = "warning"
+) -> subprocess.Popen:
+    """Start one server; ours logs at `log_level` (debug: each step's size and time)."""
     env = dict(os.environ)
     lib = openblas_path()
     if lib is not None:
@@ -90,7 +93,7 @@ def _start(kind: str, model: Path, port: int, log: Path) -> subprocess.Popen:
             "--max-num-seqs",
             "64",
             "--log-level",
-            "warning",
+            log_level,
         ]
     else:
         cmd = [
@@ -237,11 +240,18 @@ async def _bench(kind: str, model: Path, args: argparse.Namespace) -> list[dict]
             rows.append(row)
         return rows
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 30 s: a server left behind would share the cores
+    with the next benchmark."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def main() -> None:

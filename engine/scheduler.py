@@ -13,6 +13,7 @@ decode rows while that cost is still being learned).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from engine.plan import PrefillChunk, SchedulerOutput, VisionWork
 from engine.request import Request, Status, choices_of
 from engine.step_cost import StepCostModel
 from engine.types import GenerationRequest, InvalidRequestError, RequestOutput, TokenLogprob
+
+log = logging.getLogger(__name__)
 
 # Smallest prefill a step with decode rows gets (so prefill always progresses), and the
 # smallest slice the prefill allowance is split into (so it is not spread over tiny groups).
@@ -314,6 +317,10 @@ class Scheduler:
         self._last_done = done
         num_prefill = sum(c.length for c in out.prefill)
         num_vision = sum(c.vision_tokens for c in out.prefill)
+        log.debug(
+            "step %d: %d decode rows, %d prompt tokens, %d tower token equivalents: %.3f s",
+            out.step, len(out.decode_row_ids), num_prefill, num_vision, seconds,
+        )  # fmt: skip
         self.step_cost.observe(len(out.decode_row_ids), num_prefill, seconds, num_vision, done)
 
     def _promote(self, req: Request) -> None:
@@ -383,5 +390,15 @@ class Scheduler:
         self._started.clear()
         self._saves = []
         if self.prefix is not None:
-            self.prefix.reset()  # its arrays went with the row states
-        return [self._finish(r, "error", error) for r in victims if not r.is_finished]
+            self.prefix.forget()  # its arrays went with the row states
+        # Every reservation goes at once: a step that raised may have left the accounting
+        # inconsistent, and ending the requests must not raise again (streams would hang).
+        for req in victims:
+            req.reserved_bytes = req.vision_reserved = 0
+        outputs = [self._finish(r, "error", error) for r in victims if not r.is_finished]
+        self.budget.clear()
+        # The engine drops every row state with this (RowStates.reset): nothing to free.
+        self.prefilling.clear()
+        self.decoding.clear()
+        self._promote_next, self._freed, self._forks, self._pending = [], [], [], {}
+        return outputs

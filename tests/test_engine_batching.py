@@ -162,6 +162,22 @@ def test_prompt_work_next_to_decode_rows_runs_in_lockstep(loaded: LoadedModel) -
     assert kinds == {True, False}
 
 
+def test_failing_every_request_survives_broken_accounting(loaded: LoadedModel) -> None:
+    """After a step raised, every running and queued request ends with the error even if
+    the memory accounting was left inconsistent (ending them must not raise again: their
+    streams would wait forever), and nothing stays reserved."""
+    engine = LLMEngine(loaded, SMALL)
+    for i, p in enumerate(_prompts(4, seed=3)):
+        engine.add_request(GenerationRequest(f"r{i}", tuple(p), _greedy(20)))
+    engine.step()
+    engine.step()
+    engine.budget.reserved //= 3  # as if a release had been counted twice
+    deltas = engine.fail_all("engine error: boom")
+    assert sorted(d.request_id for d in deltas) == [f"r{i}" for i in range(4)]
+    assert all(d.finish_reason == "error" for d in deltas)
+    assert engine.budget.reserved == 0 and not engine.has_work()
+
+
 def test_pipelined_steps_equal_lockstep(loaded: LoadedModel) -> None:
     """Planning step N+1 before reading step N back changes no token (greedy, seeded,
     penalised rows; joins and aborts), only when tokens become visible."""

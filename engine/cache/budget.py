@@ -105,3 +105,7 @@ class MemoryBudget:
     def release(self, nbytes: int) -> None:
         self.reserved -= nbytes
         assert self.reserved >= 0, "released more than reserved"
+
+    def clear(self) -> None:
+        """Nothing is reserved any more (every row and cached prefix was dropped)."""
+        self.reserved = self.padding = 0

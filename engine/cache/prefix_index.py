@@ -288,9 +288,15 @@ class PrefixIndex:
         return drop
 
     def reset(self) -> None:
-        """Forget everything (the row states were lost: a step failed)."""
-        self.budget.release(self.stats.nbytes)
-        self.stats.nbytes = 0
+        """Forget everything and give its bytes back (the row states were lost: a step
+        failed)."""
+        self.budget.release(self.forget())
+
+    def forget(self) -> int:
+        """Forget every node; returns the bytes they held, for the caller to account
+        (Scheduler.fail_all clears the whole budget instead)."""
+        nbytes, self.stats.nbytes = self.stats.nbytes, 0
         self._root = _Node(-1, None, (), 0, 0)
         self._snapshots = {}
         self._dropped_kv, self._dropped_snapshots = [], []
+        return nbytes
