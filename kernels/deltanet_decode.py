@@ -38,6 +38,7 @@ import mlx.core as mx
 from kernels import fastmath
 from kernels.gated_delta import gated_delta_step
 from kernels.gated_delta_fused import _backend
+from kernels.rms_norm import float_bits
 
 __all__ = ["DecodeDims", "deltanet_decode", "deltanet_decode_ops", "supported"]
 
@@ -441,10 +442,6 @@ def _kernel(backend: str) -> Callable[..., list[mx.array]]:
     )
 
 
-def _float_bits(x: float) -> int:
-    return int(mx.array(x, mx.float32).view(mx.int32).item())
-
-
 def deltanet_decode(
     dims: DecodeDims,
     proj: mx.array,
@@ -471,7 +468,7 @@ def deltanet_decode(
     hk, dk, hv, dv = dims.num_k_heads, dims.head_k_dim, dims.num_v_heads, dims.head_v_dim
     block = _LANES * dv
     template = [("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv), ("K", dims.kernel)]
-    template += [("LANES", _LANES), ("EPS_BITS", _float_bits(dims.norm_eps))]
+    template += [("LANES", _LANES), ("EPS_BITS", float_bits(dims.norm_eps))]
     template += [("T", proj.dtype), ("Tw", conv_w.dtype), ("Tn", norm_w.dtype)]
     y, conv, state = _kernel(backend)(
         inputs=[*args, norm_w],

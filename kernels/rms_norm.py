@@ -17,13 +17,14 @@ algorithm as `mx.fast.metal_kernel` (never run here: no Mac); CPU, or float32 in
 from __future__ import annotations
 
 import functools
+import struct
 from collections.abc import Callable
 
 import mlx.core as mx
 
 from kernels.gated_delta_fused import _backend
 
-__all__ = ["rms_norm", "rms_norm_ops"]
+__all__ = ["float_bits", "rms_norm", "rms_norm_ops"]
 
 _THREADS = 256  # per row (one block / threadgroup per row)
 
@@ -101,9 +102,10 @@ def _kernel(backend: str) -> Callable[..., list[mx.array]]:
     )
 
 
-@functools.cache
-def _float_bits(x: float) -> int:
-    return int(mx.array(x, mx.float32).view(mx.int32).item())
+def float_bits(x: float) -> int:
+    """The bits of float32(x) as an int (a kernel template argument), computed in Python:
+    no MLX op, so no evaluation on the stream from inside a step's graph building."""
+    return struct.unpack("<i", struct.pack("<f", x))[0]
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
@@ -115,7 +117,7 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     if weight.shape != (d,):
         raise ValueError(f"weight {weight.shape} must be [{d}] for x {x.shape}")
     rows = x.size // d
-    template = [("D", d), ("THREADS", _THREADS), ("EPS_BITS", _float_bits(eps)), ("T", x.dtype)]
+    template = [("D", d), ("THREADS", _THREADS), ("EPS_BITS", float_bits(eps)), ("T", x.dtype)]
     (out,) = _kernel(backend)(
         inputs=[x, weight],
         template=template,

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels.rms_norm import rms_norm, rms_norm_ops
+from kernels.rms_norm import float_bits, rms_norm, rms_norm_ops
 
 HAS_GPU = mx.default_device().type == mx.DeviceType.gpu
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA or Metal GPU as default device")
@@ -67,3 +67,9 @@ def test_kernel_matches_ops(shape: tuple[int, ...], dtype: mx.Dtype) -> None:
     diff = mx.abs(got.astype(mx.float32) - ref.astype(mx.float32))
     bound = TOL[dtype] * mx.maximum(1.0, mx.abs(ref.astype(mx.float32)))
     assert mx.all(diff <= bound).item(), diff.max().item()
+
+
+@pytest.mark.parametrize("eps", [1e-6, 1e-5, 1e-12, 0.1])
+def test_float_bits_are_float32s(eps: float) -> None:
+    """The kernels' eps template argument: float32(eps)'s bits, without an MLX op."""
+    assert float_bits(eps) == mx.array(eps, mx.float32).view(mx.int32).item()
