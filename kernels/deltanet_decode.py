@@ -23,8 +23,9 @@ L2 norms; then LANES lanes per state row do the update as in kernels/gated_delta
 head h with h % (Hv / Hk) == 0 also write the q/k channels of the new conv tail.
 
 Backends (by the default device): CUDA -> `mx.fast.cuda_kernel`; Metal -> the same
-algorithm as `mx.fast.metal_kernel` (never run here: no Mac); CPU -> `deltanet_decode_ops`,
-plain MLX ops, which is the reference the tests compare the kernels against.
+algorithm as `mx.fast.metal_kernel` (its source: kernels/deltanet_decode_metal.py; never
+run here: no Mac); CPU -> `deltanet_decode_ops`, plain MLX ops, which is the reference the
+tests compare the kernels against.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from kernels import fastmath
+from kernels.deltanet_decode_metal import METAL_HEADER, METAL_SOURCE
 from kernels.gated_delta import gated_delta_step
 from kernels.gated_delta_fused import _backend
 from kernels.rms_norm import float_bits
@@ -285,144 +287,6 @@ _CUDA_SOURCE = """
   }
 """
 
-_METAL_HEADER = """
-// Sum over the LANES consecutive lanes that share one state row.
-template <int LANES>
-inline float row_sum(float x) {
-  for (ushort o = LANES / 2; o > 0; o /= 2) {
-    x += simd_shuffle_xor(x, o);
-  }
-  return x;
-}
-
-// Sum of x over the threadgroup (every thread gets it); scratch holds NW floats.
-template <int NW>
-inline float block_sum(float x, threadgroup float* scratch, uint tid) {
-  x = simd_sum(x);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  if ((tid & 31) == 0) {
-    scratch[tid >> 5] = x;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  float total = 0.0f;
-  for (int i = 0; i < NW; ++i) {
-    total += scratch[i];
-  }
-  return total;
-}
-
-inline float dn_silu(float x) { return x / (1.0f + metal::exp(-x)); }
-"""
-
-# Same algorithm as _CUDA_SOURCE (untested here: no Metal device); threadgroups of
-# LANES * Dv threads, one per (row, value head); the state is read as plain floats.
-_METAL_SOURCE = """
-  constexpr int BLOCK = LANES * Dv;
-  constexpr int NW = BLOCK / 32;
-  constexpr int NPL = Dk / LANES;
-  constexpr int QK = Hk * Dk;
-  constexpr int C = 2 * QK + Hv * Dv;
-  constexpr int VD = Hv * Dv;
-  constexpr int P = C + VD + 2 * Hv;
-  threadgroup float qf[Dk];
-  threadgroup float kf[Dk];
-  threadgroup float vs[Dv];
-  threadgroup float scratch[NW];
-
-  const uint tid = thread_position_in_threadgroup.x;
-  const uint n = threadgroup_position_in_grid.x;
-  const uint b = n / Hv;
-  const uint h = n % Hv;
-  const uint hk = h / (Hv / Hk);
-  const device T* pr = proj + b * P;
-  const device T* cs = conv_state + b * (K - 1) * C;
-  device T* co = conv_out + b * (K - 1) * C;
-
-  int ch = -1;
-  bool write_tail = true;
-  if (tid < Dk) {
-    ch = hk * Dk + tid;
-    write_tail = (h % (Hv / Hk)) == 0;
-  } else if (tid < 2 * Dk) {
-    ch = QK + hk * Dk + (tid - Dk);
-    write_tail = (h % (Hv / Hk)) == 0;
-  } else if (tid < 2 * Dk + Dv) {
-    ch = 2 * QK + h * Dv + (tid - 2 * Dk);
-  }
-  float x2q = 0.0f, x2k = 0.0f;
-  if (ch >= 0) {
-    const float w0 = static_cast<float>(static_cast<T>(conv_w[ch * K]));
-    T acc = static_cast<T>(static_cast<float>(cs[ch]) * w0);
-    for (int j = 1; j < K; ++j) {
-      const float x = j < K - 1 ? static_cast<float>(cs[j * C + ch]) : static_cast<float>(pr[ch]);
-      const T prod = static_cast<T>(x * static_cast<float>(static_cast<T>(conv_w[ch * K + j])));
-      acc = static_cast<T>(static_cast<float>(acc) + static_cast<float>(prod));
-    }
-    const float val = static_cast<float>(static_cast<T>(dn_silu(static_cast<float>(acc))));
-    if (tid < Dk) {
-      qf[tid] = val;
-      x2q = val * val;
-    } else if (tid < 2 * Dk) {
-      kf[tid - Dk] = val;
-      x2k = val * val;
-    } else {
-      vs[tid - 2 * Dk] = val;
-    }
-    if (write_tail) {
-      for (int j = 0; j < K - 2; ++j) {
-        co[j * C + ch] = cs[(j + 1) * C + ch];
-      }
-      co[(K - 2) * C + ch] = pr[ch];
-    }
-  }
-
-  const float q_sum = block_sum<NW>(x2q, scratch, tid);
-  const float q_scale = metal::rsqrt(q_sum + 1e-6f) * metal::rsqrt(float(Dk));
-  const float k_scale = metal::rsqrt(block_sum<NW>(x2k, scratch, tid) + 1e-6f);
-  if (tid < Dk) {
-    qf[tid] *= q_scale;
-  } else if (tid < 2 * Dk) {
-    kf[tid - Dk] *= k_scale;
-  }
-  const float beta = 1.0f / (1.0f + metal::exp(-static_cast<float>(pr[C + VD + h])));
-  const float ain = static_cast<float>(pr[C + VD + Hv + h]) + dt_bias[h];
-  const float softplus = metal::max(ain, 0.0f) + metal::log(1.0f + metal::exp(-metal::abs(ain)));
-  const float a = metal::exp(-metal::exp(a_log[h]) * softplus);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-
-  const uint lane = tid % LANES;
-  const uint row = tid / LANES;
-  const device float* src = ssm + (n * Dv + row) * Dk;
-  device float* dst = ssm_out + (n * Dv + row) * Dk;
-  float s[NPL];
-  float sk = 0.0f, sq = 0.0f, kq = 0.0f;
-  for (int i = 0; i < NPL; ++i) {
-    const uint c = lane + i * LANES;
-    s[i] = src[c];
-    sk += s[i] * kf[c];
-    sq += s[i] * qf[c];
-    kq += kf[c] * qf[c];
-  }
-  sk = row_sum<LANES>(sk);
-  sq = row_sum<LANES>(sq);
-  kq = row_sum<LANES>(kq);
-  const float delta = beta * (vs[row] - a * sk);
-  for (int i = 0; i < NPL; ++i) {
-    const uint c = lane + i * LANES;
-    dst[c] = a * s[i] + delta * kf[c];
-  }
-  const float yr = static_cast<float>(static_cast<T>(a * sq + delta * kq));
-
-  const float ss = block_sum<NW>(lane == 0 ? yr * yr : 0.0f, scratch, tid);
-  if (lane == 0) {
-    const float eps = as_type<float>(EPS_BITS);
-    const float normed = yr * metal::rsqrt(ss / float(Dv) + eps);
-    const float z = static_cast<float>(pr[C + h * Dv + row]);
-    const float out = static_cast<float>(norm_w[row]) * normed * dn_silu(z);
-    y[b * VD + h * Dv + row] = static_cast<T>(out);
-  }
-"""
-
 _INPUTS = ["proj", "conv_state", "ssm", "conv_w", "a_log", "dt_bias", "norm_w"]
 _OUTPUTS = ["y", "conv_out", "ssm_out"]
 
@@ -432,7 +296,7 @@ def _kernel(backend: str) -> Callable[..., list[mx.array]]:
     if backend == "cuda":
         make, source, header = mx.fast.cuda_kernel, _CUDA_SOURCE, _CUDA_HEADER
     else:
-        make, source, header = mx.fast.metal_kernel, _METAL_SOURCE, _METAL_HEADER
+        make, source, header = mx.fast.metal_kernel, METAL_SOURCE, METAL_HEADER
     return make(
         name="deltaserve_dn_decode",
         input_names=_INPUTS,
