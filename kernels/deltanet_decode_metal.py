@@ -34,7 +34,7 @@ inline float block_sum(float x, threadgroup float* scratch, uint tid) {
 inline float dn_silu(float x) { return x / (1.0f + metal::exp(-x)); }
 """
 
-# Same algorithm as _CUDA_SOURCE (untested here: no Metal device); threadgroups of
+# Same algorithm as deltanet_decode._CUDA_SOURCE (untested here: no Metal device); threadgroups of
 # LANES * Dv threads, one per (row, value head); the state is read as plain floats.
 METAL_SOURCE = """
   constexpr int BLOCK = LANES * Dv;
