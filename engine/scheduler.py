@@ -317,10 +317,8 @@ class Scheduler:
         self._last_done = done
         num_prefill = sum(c.length for c in out.prefill)
         num_vision = sum(c.vision_tokens for c in out.prefill)
-        log.debug(
-            "step %d: %d decode rows, %d prompt tokens, %d tower token equivalents: %.3f s",
-            out.step, len(out.decode_row_ids), num_prefill, num_vision, seconds,
-        )  # fmt: skip
+        log.debug("step %d: %d decode rows, %d prompt tokens, %d tower units: %.3f s",
+                  out.step, len(out.decode_row_ids), num_prefill, num_vision, seconds)  # fmt: skip
         self.step_cost.observe(len(out.decode_row_ids), num_prefill, seconds, num_vision, done)
 
     def _promote(self, req: Request) -> None:
@@ -384,21 +382,18 @@ class Scheduler:
         )
 
     def fail_all(self, error: str) -> list[RequestOutput]:
-        """Finish every row and queued request with an error (the step raised)."""
+        """Finish every row and queued request with an error (the step raised; the engine
+        drops every row state with it: RowStates.reset, so nothing is left to free)."""
         victims = list(self.rows.values()) + [r for w in self.waiting for r in (w, *w.children)]
         self.waiting.clear()
         self._started.clear()
-        self._saves = []
         if self.prefix is not None:
             self.prefix.forget()  # its arrays went with the row states
-        # Every reservation goes at once: a step that raised may have left the accounting
-        # inconsistent, and ending the requests must not raise again (streams would hang).
+        # All reservations at once: the accounting may be broken, and this must not raise.
         for req in victims:
             req.reserved_bytes = req.vision_reserved = 0
         outputs = [self._finish(r, "error", error) for r in victims if not r.is_finished]
         self.budget.clear()
-        # The engine drops every row state with this (RowStates.reset): nothing to free.
-        self.prefilling.clear()
-        self.decoding.clear()
-        self._promote_next, self._freed, self._forks, self._pending = [], [], [], {}
+        self.prefilling, self.decoding, self._pending = [], [], {}
+        self._promote_next, self._freed, self._forks, self._saves = [], [], [], []
         return outputs
