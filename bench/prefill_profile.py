@@ -68,7 +68,7 @@ def kernel_lines(loaded, rows: int, length: int) -> list[dict]:
     chunked_c = mx.compile(gated_delta_chunked)
     hidden = loaded.config.hidden_size
     x = mx.random.normal((rows, length, hidden), key=keys[5]).astype(loaded.dtype)
-    qkv, z, b_in, a_in = layer._project(x)
+    qkv, z, b_in, a_in = layer.project(x)
     conv0 = mx.zeros((rows, layer.kernel_size - 1, layer.conv_dim), qkv.dtype)
     weights = (layer.conv1d.weight, layer.A_log, layer.dt_bias, layer.norm.weight)
     args = (qkv, z, b_in, a_in, conv0, s0, *weights)

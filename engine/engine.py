@@ -92,7 +92,8 @@ class LLMEngine:
         self.leader = leader
         self.pipeline = self.config.pipeline_steps and leader is None
         cfg = loaded.config
-        loaded.model.pack_token_wise = self.config.pack_token_wise
+        pack = self.config.pack_token_wise
+        loaded.model.pack_token_wise = on_cpu() if pack is None else pack
         self.max_context = self.config.max_context or cfg.max_position_embeddings
         dtype_size = loaded.dtype.size
         kv = self.config.kv_cache

@@ -29,7 +29,7 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
-    def _project(self, x: mx.array) -> list[mx.array]:
+    def project(self, x: mx.array) -> list[mx.array]:
         """[query | gate] [B, L, Hq * 2 * hd], keys and values [B, L, Hkv * hd]."""
         if "qkv_proj" in self:
             return self.qkv_proj(x)
@@ -48,10 +48,21 @@ class GatedAttention(nn.Module):
         left_pad: tuple[int, ...] | None,
     ) -> mx.array:
         """x [B, L, H] -> [B, L, H]; appends this step's K/V to `state`."""
-        b, length, _ = x.shape
+        return self.o_proj(self.core(self.project(x), rope, cos_sin, state, left_pad))
+
+    def core(
+        self,
+        projected: list[mx.array],
+        rope: MRoPE,
+        cos_sin: tuple[mx.array, mx.array],
+        state: AttentionState,
+        left_pad: tuple[int, ...] | None,
+    ) -> mx.array:
+        """`project`'s outputs [B, L, *] -> o_proj's input [B, L, Hq * hd]."""
+        q_and_gate, keys, values = projected
+        b, length, _ = q_and_gate.shape
         hd = self.head_dim
         # q_proj emits [query | gate] per head: [B, L, Hq, 2 * hd]
-        q_and_gate, keys, values = self._project(x)
         q_and_gate = q_and_gate.reshape(b, length, self.num_heads, 2 * hd)
         queries, gate = q_and_gate[..., :hd], q_and_gate[..., hd:]
         keys = keys.reshape(b, length, self.num_kv_heads, hd)
@@ -65,4 +76,9 @@ class GatedAttention(nn.Module):
         keys = rope.apply(keys, cos, sin)
         out = state.attend(queries, keys, values, self.scale, left_pad)
         out = out.transpose(0, 2, 1, 3).reshape(b, length, self.num_heads * hd)
-        return self.o_proj(out * fastmath.sigmoid(gate.reshape(b, length, -1)))
+        return out * fastmath.sigmoid(gate.reshape(b, length, -1))
+
+    @property
+    def output(self) -> nn.Module:
+        """The output projection (o_proj), named alike in both mixers."""
+        return self.o_proj

@@ -192,7 +192,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
 
-    def _project(self, x: mx.array) -> list[mx.array]:
+    def project(self, x: mx.array) -> list[mx.array]:
         """qkv [B, L, conv_dim], z [B, L, value_dim], b and a [B, L, Hv]."""
         if "in_proj" in self:
             return self.in_proj(x)
@@ -222,7 +222,7 @@ class GatedDeltaNet(nn.Module):
         if "in_proj" in self:  # the fused projection unsplit: [B, 1, P] is contiguous
             proj = self.in_proj.proj(x)
         else:
-            proj = mx.concatenate(self._project(x), axis=-1)
+            proj = mx.concatenate(self.project(x), axis=-1)
         conv_state, ssm = self._states(state, b, proj.dtype)
         weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
         y, state.conv, state.ssm = dn_decode.deltanet_decode(
@@ -261,7 +261,7 @@ class GatedDeltaNet(nn.Module):
         if rows_b > rows:  # dead rows: nothing but padding
             padded.append(mx.zeros((rows_b - rows, length_b, hidden), xs[0].dtype))
             pads += [length_b] * (rows_b - rows)
-        qkv, z, beta_in, a_in = self._project(mx.concatenate(padded, axis=0))
+        qkv, z, beta_in, a_in = self.project(mx.concatenate(padded, axis=0))
         parts = [self._states(s, x.shape[0], qkv.dtype) for s, x in zip(states, xs, strict=True)]
         convs, ssms = [p[0] for p in parts], [p[1] for p in parts]
         if rows_b > rows:
@@ -291,16 +291,37 @@ class GatedDeltaNet(nn.Module):
         left_pad: tuple[int, ...] | None,
     ) -> mx.array:
         """x [B, L, H] -> [B, L, H]; mask [B, L] (True = real) keeps pads out of the state."""
-        b, length, _ = x.shape
+        length = x.shape[1]
         if self.use_compiled(length):
             return self.prefill_many([x], [state], [left_pad])[0]
         if length == 1 and mask is None and self.use_fused_decode():
             return self._decode_fused(x, state)
-        qkv, z, beta_in, a_in = self._project(x)
-        conv_state, ssm = self._states(state, b, qkv.dtype)
+        return self.out_proj(self.core(self.project(x), state, mask, left_pad))
+
+    def packable(self, length: int, mask: mx.array | None) -> bool:
+        """Whether an input takes `core` (the eager path), so its projections may run
+        packed with other groups' (models/qwen35.py); not the compiled or fused paths."""
+        fused = length == 1 and mask is None and self.use_fused_decode()
+        return not fused and not self.use_compiled(length)
+
+    def core(
+        self,
+        projected: list[mx.array],
+        state: RecurrentState,
+        mask: mx.array | None,
+        left_pad: tuple[int, ...] | None,
+    ) -> mx.array:
+        """`project`'s outputs [B, L, *] -> out_proj's input [B, L, value_dim], eagerly."""
+        qkv, z, beta_in, a_in = projected
+        conv_state, ssm = self._states(state, qkv.shape[0], qkv.dtype)
         masked = () if mask is None else (mask, mx.array(left_pad, dtype=mx.int32))
         weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
         y, state.conv, state.ssm = deltanet_core(
             self._dims, qkv, z, beta_in, a_in, conv_state, ssm, *weights, *masked
         )
-        return self.out_proj(y)
+        return y
+
+    @property
+    def output(self) -> nn.Module:
+        """The output projection (out_proj), named alike in both mixers."""
+        return self.out_proj

@@ -1,9 +1,12 @@
 """Qwen3.5 language model (dense and MoE) with a mixed-group forward.
 
 One call runs several groups of rows (e.g. the decode batch [B, 1] and prefill chunks
-[1, C]) through every layer: attention / DeltaNet per group (their states are disjoint),
-then the token-wise work (post-norm + MLP/MoE) packed over all groups' tokens in one
-matmul when `pack_token_wise` is on.
+[1, C]) through every layer: attention / DeltaNet per group (their states are disjoint).
+With `pack_token_wise` on, the token-wise work around them (norms, the mixers' input and
+output projections, the MLP/MoE) runs once over all groups' tokens: each weight is read
+once per step, not once per group. On the CPU a matmul of a few rows costs its weight
+bytes, so a small prompt group next to the decode rows cost a second pass over the
+weights (0.8B, float32: ~0.3 s on a ~0.55 s step).
 """
 
 from __future__ import annotations
@@ -67,6 +70,33 @@ class DecoderLayer(nn.Module):
         outs = self.linear_attn.prefill_many(normed, states, pads)
         return [x + self._reduce(out) for x, out in zip(xs, outs, strict=True)]
 
+    def mix_packed(
+        self, xs: list[mx.array], groups: list[ForwardGroup], contexts: list, states: list
+    ) -> list[mx.array]:
+        """`mix` for several groups, the norm and projections over all their tokens at
+        once (each group's `packable` path, so only the core runs per group)."""
+        mixer = self.self_attn if self.is_full_attention else self.linear_attn
+        sizes = [x.shape[0] * x.shape[1] for x in xs]
+        flat = mx.concatenate([x.reshape(n, -1) for x, n in zip(xs, sizes, strict=True)])
+        projected = mixer.project(self.input_layernorm(flat))  # each [N, *]
+        cores, start = [], 0
+        for x, g, ctx, state, n in zip(xs, groups, contexts, states, sizes, strict=True):
+            parts = [p[start : start + n].reshape(*x.shape[:2], -1) for p in projected]
+            start += n
+            if self.is_full_attention:
+                y = mixer.core(parts, ctx.rope, ctx.cos_sin, state, g.left_pad)
+            else:
+                y = mixer.core(parts, state, ctx.mask, g.left_pad)
+            cores.append(y.reshape(n, -1))
+        out = self._reduce(mixer.output(mx.concatenate(cores)))
+        return [x + o.reshape(x.shape) for x, o in zip(xs, _split(out, sizes), strict=True)]
+
+    def packable(self, group: ForwardGroup, ctx: _GroupContext) -> bool:
+        """Whether the group's mixer input may be packed with others' (mix_packed)."""
+        if self.is_full_attention:
+            return True
+        return self.linear_attn.packable(group.shape[1], ctx.mask)
+
     def feed_forward(self, x: mx.array) -> mx.array:
         """Residual + MLP over tokens x [N, H] (any leading shape is flattened)."""
         flat = x.reshape(-1, x.shape[-1])
@@ -126,7 +156,8 @@ class Qwen35Model(nn.Module):
     ) -> list[mx.array]:
         """Attention / DeltaNet per group; with the compiled DeltaNet prefill on, every
         prefill group (L > 1) of a DeltaNet layer in one call: on the GPU a layer's cost
-        is its op count, which would otherwise grow with the number of cohorts."""
+        is its op count, which would otherwise grow with the number of cohorts. With
+        pack_token_wise, the groups on the eager path share their projections."""
         many = []
         if not layer.is_full_attention and layer.linear_attn.use_compiled(2):
             many = [i for i, h in enumerate(hidden) if h.shape[1] > 1]
@@ -138,9 +169,22 @@ class Qwen35Model(nn.Module):
             )  # fmt: skip
             for i, h in zip(many, merged, strict=True):
                 out[i] = h
-        for i, (h, g, ctx) in enumerate(zip(hidden, groups, contexts, strict=True)):
-            if len(many) < 2 or i not in many:
-                out[i] = layer.mix(h, g, ctx, g.states[idx])
+        else:
+            many = []
+        rest = [i for i in range(len(hidden)) if i not in many]
+        packed = []
+        if self.pack_token_wise:
+            packed = [i for i in rest if layer.packable(groups[i], contexts[i])]
+        if len(packed) > 1:
+            merged = layer.mix_packed(
+                [hidden[i] for i in packed], [groups[i] for i in packed],
+                [contexts[i] for i in packed], [groups[i].states[idx] for i in packed],
+            )  # fmt: skip
+            for i, h in zip(packed, merged, strict=True):
+                out[i] = h
+        for i in rest:
+            if len(packed) < 2 or i not in packed:
+                out[i] = layer.mix(hidden[i], groups[i], contexts[i], groups[i].states[idx])
         return out
 
     def _embed(self, group: ForwardGroup) -> mx.array:
@@ -155,11 +199,7 @@ class Qwen35Model(nn.Module):
         sizes = [h.shape[0] * h.shape[1] for h in hidden]
         flat = mx.concatenate([h.reshape(-1, h.shape[-1]) for h in hidden], axis=0)
         flat = layer.feed_forward(flat)
-        splits = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
-        return [
-            part.reshape(h.shape)
-            for part, h in zip(mx.split(flat, splits, axis=0), hidden, strict=True)
-        ]
+        return [p.reshape(h.shape) for p, h in zip(_split(flat, sizes), hidden, strict=True)]
 
     def fuse_projections(self) -> None:
         """After loading: each layer's projections of one input as one matmul (fewer
@@ -179,3 +219,9 @@ class Qwen35Model(nn.Module):
         else:
             out = self.lm_head(hidden)
         return out.astype(mx.float32)
+
+
+def _split(flat: mx.array, sizes: list[int]) -> list[mx.array]:
+    """[sum(sizes), X] -> one [n, X] part per size, in order."""
+    bounds = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
+    return mx.split(flat, bounds, axis=0)

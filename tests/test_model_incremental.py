@@ -15,6 +15,7 @@ from parity_utils import forward, full_logits, long_ids, rel_error
 
 from engine.cache.batch import BatchState
 from models.build import LoadedModel, load_model
+from models.state import ForwardGroup, text_positions
 from models.testing import cached_checkpoint
 
 # Relative logit error bound, max|split - full| / max|full| (logits up to ~140). The
@@ -111,3 +112,49 @@ def test_merged_states_decode_equals_rows_alone(loaded: LoadedModel, ids: list[i
         for t in range(2):
             alone = forward(loaded, alone_state, [[toks[t]]], [len(row) + t])[0]
             assert rel_error(batched[t][b], alone) <= REL_TOL, f"row {b} step {t}"
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_groups_in_one_forward_equal_each_group_alone(
+    loaded: LoadedModel, ids: list[int], pack: bool
+) -> None:
+    """A decode group [2, 1], a left-padded prefill group [2, 33] and a fresh [1, 7] in
+    one forward (packed token-wise work or not): each group's logits equal the group run
+    alone in its own forward."""
+
+    def groups() -> list[ForwardGroup]:
+        decode = BatchState.empty(loaded.config)
+        for row in (ids[:5], ids[40:60]):
+            single = BatchState.empty(loaded.config)
+            forward(loaded, single, [row], [0])
+            decode.merge(single)
+        prompts = [ids[60:93], [11] * 21 + ids[3:15]]  # second row: 21 junk pads
+        return [
+            ForwardGroup(_ids([[ids[7]], [ids[9]]]), text_positions([5, 20], 1), decode.layers),
+            ForwardGroup(
+                _ids(prompts),
+                text_positions([0, -21], 33),
+                BatchState.empty(loaded.config).layers,
+                (0, 21),
+            ),  # fmt: skip
+            ForwardGroup(
+                _ids([ids[:7]]), text_positions([0], 7), BatchState.empty(loaded.config).layers
+            ),
+        ]
+
+    model = loaded.model
+    model.pack_token_wise = False
+    alone = [model.logits(model([g])[0]) for g in groups()]
+    model.pack_token_wise = pack
+    try:
+        together = [model.logits(h) for h in model(groups())]
+    finally:
+        model.pack_token_wise = False
+    for i, (a, t) in enumerate(zip(alone, together, strict=True)):
+        if i == 1:  # the padded row's pad columns are junk in both
+            a, t = mx.concatenate([a[0], a[1, 21:]]), mx.concatenate([t[0], t[1, 21:]])
+        assert rel_error(t.reshape(-1, t.shape[-1]), a.reshape(-1, a.shape[-1])) <= REL_TOL, i
+
+
+def _ids(rows: list[list[int]]) -> mx.array:
+    return mx.array(rows, dtype=mx.int32)
