@@ -34,6 +34,7 @@ from engine.scheduler import Scheduler
 from engine.types import GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
 from engine.vision_inputs import VisionInputs
 from models.build import LoadedModel, on_cpu
+from models.deltanet import compile_prefill_default
 
 if TYPE_CHECKING:  # tensor_parallel.py builds engines
     from engine.tensor_parallel import Leader
@@ -106,6 +107,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.config, self.budget, self.max_context, clock, self.prefix_cache
         )
+        # An eager DeltaNet prefill keeps a snapshot's state mid-chunk at the cost of one
+        # more core call; compiled, the snapshot ends the chunk (the compiled call stays one)
+        self.scheduler.snapshot_in_chunk = not compile_prefill_default()
         kv_factory = kv_store_factory(self.config.kv_cache)
         compiled = self._compiled_decode()
         # A compiled step retraces per batch size: hold the decode batch at bucket sizes.

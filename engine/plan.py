@@ -37,6 +37,9 @@ class PrefillChunk:
     # and what it costs in prefill-token equivalents (the step-cost model counts it)
     vision: tuple[VisionWork, ...] = ()
     vision_tokens: int = 0
+    # A prefix-cache snapshot after this many of the chunk's tokens (0 = none; one at the
+    # chunk's end is a CacheSave alone)
+    snapshot_at: int = 0
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from engine.media import PromptMedia, VisionProgress
-from engine.types import GenerationRequest, InvalidRequestError, SamplingParams
+from engine.types import (
+    GenerationRequest,
+    InvalidRequestError,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 
 
 class Status(Enum):
@@ -103,6 +109,26 @@ class Request:
         if self.num_tokens >= self.max_context:
             return "length"
         return None
+
+    def delta(
+        self,
+        tokens: tuple[int, ...],
+        logprobs: tuple[TokenLogprob, ...] | None,
+        reason: str | None,
+        error: str | None = None,
+    ) -> RequestOutput:
+        """One delta of this choice's stream, with its counts as they are now."""
+        return RequestOutput(
+            request_id=self.request_id,
+            index=self.index,
+            token_ids=tokens,
+            logprobs=logprobs,
+            finish_reason=reason,
+            error=error,
+            num_prompt_tokens=self.num_prompt,
+            num_output_tokens=len(self.output_ids),
+            num_cached_tokens=self.num_cached,
+        )
 
 
 def choices_of(

@@ -117,7 +117,7 @@ class ModelRunner:
             if chunk.length == 0:
                 continue  # only vision-tower work (VisionInputs.encode ran it)
             key = "first" if chunk.start == 0 else chunk.length
-            if not self.batch_prefill:
+            if not self.batch_prefill or chunk.snapshot_at:  # a split forward: B = 1
                 key = i
             cohort = by_key.setdefault(key, _Cohort([], []))
             cohort.chunk_indices.append(i)
@@ -148,7 +148,8 @@ class ModelRunner:
         else:
             state = self.states.cohort_state(cohort.row_ids)
         left_pad = tuple(pads) if any(pads) else None
-        return ForwardGroup(tokens, positions, state.layers, left_pad, embeds)
+        split = members[0].snapshot_at if len(members) == 1 else 0
+        return ForwardGroup(tokens, positions, state.layers, left_pad, embeds, split)
 
     def _scatter(self, cohort: _Cohort, group: ForwardGroup) -> list:
         """After a batched chunk: each row's state back to its own prefill state."""

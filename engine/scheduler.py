@@ -17,6 +17,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from engine.api import QueueFullError
 from engine.cache.budget import MemoryBudget
@@ -67,6 +68,8 @@ class Scheduler:
         self._price = VisionPrice()  # what tower blocks cost in this step's plan
         self.prefix = prefix
         self._saves: list[CacheSave] = []
+        # The engine sets it where a forward can keep DeltaNet state mid-chunk (eager core)
+        self.snapshot_in_chunk = False  # False: a chunk ends at each snapshot
 
     # -- intake -------------------------------------------------------------------------
     def add(
@@ -225,8 +228,9 @@ class Scheduler:
 
     def _chunk(self, req: Request, budget: int, oldest: bool) -> PrefillChunk:
         """The next chunk of `req`, ending at its next snapshot position if it gets there
-        (the row's state is saved right after the chunk). With images: tokens stop at an
-        image whose tower has not finished; its blocks take what the budget affords."""
+        (the row's state is saved right after the chunk), or past it with the snapshot
+        inside (snapshot_in_chunk). With images: tokens stop at an image whose tower has
+        not finished; its blocks take what the budget affords."""
         length = min(req.num_prompt - req.num_computed, budget, self.config.max_prefill_chunk)
         end = req.num_computed + length
         work: tuple[VisionWork, ...] = ()
@@ -237,19 +241,31 @@ class Scheduler:
                 req.vision, req.num_computed, stop, budget, oldest, self._price
             )
             length = end - req.num_computed
+        inside = 0
+        if self.snapshot_in_chunk and req.snapshot_at and req.snapshot_at[0] < end:
+            inside = self._save(req, req.snapshot_at.pop(0), inside=True)
         if req.snapshot_at and end >= req.snapshot_at[0]:
             end = req.snapshot_at.pop(0)
             length = end - req.num_computed
-            save = self.prefix.insert(req.row_id, req.key_ids, end) if self.prefix else None
-            self._saves += [save] if save is not None else []
+            self._save(req, end)
         is_last = end == req.num_prompt
         samplers = (req.row_id, *(c.row_id for c in req.children)) if is_last else ()
         cost = sum((w.stop - w.start) * req.media.block_tokens[w.image] for w in work)
+        split = inside - req.num_computed if inside else 0
         chunk = PrefillChunk(
-            req.row_id, req.num_computed, length, samplers, req.cache_chain, work, cost
+            req.row_id, req.num_computed, length, samplers, req.cache_chain, work, cost, split
         )
         req.cache_chain = ()
         return chunk
+
+    def _save(self, req: Request, position: int, inside: bool = False) -> int:
+        """Snapshot `req`'s row at `position` with this step's chunk (`inside` it: the
+        forward keeps the state there); the position, 0 if cached already or no room."""
+        save = self.prefix.insert(req.row_id, req.key_ids, position) if self.prefix else None
+        if save is None:
+            return 0
+        self._saves.append(replace(save, inside=inside))
+        return position
 
     def _can_admit(self, req: Request) -> bool:
         rows = 1 + len(req.children)
@@ -344,16 +360,7 @@ class Scheduler:
         reason = req.finish_check(token)
         if reason is not None:
             self._finish(req, reason)
-        return RequestOutput(
-            request_id=req.request_id,
-            index=req.index,
-            token_ids=(token,),
-            logprobs=(lp,) if lp is not None else None,
-            finish_reason=reason,
-            num_prompt_tokens=req.num_prompt,
-            num_output_tokens=len(req.output_ids),
-            num_cached_tokens=req.num_cached,
-        )
+        return req.delta((token,), (lp,) if lp is not None else None, reason)
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
         req.status, req.finish_reason = Status.FINISHED, reason
@@ -370,16 +377,7 @@ class Scheduler:
             for child in req.children:
                 if not child.is_finished:
                     self._finish(child, reason, error)
-        return RequestOutput(
-            request_id=req.request_id,
-            index=req.index,
-            token_ids=(),
-            finish_reason=reason,
-            error=error,
-            num_prompt_tokens=req.num_prompt,
-            num_output_tokens=len(req.output_ids),
-            num_cached_tokens=req.num_cached,
-        )
+        return req.delta((), None, reason, error)
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Finish every row and queued request with an error (the step raised; the engine

@@ -289,20 +289,24 @@ class GatedDeltaNet(nn.Module):
         state: RecurrentState,
         mask: mx.array | None,
         left_pad: tuple[int, ...] | None,
+        split: int = 0,
     ) -> mx.array:
-        """x [B, L, H] -> [B, L, H]; mask [B, L] (True = real) keeps pads out of the state."""
+        """x [B, L, H] -> [B, L, H]; mask [B, L] (True = real) keeps pads out of the state.
+        split: ForwardGroup.snapshot_at (see `core`)."""
         length = x.shape[1]
+        if split:  # the eager core alone runs in two parts
+            return self.out_proj(self.core(self.project(x), state, mask, left_pad, split))
         if self.use_compiled(length):
             return self.prefill_many([x], [state], [left_pad])[0]
         if length == 1 and mask is None and self.use_fused_decode():
             return self._decode_fused(x, state)
         return self.out_proj(self.core(self.project(x), state, mask, left_pad))
 
-    def packable(self, length: int, mask: mx.array | None) -> bool:
+    def packable(self, length: int, mask: mx.array | None, split: int = 0) -> bool:
         """Whether an input takes `core` (the eager path), so its projections may run
         packed with other groups' (models/qwen35.py); not the compiled or fused paths."""
         fused = length == 1 and mask is None and self.use_fused_decode()
-        return not fused and not self.use_compiled(length)
+        return bool(split) or (not fused and not self.use_compiled(length))
 
     def core(
         self,
@@ -310,16 +314,27 @@ class GatedDeltaNet(nn.Module):
         state: RecurrentState,
         mask: mx.array | None,
         left_pad: tuple[int, ...] | None,
+        split: int = 0,
     ) -> mx.array:
-        """`project`'s outputs [B, L, *] -> out_proj's input [B, L, value_dim], eagerly."""
-        qkv, z, beta_in, a_in = projected
+        """`project`'s outputs [B, L, *] -> out_proj's input [B, L, value_dim], eagerly.
+        split > 0 (unpadded input): the core runs on columns [0, split) and then on the
+        rest, and the state between the two is kept as state.checkpoint."""
+        qkv = projected[0]
         conv_state, ssm = self._states(state, qkv.shape[0], qkv.dtype)
         masked = () if mask is None else (mask, mx.array(left_pad, dtype=mx.int32))
         weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
-        y, state.conv, state.ssm = deltanet_core(
-            self._dims, qkv, z, beta_in, a_in, conv_state, ssm, *weights, *masked
-        )
-        return y
+        if not split:
+            y, state.conv, state.ssm = deltanet_core(
+                self._dims, *projected, conv_state, ssm, *weights, *masked
+            )
+            return y
+        assert mask is None and 0 < split < qkv.shape[1], "a split inside unpadded input"
+        head = [p[:, :split] for p in projected]
+        y_head, conv_state, ssm = deltanet_core(self._dims, *head, conv_state, ssm, *weights)
+        state.checkpoint = (conv_state, ssm)
+        tail = [p[:, split:] for p in projected]
+        y_tail, state.conv, state.ssm = deltanet_core(self._dims, *tail, conv_state, ssm, *weights)
+        return mx.concatenate([y_head, y_tail], axis=1)
 
     @property
     def output(self) -> nn.Module:

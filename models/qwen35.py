@@ -58,7 +58,7 @@ class DecoderLayer(nn.Module):
         if self.is_full_attention:
             out = self.self_attn(h, ctx.rope, ctx.cos_sin, state, group.left_pad)
         else:
-            out = self.linear_attn(h, state, ctx.mask, group.left_pad)
+            out = self.linear_attn(h, state, ctx.mask, group.left_pad, group.snapshot_at)
         return x + self._reduce(out)
 
     def mix_many(
@@ -86,7 +86,7 @@ class DecoderLayer(nn.Module):
             if self.is_full_attention:
                 y = mixer.core(parts, ctx.rope, ctx.cos_sin, state, g.left_pad)
             else:
-                y = mixer.core(parts, state, ctx.mask, g.left_pad)
+                y = mixer.core(parts, state, ctx.mask, g.left_pad, g.snapshot_at)
             cores.append(y.reshape(n, -1))
         out = self._reduce(mixer.output(mx.concatenate(cores)))
         return [x + o.reshape(x.shape) for x, o in zip(xs, _split(out, sizes), strict=True)]
@@ -95,7 +95,7 @@ class DecoderLayer(nn.Module):
         """Whether the group's mixer input may be packed with others' (mix_packed)."""
         if self.is_full_attention:
             return True
-        return self.linear_attn.packable(group.shape[1], ctx.mask)
+        return self.linear_attn.packable(group.shape[1], ctx.mask, group.snapshot_at)
 
     def feed_forward(self, x: mx.array) -> mx.array:
         """Residual + MLP over tokens x [N, H] (any leading shape is flattened)."""
@@ -160,7 +160,7 @@ class Qwen35Model(nn.Module):
         pack_token_wise, the groups on the eager path share their projections."""
         many = []
         if not layer.is_full_attention and layer.linear_attn.use_compiled(2):
-            many = [i for i, h in enumerate(hidden) if h.shape[1] > 1]
+            many = [i for i, g in enumerate(groups) if g.shape[1] > 1 and not g.snapshot_at]
         out = list(hidden)
         if len(many) > 1:
             merged = layer.mix_many(

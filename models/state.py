@@ -40,10 +40,13 @@ class RecurrentState(Protocol):
     conv: [B, K-1, conv_dim], the last K-1 *pre-conv* inputs of each row (None = zeros).
     ssm:  [B, Hv, Dv, Dk] float32 recurrent state (None = zeros).
     The model reads both before the layer runs and writes both after.
+    checkpoint: (conv, ssm) as they were after the first ForwardGroup.snapshot_at columns,
+    written by a forward that has them (a prefix-cache snapshot inside a chunk).
     """
 
     conv: mx.array | None
     ssm: mx.array | None
+    checkpoint: tuple[mx.array, mx.array] | None
 
 
 LayerState = AttentionState | RecurrentState
@@ -67,6 +70,9 @@ class ForwardGroup:
     left_pad: tuple[int, ...] | None = None
     # [B, L, H] input embeddings (vision prompts); overrides `tokens`
     embeds: mx.array | None = None
+    # B = 1, unpadded: DeltaNet layers also keep their state after this many columns
+    # (RecurrentState.checkpoint), running the core in two parts; 0 = none
+    snapshot_at: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -91,6 +91,34 @@ def test_hits_are_token_exact(loaded: LoadedModel, kind: str) -> None:
     assert engine.states.prefix.nbytes() == engine.prefix_cache.stats.nbytes
 
 
+@pytest.mark.parametrize("inside", [True, False])
+def test_chat_turn_snapshot_inside_a_chunk(loaded: LoadedModel, inside: bool) -> None:
+    """A chat's first turn snapshots at its history end (prefix_hint 45), inside its
+    second 24-token chunk (snapshot_in_chunk: the chunk is not cut there) or as a chunk's
+    end; the second turn resumes at 45 either way, both turns equal to no cache."""
+    rng = random.Random(4)
+    first = _tokens(rng, 61)
+    second = first[:45] + _tokens(rng, 19)
+    want = LLMEngine(loaded, _config(False)).generate([first, second], _greedy())
+    engine = LLMEngine(loaded, _config(True))
+    engine.scheduler.snapshot_in_chunk = inside
+    execute, chunks = engine.runner.execute, []
+
+    def recording(out, rows, prev):  # noqa: ANN001, ANN202
+        chunks.extend((c.start, c.length, c.snapshot_at) for c in out.prefill)
+        return execute(out, rows, prev)
+
+    engine.runner.execute = recording
+    engine.add_request(GenerationRequest("t1", tuple(first), _greedy(), prefix_hint=45))
+    got = []
+    while engine.has_work():
+        got += [t for d in engine.step() for t in d.token_ids]
+    assert got == want[0].token_ids
+    split = [(0, 24, 0), (24, 24, 21), (48, 13, 0)] if inside else [(0, 24, 0), (24, 21, 0)]
+    assert chunks[: len(split)] == split
+    assert _cached(engine, second) == (want[1].token_ids, 45)
+
+
 def test_forks_of_a_hit_equal_the_uncached_forks(loaded: LoadedModel) -> None:
     rng = random.Random(1)
     prompt = _tokens(rng, 3 * BLOCK + 3)

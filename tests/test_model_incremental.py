@@ -14,6 +14,7 @@ import pytest
 from parity_utils import forward, full_logits, long_ids, rel_error
 
 from engine.cache.batch import BatchState
+from engine.cache.ssm import SSMState
 from models.build import LoadedModel, load_model
 from models.state import ForwardGroup, text_positions
 from models.testing import cached_checkpoint
@@ -158,3 +159,35 @@ def test_groups_in_one_forward_equal_each_group_alone(
 
 def _ids(rows: list[list[int]]) -> mx.array:
     return mx.array(rows, dtype=mx.int32)
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_split_forward_keeps_the_state_at_its_snapshot(
+    loaded: LoadedModel, ids: list[int], reference: mx.array, pack: bool
+) -> None:
+    """A forward with snapshot_at=37 (a prefix-cache snapshot inside a chunk; next to a
+    decode group, packed or not) gives the unsplit logits, and each DeltaNet layer's
+    checkpoint equals the state after a forward of the first 37 tokens alone."""
+    model, split = loaded.model, 37
+    head = BatchState.empty(loaded.config)
+    forward(loaded, head, [ids[:split]], [0])
+    decode = BatchState.empty(loaded.config)
+    forward(loaded, decode, [ids[:5]], [0])
+    state = BatchState.empty(loaded.config)
+    groups = [
+        ForwardGroup(_ids([[ids[5]]]), text_positions([5], 1), decode.layers),
+        ForwardGroup(_ids([ids]), text_positions([0], LENGTH), state.layers, snapshot_at=split),
+    ]
+    model.pack_token_wise = pack
+    try:
+        logits = model.logits(model(groups)[1])
+    finally:
+        model.pack_token_wise = False
+    assert rel_error(logits[0], reference) <= REL_TOL
+    recurrent = [
+        (a, b) for a, b in zip(state.layers, head.layers, strict=True) if isinstance(a, SSMState)
+    ]
+    assert recurrent and all(a.checkpoint is not None for a, _ in recurrent)
+    for got, want in recurrent:
+        for x, y in zip(got.checkpoint, (want.conv, want.ssm), strict=True):
+            assert mx.allclose(x, y, rtol=1e-4, atol=1e-5).item()

@@ -72,6 +72,9 @@ class CacheSave:
     blocks: tuple[tuple[int, int, int], ...]  # (node id, first, end token): KV to store
     snapshot: int  # node id that keeps the row's DeltaNet state
     position: int  # tokens the row has computed when it is saved (the snapshot's end)
+    # The chunk runs past `position` (the forward keeps the DeltaNet state there: written
+    # by the scheduler); False: the chunk ends at it
+    inside: bool = False
 
 
 @dataclass(frozen=True)

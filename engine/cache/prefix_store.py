@@ -34,10 +34,13 @@ class PrefixStore:
 
     def save(self, state: BatchState, row: int, save: CacheSave) -> list[mx.array]:
         """Copy row `row` of `state` into the cache: the KV columns of the new nodes and
-        the DeltaNet state. The row must have computed exactly up to the snapshot's
-        position. Returns the new arrays (lazy: the caller evaluates them with the step)."""
+        the DeltaNet state. The row has computed up to the snapshot's position, or past
+        it in this step's chunk, whose forward then kept the DeltaNet state there
+        (SSMState.checkpoint). Returns the new arrays (lazy: the caller evaluates them
+        with the step)."""
         kv_layers = [layer for layer in state.layers if isinstance(layer, KVStore)]
-        assert all(kv.lengths()[row] == save.position for kv in kv_layers), "saved off-step"
+        computed = {kv.lengths()[row] for kv in kv_layers}
+        assert len(computed) == 1 and computed.pop() >= save.position, "saved off-step"
         new: list[mx.array] = []
         for node_id, lo, hi in save.blocks:
             per_layer = []
@@ -50,8 +53,9 @@ class PrefixStore:
         snapshot = []
         for layer in state.layers:
             if isinstance(layer, SSMState):
-                assert layer.conv is not None and layer.ssm is not None, "state not computed"
-                conv, ssm = (fresh_copy(a[row : row + 1]) for a in (layer.conv, layer.ssm))
+                pair = layer.checkpoint if save.inside else (layer.conv, layer.ssm)
+                assert pair is not None and pair[0] is not None, "state not computed"
+                conv, ssm = (fresh_copy(a[row : row + 1]) for a in pair)
                 snapshot.append((conv, ssm))
                 new += [conv, ssm]
         self.snapshots[save.snapshot] = snapshot

@@ -16,6 +16,7 @@ import mlx.core as mx
 from engine.cache.batch import BatchState
 from engine.cache.prefix_index import CacheDrop, CacheSave
 from engine.cache.prefix_store import PrefixStore
+from engine.cache.ssm import SSMState
 
 
 class RowStates:
@@ -67,7 +68,13 @@ class RowStates:
     def save_prefix(self, save: CacheSave) -> list[mx.array]:
         """Snapshot a prefilling row into the cache; returns the new (lazy) arrays."""
         assert self.prefix is not None
-        return self.prefix.save(self.prefill[save.row_id], 0, save)
+        state = self.prefill[save.row_id]
+        arrays = self.prefix.save(state, 0, save)
+        if save.inside:
+            for layer in state.layers:
+                if isinstance(layer, SSMState):
+                    layer.checkpoint = None  # read: a later save of this row is its own
+        return arrays
 
     def drop_prefix(self, drop: CacheDrop) -> None:
         assert self.prefix is not None

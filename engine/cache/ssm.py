@@ -18,6 +18,9 @@ class SSMState:
     def __init__(self, num_rows: int = 0) -> None:
         self.conv: mx.array | None = None  # [B, K-1, conv_dim]
         self.ssm: mx.array | None = None  # [B, Hv, Dv, Dk] float32
+        # (conv, ssm) inside the last forward (ForwardGroup.snapshot_at): read by the
+        # prefix store's save of that step, then cleared
+        self.checkpoint: tuple[mx.array, mx.array] | None = None
         self._num_rows = num_rows
 
     @property
