@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from kernels import fastmath
-from kernels.deltanet_decode_metal import METAL_HEADER, METAL_SOURCE
+from kernels.deltanet_decode_metal import METAL_HEADER, METAL_SOURCE, conv_stage
 from kernels.gated_delta import gated_delta_step
 from kernels.gated_delta_fused import _backend
 from kernels.rms_norm import float_bits
@@ -159,7 +159,8 @@ __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
 # Template constants: Dk, Dv, Hk, Hv, K, LANES; T (proj dtype), Tw (conv_w), Tn (norm_w),
 # EPS_BITS (norm eps as float bits: template arguments are integers).
-_CUDA_SOURCE = """
+_CUDA_SOURCE = (
+    """
   using namespace deltaserve_dn;
   constexpr int BLOCK = LANES * Dv;
   constexpr int NW = BLOCK / 32;
@@ -185,47 +186,9 @@ _CUDA_SOURCE = """
   T* co = conv_out + size_t(b) * (K - 1) * C;
 
   // 1. conv + SiLU of this head's channels; the new conv tail of those channels
-  int ch = -1;
-  bool write_tail = true;
-  if (tid < Dk) {
-    ch = hk * Dk + tid;
-    write_tail = (h % (Hv / Hk)) == 0;
-  } else if (tid < 2 * Dk) {
-    ch = QK + hk * Dk + (tid - Dk);
-    write_tail = (h % (Hv / Hk)) == 0;
-  } else if (tid < 2 * Dk + Dv) {
-    ch = 2 * QK + h * Dv + (tid - 2 * Dk);
-  }
-  float x2q = 0.f, x2k = 0.f;
-  if (ch >= 0) {
-    // as the reference: each product and partial sum rounded to T
-    const float w0 = static_cast<float>(static_cast<T>(conv_w[ch * K]));
-    T acc = static_cast<T>(static_cast<float>(cs[ch]) * w0);
-#pragma unroll
-    for (int j = 1; j < K; ++j) {
-      const float x = j < K - 1 ? static_cast<float>(cs[j * C + ch]) : static_cast<float>(pr[ch]);
-      const T prod = static_cast<T>(x * static_cast<float>(static_cast<T>(conv_w[ch * K + j])));
-      acc = static_cast<T>(static_cast<float>(acc) + static_cast<float>(prod));
-    }
-    const float val = static_cast<float>(static_cast<T>(silu(static_cast<float>(acc))));
-    if (tid < Dk) {
-      qf[tid] = val;
-      x2q = val * val;
-    } else if (tid < 2 * Dk) {
-      kf[tid - Dk] = val;
-      x2k = val * val;
-    } else {
-      vs[tid - 2 * Dk] = val;
-    }
-    if (write_tail) {
-#pragma unroll
-      for (int j = 0; j < K - 2; ++j) {
-        co[j * C + ch] = cs[(j + 1) * C + ch];
-      }
-      co[(K - 2) * C + ch] = pr[ch];
-    }
-  }
-
+"""
+    + conv_stage("silu", "#pragma unroll\n")
+    + """
   // 2. L2 norms of q and k (block sums), gates
   const float q_scale = rsqrtf(block_sum<NW>(x2q, scratch) + 1e-6f) * rsqrtf(float(Dk));
   const float k_scale = rsqrtf(block_sum<NW>(x2k, scratch) + 1e-6f);
@@ -286,6 +249,7 @@ _CUDA_SOURCE = """
     y[size_t(b) * VD + h * Dv + row] = static_cast<T>(out);
   }
 """
+)
 
 _INPUTS = ["proj", "conv_state", "ssm", "conv_w", "a_log", "dt_bias", "norm_w"]
 _OUTPUTS = ["y", "conv_out", "ssm_out"]

@@ -34,9 +34,61 @@ inline float block_sum(float x, threadgroup float* scratch, uint tid) {
 inline float dn_silu(float x) { return x / (1.0f + metal::exp(-x)); }
 """
 
+
+def conv_stage(silu: str, unroll: str) -> str:
+    """Stage 1 of the kernel, the same text in both sources: each thread's conv channel
+    (q, k or v of its head), conv + SiLU rounded as the reference rounds, q/k squares for
+    the L2 norms, and the new conv tail. `silu`: the source's SiLU function; `unroll`:
+    its loop-unroll pragma line (empty: none)."""
+    return _CONV_STAGE.replace("@SILU@", silu).replace("@UNROLL@", unroll)
+
+
+_CONV_STAGE = """\
+  int ch = -1;
+  bool write_tail = true;
+  if (tid < Dk) {
+    ch = hk * Dk + tid;
+    write_tail = (h % (Hv / Hk)) == 0;
+  } else if (tid < 2 * Dk) {
+    ch = QK + hk * Dk + (tid - Dk);
+    write_tail = (h % (Hv / Hk)) == 0;
+  } else if (tid < 2 * Dk + Dv) {
+    ch = 2 * QK + h * Dv + (tid - 2 * Dk);
+  }
+  float x2q = 0.f, x2k = 0.f;
+  if (ch >= 0) {
+    // as the reference: each product and partial sum rounded to T
+    const float w0 = static_cast<float>(static_cast<T>(conv_w[ch * K]));
+    T acc = static_cast<T>(static_cast<float>(cs[ch]) * w0);
+@UNROLL@    for (int j = 1; j < K; ++j) {
+      const float x = j < K - 1 ? static_cast<float>(cs[j * C + ch]) : static_cast<float>(pr[ch]);
+      const T prod = static_cast<T>(x * static_cast<float>(static_cast<T>(conv_w[ch * K + j])));
+      acc = static_cast<T>(static_cast<float>(acc) + static_cast<float>(prod));
+    }
+    const float val = static_cast<float>(static_cast<T>(@SILU@(static_cast<float>(acc))));
+    if (tid < Dk) {
+      qf[tid] = val;
+      x2q = val * val;
+    } else if (tid < 2 * Dk) {
+      kf[tid - Dk] = val;
+      x2k = val * val;
+    } else {
+      vs[tid - 2 * Dk] = val;
+    }
+    if (write_tail) {
+@UNROLL@      for (int j = 0; j < K - 2; ++j) {
+        co[j * C + ch] = cs[(j + 1) * C + ch];
+      }
+      co[(K - 2) * C + ch] = pr[ch];
+    }
+  }
+"""
+
+
 # Same algorithm as deltanet_decode._CUDA_SOURCE (untested here: no Metal device); threadgroups of
 # LANES * Dv threads, one per (row, value head); the state is read as plain floats.
-METAL_SOURCE = """
+METAL_SOURCE = (
+    """
   constexpr int BLOCK = LANES * Dv;
   constexpr int NW = BLOCK / 32;
   constexpr int NPL = Dk / LANES;
@@ -58,44 +110,9 @@ METAL_SOURCE = """
   const device T* cs = conv_state + b * (K - 1) * C;
   device T* co = conv_out + b * (K - 1) * C;
 
-  int ch = -1;
-  bool write_tail = true;
-  if (tid < Dk) {
-    ch = hk * Dk + tid;
-    write_tail = (h % (Hv / Hk)) == 0;
-  } else if (tid < 2 * Dk) {
-    ch = QK + hk * Dk + (tid - Dk);
-    write_tail = (h % (Hv / Hk)) == 0;
-  } else if (tid < 2 * Dk + Dv) {
-    ch = 2 * QK + h * Dv + (tid - 2 * Dk);
-  }
-  float x2q = 0.0f, x2k = 0.0f;
-  if (ch >= 0) {
-    const float w0 = static_cast<float>(static_cast<T>(conv_w[ch * K]));
-    T acc = static_cast<T>(static_cast<float>(cs[ch]) * w0);
-    for (int j = 1; j < K; ++j) {
-      const float x = j < K - 1 ? static_cast<float>(cs[j * C + ch]) : static_cast<float>(pr[ch]);
-      const T prod = static_cast<T>(x * static_cast<float>(static_cast<T>(conv_w[ch * K + j])));
-      acc = static_cast<T>(static_cast<float>(acc) + static_cast<float>(prod));
-    }
-    const float val = static_cast<float>(static_cast<T>(dn_silu(static_cast<float>(acc))));
-    if (tid < Dk) {
-      qf[tid] = val;
-      x2q = val * val;
-    } else if (tid < 2 * Dk) {
-      kf[tid - Dk] = val;
-      x2k = val * val;
-    } else {
-      vs[tid - 2 * Dk] = val;
-    }
-    if (write_tail) {
-      for (int j = 0; j < K - 2; ++j) {
-        co[j * C + ch] = cs[(j + 1) * C + ch];
-      }
-      co[(K - 2) * C + ch] = pr[ch];
-    }
-  }
-
+"""
+    + conv_stage("dn_silu", "")
+    + """
   const float q_sum = block_sum<NW>(x2q, scratch, tid);
   const float q_scale = metal::rsqrt(q_sum + 1e-6f) * metal::rsqrt(float(Dk));
   const float k_scale = metal::rsqrt(block_sum<NW>(x2k, scratch, tid) + 1e-6f);
@@ -142,3 +159,4 @@ METAL_SOURCE = """
     y[b * VD + h * Dv + row] = static_cast<T>(out);
   }
 """
+)
