@@ -294,17 +294,16 @@ class GatedDeltaNet(nn.Module):
         """x [B, L, H] -> [B, L, H]; mask [B, L] (True = real) keeps pads out of the state.
         split: ForwardGroup.snapshot_at (see `core`)."""
         length = x.shape[1]
-        if split:  # the eager core alone runs in two parts
+        if self.eager(length, mask, split):
             return self.out_proj(self.core(self.project(x), state, mask, left_pad, split))
         if self.use_compiled(length):
             return self.prefill_many([x], [state], [left_pad])[0]
-        if length == 1 and mask is None and self.use_fused_decode():
-            return self._decode_fused(x, state)
-        return self.out_proj(self.core(self.project(x), state, mask, left_pad))
+        return self._decode_fused(x, state)
 
-    def packable(self, length: int, mask: mx.array | None, split: int = 0) -> bool:
-        """Whether an input takes `core` (the eager path), so its projections may run
-        packed with other groups' (models/qwen35.py); not the compiled or fused paths."""
+    def eager(self, length: int, mask: mx.array | None, split: int = 0) -> bool:
+        """Whether an input takes `core`, the eager path (a split always does), rather than
+        the compiled prefill or the fused decode kernel; its projections may then run
+        packed with other groups' (models/qwen35.py)."""
         fused = length == 1 and mask is None and self.use_fused_decode()
         return bool(split) or (not fused and not self.use_compiled(length))
 

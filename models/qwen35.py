@@ -74,7 +74,7 @@ class DecoderLayer(nn.Module):
         self, xs: list[mx.array], groups: list[ForwardGroup], contexts: list, states: list
     ) -> list[mx.array]:
         """`mix` for several groups, the norm and projections over all their tokens at
-        once (each group's `packable` path, so only the core runs per group)."""
+        once (each group on its eager path, so only the core runs per group)."""
         mixer = self.self_attn if self.is_full_attention else self.linear_attn
         sizes = [x.shape[0] * x.shape[1] for x in xs]
         flat = mx.concatenate([x.reshape(n, -1) for x, n in zip(xs, sizes, strict=True)])
@@ -95,7 +95,7 @@ class DecoderLayer(nn.Module):
         """Whether the group's mixer input may be packed with others' (mix_packed)."""
         if self.is_full_attention:
             return True
-        return self.linear_attn.packable(group.shape[1], ctx.mask, group.snapshot_at)
+        return self.linear_attn.eager(group.shape[1], ctx.mask, group.snapshot_at)
 
     def feed_forward(self, x: mx.array) -> mx.array:
         """Residual + MLP over tokens x [N, H] (any leading shape is flattened)."""
@@ -158,34 +158,28 @@ class Qwen35Model(nn.Module):
         prefill group (L > 1) of a DeltaNet layer in one call: on the GPU a layer's cost
         is its op count, which would otherwise grow with the number of cohorts. With
         pack_token_wise, the groups on the eager path share their projections."""
-        many = []
+        done: dict[int, mx.array] = {}
         if not layer.is_full_attention and layer.linear_attn.use_compiled(2):
             many = [i for i, g in enumerate(groups) if g.shape[1] > 1 and not g.snapshot_at]
-        out = list(hidden)
-        if len(many) > 1:
-            merged = layer.mix_many(
-                [hidden[i] for i in many], [groups[i] for i in many],
-                [groups[i].states[idx] for i in many],
-            )  # fmt: skip
-            for i, h in zip(many, merged, strict=True):
-                out[i] = h
-        else:
-            many = []
-        rest = [i for i in range(len(hidden)) if i not in many]
-        packed = []
+            if len(many) > 1:
+                states = [groups[i].states[idx] for i in many]
+                merged = layer.mix_many(
+                    [hidden[i] for i in many], [groups[i] for i in many], states
+                )
+                done.update(zip(many, merged, strict=True))
         if self.pack_token_wise:
+            rest = [i for i in range(len(hidden)) if i not in done]
             packed = [i for i in rest if layer.packable(groups[i], contexts[i])]
-        if len(packed) > 1:
-            merged = layer.mix_packed(
-                [hidden[i] for i in packed], [groups[i] for i in packed],
-                [contexts[i] for i in packed], [groups[i].states[idx] for i in packed],
-            )  # fmt: skip
-            for i, h in zip(packed, merged, strict=True):
-                out[i] = h
-        for i in rest:
-            if len(packed) < 2 or i not in packed:
-                out[i] = layer.mix(hidden[i], groups[i], contexts[i], groups[i].states[idx])
-        return out
+            if len(packed) > 1:
+                merged = layer.mix_packed(
+                    [hidden[i] for i in packed], [groups[i] for i in packed],
+                    [contexts[i] for i in packed], [groups[i].states[idx] for i in packed],
+                )  # fmt: skip
+                done.update(zip(packed, merged, strict=True))
+        return [
+            done[i] if i in done else layer.mix(h, g, ctx, g.states[idx])
+            for i, (h, g, ctx) in enumerate(zip(hidden, groups, contexts, strict=True))
+        ]
 
     def _embed(self, group: ForwardGroup) -> mx.array:
         if group.embeds is not None:
