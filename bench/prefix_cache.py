@@ -121,7 +121,7 @@ async def _scenario(base: str, model: str, words: int, background: int, seed: in
 
 async def _bench(kind: str, model: Path, args: argparse.Namespace) -> list[dict]:
     port = _free_port()
-    proc = _start(kind, model, port, Path(f"/tmp/bench-prefix-{kind}.log"))
+    proc = _start(kind, model, port, Path(f"/tmp/bench-prefix-{kind}.log"), args.log_level)
     base = f"http://127.0.0.1:{port}"
     rows = []
     try:
@@ -147,6 +147,9 @@ def main() -> None:
     parser.add_argument("--background", type=int, default=32)
     parser.add_argument("--peer-background", action="store_true")
     parser.add_argument("--only", choices=["deltaserve", "mlx_lm"])
+    parser.add_argument(
+        "--log-level", default="warning", help="ours: debug logs each step (/tmp/bench-prefix-*)"
+    )
     args = parser.parse_args()
     model = _f32_copy(cached_checkpoint(args.checkpoint))
     results = []

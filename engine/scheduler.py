@@ -117,7 +117,8 @@ class Scheduler:
         within max_stall_factor x a decode-only step. Prompts being prefilled, oldest
         first, then waiting requests (admitted now, prefilling in this same step) share it
         fairly. A long prompt therefore advances every step while the decode rows keep
-        producing tokens at a bounded pace: nobody waits for a whole prompt.
+        producing tokens at a bounded pace: nobody waits for a whole prompt (but for one
+        decode-only step at a batch size not measured lately: StepCostModel.knows_decode).
         """
         started = self._clock()
         for req in self._promote_next:
@@ -170,6 +171,8 @@ class Scheduler:
         allowance = self.step_cost.prefill_allowance(len(self.decoding), factor)
         if allowance is None:
             return budget  # costs not learned yet
+        if not self.step_cost.knows_decode(len(self.decoding)):
+            return 0  # one decode-only step measures this batch size (StepCostModel)
         self._price = VisionPrice(scale, self.step_cost.vision_limit())
         return min(budget, max(allowance, MIN_PREFILL_TOKENS))
 

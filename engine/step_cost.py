@@ -47,8 +47,18 @@ fitted online from the engine's own steps, three kinds of sample kept apart:
 
 Tower samples age out like prompt-token samples; decode-only samples do not (while a
 long prompt prefills next to decode rows no decode-only step comes, and the line is
-still needed). A sample's age is from its step's completion to the newest step's (the
-scheduler's clock). Samples are kept raw and refitted against the current decode line.
+still needed). But the line is never extrapolated to a batch size it has not seen
+lately: `knows_decode` is false unless a decode-only step of about that many rows
+(within ROWS_NEAR) completed in the last MAX_AGE seconds, and the scheduler then runs
+one decode-only step to measure it. Without that, rows that joined while a prompt was
+prefilling (each joining through its own chunk, so no decode-only step came) were priced
+at the old batch's line: measured on the CPU, 32 rows at ~0.11 s a step against a line
+learned at 1 row (~0.04 s), so every chunk's residual looked like ~4 ms a token and a
+2,000-token prompt ran at the 16-token minimum for 125 steps (27 s to its first token,
+2.2 s for a prompt of that length once the line knew 32 rows).
+
+A sample's age is from its step's completion to the newest step's (the scheduler's
+clock). Samples are kept raw and refitted against the current decode line.
 Prefill-only steps are not used: with no decode row the line's intercept is an
 extrapolation (with one decode batch size seen, it is that size's time), and they need
 no bound. Until there are MIN_SAMPLES decode-only steps, `prefill_allowance` returns
@@ -77,6 +87,7 @@ OUTLIER = 1.5  # decode-only samples above this x their row count's median are i
 MAX_AGE = 30.0  # seconds: older prompt-token and tower samples are forgotten
 GROWTH = 2  # the allowance is at most this x the largest prefill sample in the window
 PROBE_TOKENS = 16  # prompt tokens (in the window) before they get a cost of their own
+ROWS_NEAR = 0.25  # a decode-only sample within this share of D rows (at least 1) knows D
 # Of the time a step may add over a decode step, the share the prefill is sized to. The
 # bound is on the p99 gap, the model predicts a step's mean: a step sized to exactly the
 # bound runs over it as often as decode steps run over their mean (CPU, 0.8B: decode steps
@@ -128,6 +139,17 @@ class StepCostModel:
             while kind and kind[0].done < oldest:
                 kind.popleft()
                 self._token_cost = self._vision_cost = None
+
+    def knows_decode(self, num_decode: int) -> bool:
+        """Whether a decode-only step of about `num_decode` rows completed in the last
+        MAX_AGE seconds (before the newest step): the line may be read there."""
+        newest = max((s.done for kind in (self._decode, self._prefill, self._vision) for s in kind),
+                     default=0.0)  # fmt: skip
+        near = max(1, int(ROWS_NEAR * num_decode))
+        return any(
+            abs(s.num_decode - num_decode) <= near and s.done >= newest - MAX_AGE
+            for s in self._decode
+        )
 
     @property
     def is_ready(self) -> bool:
