@@ -26,7 +26,7 @@ from engine.config import EngineConfig
 from engine.media import PromptMedia, VisionPrice, VisionProgress
 from engine.plan import PrefillChunk, SchedulerOutput, VisionWork
 from engine.request import Request, Status, choices_of
-from engine.step_cost import StepCostModel
+from engine.step_cost import StepCostModel, StepTimer
 from engine.types import GenerationRequest, InvalidRequestError, RequestOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,7 @@ class Scheduler:
         self._pending_step = -1  # the step whose samples `_pending` refers to
         self.step_cost = StepCostModel()
         self._clock = clock
-        self._started: dict[int, float] = {}  # step -> when it was planned
-        self._last_done = float("-inf")  # when the last step was updated
+        self._timer = StepTimer()
         self._price = VisionPrice()  # what tower blocks cost in this step's plan
         self.prefix = prefix
         self._saves: list[CacheSave] = []
@@ -124,7 +123,8 @@ class Scheduler:
         for req in self._promote_next:
             self._promote(req)
         self._promote_next = []
-        chunks = self._plan_prefill(self._prefill_allowance())
+        allowance = self._prefill_allowance()
+        chunks = self._plan_prefill(allowance or 0)
         num_prefill = sum(c.length for c in chunks)
         out = SchedulerOutput(
             decode_row_ids=tuple(r.row_id for r in self.decoding),
@@ -140,10 +140,11 @@ class Scheduler:
             step=self._num_steps,
             cache_saves=tuple(self._saves),
             cache_drop=self.prefix.take_drops() if self.prefix is not None else None,
+            measure=allowance is None,
         )
         self._saves = []
         if not out.is_empty:
-            self._started[out.step] = started
+            self._timer.planned(out.step, started)
         # The plan is committed now, so the next step can be planned before this one's
         # tokens are known: counts advance here, tokens are appended in update().
         for req in self.decoding:
@@ -159,9 +160,10 @@ class Scheduler:
         self._freed, self._forks = [], []
         return out
 
-    def _prefill_allowance(self) -> int:
-        """Prefill tokens this step: the token budget, or less to bound the decode stall.
-        Sets the step's price of tower blocks (in those tokens) as a side effect."""
+    def _prefill_allowance(self) -> int | None:
+        """Prefill tokens this step: the token budget, or less to bound the decode stall;
+        None: none, the step measures the decode batch. Sets the step's price of tower
+        blocks (in those tokens) as a side effect."""
         budget = self.config.max_num_batched_tokens - len(self.decoding)
         factor = self.config.max_stall_factor
         scale = self.step_cost.vision_scale() if factor else 1.0
@@ -172,7 +174,7 @@ class Scheduler:
         if allowance is None:
             return budget  # costs not learned yet
         if not self.step_cost.knows_decode(len(self.decoding)):
-            return 0  # one decode-only step measures this batch size (StepCostModel)
+            return None  # one decode-only step measures this batch size (StepCostModel)
         self._price = VisionPrice(scale, self.step_cost.vision_limit())
         return min(budget, max(allowance, MIN_PREFILL_TOKENS))
 
@@ -327,18 +329,15 @@ class Scheduler:
         return outputs
 
     def _observe_step_time(self, out: SchedulerOutput) -> None:
-        """Feed the step's wall time to the cost model. Steps are pipelined (step N is
-        planned before N-1 is read back), so in steady state a step's time is the gap
-        between two completions; after an idle gap it starts when it was planned."""
+        """Feed the step's wall time (StepTimer) to the cost model."""
         done = self._clock()
-        started = self._started.pop(out.step, done)
-        seconds = done - max(started, self._last_done)
-        self._last_done = done
+        seconds, settled = self._timer.completed(out.step, done)
         num_prefill = sum(c.length for c in out.prefill)
         num_vision = sum(c.vision_tokens for c in out.prefill)
         log.debug("step %d: %d decode rows, %d prompt tokens, %d tower units: %.3f s",
                   out.step, len(out.decode_row_ids), num_prefill, num_vision, seconds)  # fmt: skip
-        self.step_cost.observe(len(out.decode_row_ids), num_prefill, seconds, num_vision, done)
+        if settled:
+            self.step_cost.observe(len(out.decode_row_ids), num_prefill, seconds, num_vision, done)
 
     def _promote(self, req: Request) -> None:
         """Prefill done: the request and its forks join the decode batch (a choice that
@@ -387,7 +386,7 @@ class Scheduler:
         drops every row state with it: RowStates.reset, so nothing is left to free)."""
         victims = list(self.rows.values()) + [r for w in self.waiting for r in (w, *w.children)]
         self.waiting.clear()
-        self._started.clear()
+        self._timer = StepTimer()
         if self.prefix is not None:
             self.prefix.forget()  # its arrays went with the row states
         # All reservations at once: the accounting may be broken, and this must not raise.

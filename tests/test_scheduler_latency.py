@@ -14,7 +14,7 @@ from engine.engine import LLMEngine
 from engine.media import PromptMedia
 from engine.plan import SchedulerOutput
 from engine.scheduler import MIN_PREFILL_TOKENS, Scheduler
-from engine.step_cost import HEADROOM, MAX_AGE, StepCostModel
+from engine.step_cost import HEADROOM, MAX_AGE, StepCostModel, StepTimer
 from engine.types import GenerationRequest, ImageInput, SamplingParams
 from models.build import load_model
 from models.testing import cached_checkpoint
@@ -184,9 +184,26 @@ def test_rows_that_joined_while_a_prompt_prefilled_are_measured() -> None:
     assert all(len(o.decode_row_ids) == 16 for o in outs[-8:])
     measuring = [o for o in outs if not o.prefill]
     assert len(measuring) == 1 and len(measuring[0].decode_row_ids) == 16
+    assert measuring[0].measure  # the engine runs it in lockstep
+    assert not any(o.measure for o in outs if o.prefill)
     for out in outs[-4:]:
         assert cost.seconds(out) <= 2 * cost.decode_only(16) + 1e-12
         assert cost.seconds(out) >= (1 + 0.9 * HEADROOM) * cost.decode_only(16)
+
+
+def test_step_timer_drops_the_first_pipelined_step_after_lockstep() -> None:
+    """Pipelined steps are timed completion to completion; a step planned after the
+    previous one completed, whose successor was planned before it completed, holds the
+    successor's planning too and is not settled; lockstep steps are their own time."""
+    timer = StepTimer()
+    timer.planned(0, 0.0)  # after a lockstep step (or idle)
+    timer.planned(1, 0.3)  # pipelined: planned before step 0 is read back
+    assert timer.completed(0, 1.0) == (1.0, False)
+    timer.planned(2, 1.2)
+    assert timer.completed(1, 1.5) == (0.5, True)  # steady state: completion to completion
+    assert timer.completed(2, 1.9) == pytest.approx((0.4, True))  # nothing planned after it
+    timer.planned(3, 2.0)  # lockstep: planned after step 2 completed, nothing queued behind
+    assert timer.completed(3, 2.25) == (0.25, True)
 
 
 def test_allowance_adapts_when_costs_change() -> None:
