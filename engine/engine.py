@@ -236,7 +236,7 @@ class LLMEngine:
         # held part of the next step's prefill (CPU step logs: ~0.017 s per next-step
         # token against 0.009 s per own token; in lockstep 0.032 own, ~0 next), so
         # prompt tokens were priced at a third and such steps overshot the stall bound.
-        lockstep = not self.pipeline or out.measure or bool(out.prefill and out.decode_row_ids)
+        lockstep = not self.pipeline or (bool(out.prefill) and bool(out.decode_row_ids))
         deltas = self._complete_inflight() if lockstep else []
         logits = self.runner.execute(out, self.scheduler.rows, prev_tokens)
         deltas += self._complete_inflight()  # pipelined: reads N-1 back while N computes

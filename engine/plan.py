@@ -60,9 +60,6 @@ class SchedulerOutput:
     step: int = 0  # sequence number of this plan
     cache_saves: tuple[CacheSave, ...] = ()  # rows to snapshot after their chunk ran
     cache_drop: CacheDrop | None = None  # prefix-cache arrays to free after the step
-    # A decode-only step that measures a batch size the cost model has not seen lately
-    # (engine/step_cost.py): run in lockstep, so it is measured before the next plan.
-    measure: bool = False
 
     @property
     def sample_row_ids(self) -> list[str]:

@@ -123,8 +123,7 @@ class Scheduler:
         for req in self._promote_next:
             self._promote(req)
         self._promote_next = []
-        allowance = self._prefill_allowance()
-        chunks = self._plan_prefill(allowance or 0)
+        chunks = self._plan_prefill(self._prefill_allowance())
         num_prefill = sum(c.length for c in chunks)
         out = SchedulerOutput(
             decode_row_ids=tuple(r.row_id for r in self.decoding),
@@ -140,7 +139,6 @@ class Scheduler:
             step=self._num_steps,
             cache_saves=tuple(self._saves),
             cache_drop=self.prefix.take_drops() if self.prefix is not None else None,
-            measure=allowance is None,
         )
         self._saves = []
         if not out.is_empty:
@@ -160,10 +158,9 @@ class Scheduler:
         self._freed, self._forks = [], []
         return out
 
-    def _prefill_allowance(self) -> int | None:
-        """Prefill tokens this step: the token budget, or less to bound the decode stall;
-        None: none, the step measures the decode batch. Sets the step's price of tower
-        blocks (in those tokens) as a side effect."""
+    def _prefill_allowance(self) -> int:
+        """Prefill tokens this step: the token budget, or less to bound the decode stall.
+        Sets the step's price of tower blocks (in those tokens) as a side effect."""
         budget = self.config.max_num_batched_tokens - len(self.decoding)
         factor = self.config.max_stall_factor
         scale = self.step_cost.vision_scale() if factor else 1.0
@@ -174,7 +171,7 @@ class Scheduler:
         if allowance is None:
             return budget  # costs not learned yet
         if not self.step_cost.knows_decode(len(self.decoding)):
-            return None  # one decode-only step measures this batch size (StepCostModel)
+            return 0  # decode-only steps measure this batch size (StepCostModel)
         self._price = VisionPrice(scale, self.step_cost.vision_limit())
         return min(budget, max(allowance, MIN_PREFILL_TOKENS))
 

@@ -50,12 +50,16 @@ long prompt prefills next to decode rows no decode-only step comes, and the line
 still needed). But the line is never extrapolated to a batch size it has not seen
 lately: `knows_decode` is false unless a decode-only step of about that many rows
 (within ROWS_NEAR) completed in the last MAX_AGE seconds, and the scheduler then runs
-one decode-only step to measure it. Without that, rows that joined while a prompt was
-prefilling (each joining through its own chunk, so no decode-only step came) were priced
-at the old batch's line: measured on the CPU, 32 rows at ~0.11 s a step against a line
-learned at 1 row (~0.04 s), so every chunk's residual looked like ~4 ms a token and a
-2,000-token prompt ran at the 16-token minimum for 125 steps (27 s to its first token,
-2.2 s for a prompt of that length once the line knew 32 rows).
+decode-only steps until one is measured: three when pipelined (the first after a
+lockstep step is not a sample, see StepTimer, and the next plan comes before the second
+is read back). Not one in lockstep: the bound is against pipelined decode steps, and on
+the CPU server a lockstep decode step took ~2x one (0.14 against 0.07 s at 32 rows);
+measured so, the line rose and chunks ran at up to 3.8x. Without measuring, rows that
+joined while a prompt was prefilling (each through its own chunk, so no decode-only step
+came) were priced at the old batch's line: measured on the CPU, 32 rows at ~0.11 s a
+step against a line learned at 1 row (~0.04 s), so every chunk's residual looked like
+~4 ms a token and a 2,000-token prompt ran at the 16-token minimum for 125 steps (27 s
+to its first token, 2.2 s for a prompt of that length once the line knew 32 rows).
 
 A sample's age is from its step's completion to the newest step's (the scheduler's
 clock). Samples are kept raw and refitted against the current decode line.

@@ -184,8 +184,6 @@ def test_rows_that_joined_while_a_prompt_prefilled_are_measured() -> None:
     assert all(len(o.decode_row_ids) == 16 for o in outs[-8:])
     measuring = [o for o in outs if not o.prefill]
     assert len(measuring) == 1 and len(measuring[0].decode_row_ids) == 16
-    assert measuring[0].measure  # the engine runs it in lockstep
-    assert not any(o.measure for o in outs if o.prefill)
     for out in outs[-4:]:
         assert cost.seconds(out) <= 2 * cost.decode_only(16) + 1e-12
         assert cost.seconds(out) >= (1 + 0.9 * HEADROOM) * cost.decode_only(16)
