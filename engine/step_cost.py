@@ -50,8 +50,8 @@ long prompt prefills next to decode rows no decode-only step comes, and the line
 still needed). But the line is never extrapolated to a batch size it has not seen
 lately: `knows_decode` is false unless a decode-only step of about that many rows
 (within ROWS_NEAR) completed in the last MAX_AGE seconds, and the scheduler then runs
-decode-only steps until one is measured: three when pipelined (the first after a
-lockstep step is not a sample, see StepTimer, and the next plan comes before the second
+decode-only steps until one is measured: four when pipelined (the first two after a
+lockstep step are not samples, see StepTimer, and the next plan comes before the third
 is read back). Not one in lockstep: the bound is against pipelined decode steps, and on
 the CPU server a lockstep decode step took ~2x one (0.14 against 0.07 s at 32 rows);
 measured so, the line rose and chunks ran at up to 3.8x. Without measuring, rows that
@@ -323,18 +323,22 @@ class StepTimer:
     def __init__(self) -> None:
         self._started: dict[int, float] = {}  # step -> when it was planned
         self._last_done = float("-inf")  # when the last step completed
+        self._last_overlapped = False  # the last step was planned before its predecessor completed
 
     def planned(self, step: int, at: float) -> None:
         self._started[step] = at
 
     def completed(self, step: int, done: float) -> tuple[float, bool]:
-        """(seconds, settled): settled is False for a step planned after the previous one
-        completed whose successor was planned before it completed (the first pipelined
-        step after one in lockstep): its time also holds the next plan's graph building
-        (CPU step logs: 0.17 s against 0.08 s for the decode steps after it), so it is
-        not a sample of what such a step costs."""
+        """(seconds, settled). A step in lockstep (nothing planned behind it before it
+        completed) is settled; a pipelined one only once it and the step before it were
+        both planned while their predecessors ran. The first two pipelined steps after
+        a lockstep one are not samples of what such a step costs: the first also holds
+        the next plan's graph building, and the second still ran slow (CPU server, 3 to
+        32 rows: 0.17 / 0.11 / 0.09 s, then ~0.07 s steps)."""
         started = self._started.pop(step, done)
         seconds = done - max(started, self._last_done)
-        settled = started < self._last_done or self._started.get(step + 1, done) >= done
-        self._last_done = done
+        overlapped = started < self._last_done
+        lockstep = self._started.get(step + 1, done) >= done
+        settled = lockstep or (overlapped and self._last_overlapped)
+        self._last_done, self._last_overlapped = done, overlapped
         return seconds, settled

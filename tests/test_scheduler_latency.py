@@ -189,19 +189,21 @@ def test_rows_that_joined_while_a_prompt_prefilled_are_measured() -> None:
         assert cost.seconds(out) >= (1 + 0.9 * HEADROOM) * cost.decode_only(16)
 
 
-def test_step_timer_drops_the_first_pipelined_step_after_lockstep() -> None:
-    """Pipelined steps are timed completion to completion; a step planned after the
-    previous one completed, whose successor was planned before it completed, holds the
-    successor's planning too and is not settled; lockstep steps are their own time."""
+def test_step_timer_drops_the_first_pipelined_steps_after_lockstep() -> None:
+    """Pipelined steps are timed completion to completion and settle from the third one
+    after a lockstep step (the first holds the next plan's building too, the second
+    still runs slow); lockstep steps are their own time."""
     timer = StepTimer()
     timer.planned(0, 0.0)  # after a lockstep step (or idle)
     timer.planned(1, 0.3)  # pipelined: planned before step 0 is read back
     assert timer.completed(0, 1.0) == (1.0, False)
     timer.planned(2, 1.2)
-    assert timer.completed(1, 1.5) == (0.5, True)  # steady state: completion to completion
-    assert timer.completed(2, 1.9) == pytest.approx((0.4, True))  # nothing planned after it
-    timer.planned(3, 2.0)  # lockstep: planned after step 2 completed, nothing queued behind
-    assert timer.completed(3, 2.25) == (0.25, True)
+    assert timer.completed(1, 1.5) == (0.5, False)  # its predecessor was not overlapped
+    timer.planned(3, 1.6)
+    assert timer.completed(2, 1.9) == pytest.approx((0.4, True))  # steady state
+    assert timer.completed(3, 2.2) == pytest.approx((0.3, True))  # nothing planned after it
+    timer.planned(4, 2.3)  # lockstep: planned after step 3 completed, nothing queued behind
+    assert timer.completed(4, 2.5) == pytest.approx((0.2, True))
 
 
 def test_allowance_adapts_when_costs_change() -> None:
