@@ -28,6 +28,11 @@ def exp(x: mx.array) -> mx.array:
     return mx.power(two, x * _LOG2E)
 
 
+def exp2(x: mx.array) -> mx.array:
+    """2^x (same dtype as x): one power op, fast on every backend."""
+    return mx.power(mx.array(2.0, dtype=x.dtype), x)
+
+
 def sigmoid(x: mx.array) -> mx.array:
     """1 / (1 + e^-x); saturates cleanly (2^+inf -> inf -> 0)."""
     if not _cpu():
