@@ -236,7 +236,10 @@ class LLMEngine:
         # held part of the next step's prefill (CPU step logs: ~0.017 s per next-step
         # token against 0.009 s per own token; in lockstep 0.032 own, ~0 next), so
         # prompt tokens were priced at a third and such steps overshot the stall bound.
-        lockstep = not self.pipeline or (bool(out.prefill) and bool(out.decode_row_ids))
+        # So does one that samples a prompt's first token: read back now, not after the
+        # next step's graph is built (and a max_tokens=1 row then plans no wasted step).
+        first = any(c.sample_row_ids for c in out.prefill)
+        lockstep = not self.pipeline or bool(out.prefill and (out.decode_row_ids or first))
         deltas = self._complete_inflight() if lockstep else []
         logits = self.runner.execute(out, self.scheduler.rows, prev_tokens)
         deltas += self._complete_inflight()  # pipelined: reads N-1 back while N computes

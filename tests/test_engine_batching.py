@@ -139,8 +139,9 @@ def test_long_prompt_never_stalls_decode(loaded: LoadedModel) -> None:
 
 def test_prompt_work_next_to_decode_rows_runs_in_lockstep(loaded: LoadedModel) -> None:
     """A pipelined engine reads back a step that prefills next to decoding rows before
-    planning the next (its measured time is its own: the stall bound is sized from it);
-    decode-only steps stay pipelined."""
+    planning the next (its measured time is its own: the stall bound is sized from it),
+    and one that samples a prompt's first token; decode-only steps and prompt chunks
+    alone that sample nothing stay pipelined."""
     engine = LLMEngine(loaded, dataclasses.replace(SMALL, pipeline_steps=True))
     plans = []
     schedule = engine.scheduler.schedule
@@ -156,10 +157,25 @@ def test_prompt_work_next_to_decode_rows_runs_in_lockstep(loaded: LoadedModel) -
         if step == 4:
             engine.add_request(GenerationRequest("long", tuple(range(1000, 1100)), _greedy(2)))
         engine.step()
-        mixed = bool(plans[-1].prefill) and bool(plans[-1].decode_row_ids)
-        assert (engine._inflight is None) == mixed or plans[-1].is_empty, step
-        kinds.add(mixed)
+        plan = plans[-1]
+        first = any(c.sample_row_ids for c in plan.prefill)
+        lockstep = bool(plan.prefill) and (bool(plan.decode_row_ids) or first)
+        assert (engine._inflight is None) == lockstep or plan.is_empty, step
+        kinds.add(lockstep)
     assert kinds == {True, False}
+
+
+def test_first_token_comes_back_from_the_step_that_computed_it(loaded: LoadedModel) -> None:
+    """With nothing else running, a prompt's first token is returned by the step of its
+    final chunk (not one step later), and a max_tokens=1 request then computes nothing
+    more (the next step only frees its row)."""
+    engine = LLMEngine(loaded, dataclasses.replace(SMALL, pipeline_steps=True))
+    engine.add_request(GenerationRequest("one", (5, 6, 7, 8), _greedy(1)))
+    deltas = engine.step()
+    assert len(deltas) == 1 and len(deltas[0].token_ids) == 1
+    assert deltas[0].finish_reason == "length"
+    after = engine.scheduler.schedule()
+    assert after.is_empty and after.freed_row_ids == ("one/0",)
 
 
 def test_failing_every_request_survives_broken_accounting(loaded: LoadedModel) -> None:
