@@ -161,6 +161,18 @@ def _small_bmm(x: mx.array, y: mx.array) -> mx.array:
 def _unit_lower_inverse(a: mx.array) -> mx.array:
     """(I + A)^-1 for strictly lower-triangular A [..., C, C], C a power of two.
 
+    On the CPU one LAPACK call (mx.linalg.tri_inv, trtri: CPU-only in MLX): the block
+    recursion below is ~10 ops a level and cost 1.55 ms against 0.39 ms for [1, 8, 2,
+    64, 64] (small shape, 128 tokens, one layer), and a prompt chunk runs it per layer.
+    Elsewhere, and as the CPU path's reference, `_unit_lower_inverse_blocks`."""
+    if mx.default_device() == mx.cpu:
+        return mx.linalg.tri_inv(a + mx.eye(a.shape[-1], dtype=a.dtype), upper=False)
+    return _unit_lower_inverse_blocks(a)
+
+
+def _unit_lower_inverse_blocks(a: mx.array) -> mx.array:
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C], C a power of two.
+
     Recursive 2x2 block inversion, all blocks of one size at once (log2 C levels):
         [[X11, 0], [X21, X22]] with X21 = -X22 A21 X11.
     This is LAPACK trtri's scheme: as stable as forward substitution. The Neumann product

@@ -184,6 +184,26 @@ def test_correlated_keys_are_stable() -> None:
     assert_close(gated_delta_chunked(*xs), gated_delta_reference(*xs))
 
 
+@pytest.mark.parametrize("c", [1, 2, 4, 16, 64])
+@pytest.mark.parametrize("correlated", [False, True])
+def test_block_inverse_matches_lapack(c: int, correlated: bool) -> None:
+    """(I + A)^-1 by the block recursion (the Metal/CUDA path) equals LAPACK's trtri (the
+    CPU path, mx.linalg.tri_inv), for random A and for A ~ all-ones lower triangular."""
+    mx.random.seed(c)
+    a = mx.full((2, 3, c, c), 0.99) if correlated else mx.random.normal((2, 3, c, c)) * 0.3
+    a = mx.where(mx.tri(c, k=-1, dtype=mx.bool_), a, 0.0)
+    blocks = gd._unit_lower_inverse_blocks(a)
+    lapack = mx.linalg.tri_inv(a + mx.eye(c), upper=False, stream=mx.cpu)
+    scale = float(mx.abs(lapack).max())
+    assert float(mx.abs(blocks - lapack).max()) <= 1e-5 * scale
+
+
+def test_correlated_keys_are_stable_with_the_block_inverse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunked path with the GPU's block inverse, on the CPU, in the case above."""
+    monkeypatch.setattr(gd, "_unit_lower_inverse", gd._unit_lower_inverse_blocks)
+    test_correlated_keys_are_stable()
+
+
 def test_strong_decay_flush() -> None:
     """Decays down to e^-40 per step (products underflow inside a chunk) still match."""
     x = make_inputs(1, 130, 2, 4, 32, seed=19)
