@@ -118,6 +118,7 @@ class StepCostModel:
         self._line: tuple[float, float] | None = None  # (a, b), refitted lazily
         self._token_cost: float | None = None
         self._vision_cost: float | None = None
+        self._now = 0.0  # the newest step's completion (the scheduler's clock)
 
     def observe(
         self,
@@ -130,6 +131,7 @@ class StepCostModel:
         """Record one step that completed at `done` (ignored if it took no time or
         decoded nothing); prompt-token and tower samples older than MAX_AGE seconds
         before `done` are dropped."""
+        self._now = max(self._now, done)
         self._forget_before(done - MAX_AGE)
         if seconds <= 0 or num_decode == 0:
             return
@@ -146,12 +148,10 @@ class StepCostModel:
 
     def knows_decode(self, num_decode: int) -> bool:
         """Whether a decode-only step of about `num_decode` rows completed in the last
-        MAX_AGE seconds (before the newest step): the line may be read there."""
-        newest = max((s.done for kind in (self._decode, self._prefill, self._vision) for s in kind),
-                     default=0.0)  # fmt: skip
+        MAX_AGE seconds (before the newest step observed): the line may be read there."""
         near = max(1, int(ROWS_NEAR * num_decode))
         return any(
-            abs(s.num_decode - num_decode) <= near and s.done >= newest - MAX_AGE
+            abs(s.num_decode - num_decode) <= near and s.done >= self._now - MAX_AGE
             for s in self._decode
         )
 
