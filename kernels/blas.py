@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kernels import gemv_shim
+
 logger = logging.getLogger(__name__)
 
 ENV_LIB = "DELTASERVE_OPENBLAS"  # path to a libopenblas.so to use instead of the search
@@ -154,8 +156,18 @@ def plan_openblas(argv: list[str] | None = None) -> BlasPlan:
             f"(~10x slower). Install it with `{INSTALL_HINT}` "
             f"(or set {ENV_LIB}=/path/to/libopenblas.so)."
         )
-    if _is_preloaded(lib) or _uses_gpu_backend():
+    if _uses_gpu_backend():
         return BlasPlan()
+    shim, why = gemv_shim.shim_path()
+    note = None
+    if shim is None and why != f"{gemv_shim.ENV_OPT_OUT}=1":
+        note = (
+            f"{why}: MLX's matrix-vector products (batch-1 decode) keep OpenBLAS's sgemm "
+            "path, 3-5x slower than sgemv"
+        )
+    shim_done = shim is None or any(_same_file(e, shim) for e in _preload_entries())
+    if _is_preloaded(lib) and shim_done:
+        return BlasPlan(warning=note)
     if "mlx.core" in sys.modules:
         # Re-exec would technically work, but the caller has run past its start-up (mlx is
         # live, threads or sockets may be too): restarting it from here would surprise.
@@ -167,7 +179,10 @@ def plan_openblas(argv: list[str] | None = None) -> BlasPlan:
     if new_argv is None:
         return BlasPlan(warning=f"Cannot re-exec this process; start it with LD_PRELOAD={lib}")
     env = dict(os.environ)
-    env["LD_PRELOAD"] = " ".join([str(lib), *_preload_entries()])
+    # The shim goes first: its cblas_sgemm must win the symbol and then finds OpenBLAS's.
+    first = [] if shim_done else [str(shim)]
+    first += [] if _is_preloaded(lib) else [str(lib)]
+    env["LD_PRELOAD"] = " ".join([*first, *_preload_entries()])
     env[ENV_GUARD] = "1"
     return BlasPlan(argv=new_argv, env=env)
 
@@ -231,7 +246,8 @@ def blas_summary(n: int = 512) -> str:
     if mx.default_device().type == mx.DeviceType.gpu:
         source = "mlx GPU backend (BLAS not used)"
     elif (lib := openblas_loaded()) is not None:
-        source = f"OpenBLAS preloaded ({lib})"
+        gemv = "on" if gemv_shim.shim_loaded() else "off"
+        source = f"OpenBLAS preloaded ({lib}; 1-row products as sgemv: {gemv})"
     else:
         source = f"mlx bundled reference BLAS (slow; {INSTALL_HINT})"
     return f"BLAS: {source}, f32 GEMM {gflops:.1f} GFLOP/s"
