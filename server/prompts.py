@@ -65,8 +65,9 @@ def _render(
         raise PromptError("this model does not take images", refs[0].param)
     images = load_images(refs, settings, processor_config(tokenizer.model_dir)) if refs else ()
     tokens = [image.num_tokens for image in images] if refs else None  # None: text only
-    ids, starts_in_reasoning = tokenizer.render_chat(messages, tools, kwargs, tokens)
-    history = tokenizer.history_length(ids, messages, tools, kwargs, tokens)
+    ids, starts_in_reasoning, history = tokenizer.render_chat_with_history(
+        messages, tools, kwargs, tokens
+    )
     return RenderedPrompt(ids, starts_in_reasoning, history, images)
 
 

@@ -363,3 +363,37 @@ def test_history_length_is_where_the_next_turn_starts(
     next_ids, _ = tokenizer.render_chat(later, None, kwargs)
     assert 0 < history < len(ids) and next_ids[:history] == ids[:history]
     assert tokenizer.decode(ids[history:]).startswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_history_length_from_the_generation_prompt_alone(
+    tokenizer: TextTokenizer, monkeypatch: pytest.MonkeyPatch, thinking: bool
+) -> None:
+    """The prefix hint from the generation prompt's tokens (the fast path, taken for
+    normal chats: one encode besides the prompt's) equals the full re-encode's."""
+    image = {"type": "image_url", "image_url": {"url": "x"}}
+    call = {"function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    chat = [{"role": "system", "content": "S"}, {"role": "user", "content": UNICODE_TEXT},
+            {"role": "assistant", "content": "Hm.", "reasoning_content": "r"},
+            {"role": "user", "content": "Weather?"}]  # fmt: skip
+    loop = [*chat, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "content": "ok"}]
+    pictures = [
+        *chat[:3],
+        {"role": "user", "content": [image, {"type": "text", "text": "and"}, image]},
+    ]
+    cases = [(chat[1:2], None, None), (chat, None, None), (loop, [WEATHER_TOOL], None),
+             (pictures, None, [4, 9])]  # fmt: skip
+    real, encoded, kwargs = tokenizer.encode, [], {"enable_thinking": thinking}
+    monkeypatch.setattr(tokenizer, "encode", lambda text: encoded.append(text) or real(text))
+    for messages, tools, images in cases:
+        encoded.clear()
+        ids, reasoning, history = tokenizer.render_chat_with_history(
+            messages, tools, kwargs, images
+        )
+        assert len(encoded) == 2 and encoded[1].startswith("<|im_start|>assistant\n")
+        assert (ids, reasoning) == tokenizer.render_chat(messages, tools, kwargs, images)
+        text = tokenizer.render_chat_text(messages, tools, kwargs, False, images is not None)
+        full = tokenizer._history_by_encoding(ids, text, images)
+        assert 0 < history == full == tokenizer.history_length(ids, messages, tools, kwargs, images)
+        # A prompt that does not end in the generation prompt's tokens: the full re-encode.
+        assert tokenizer.history_length([*ids[:-1], 0], messages, tools, kwargs, images) == full

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
 from server.frontend.messages import PromptError, normalize_messages, normalize_tools
@@ -53,6 +54,11 @@ class TextTokenizer:
             (specials - markup) | set(self.eos_token_ids)
         )
         self._added_text = {i: str(token) for i, token in added.items()}
+        # Added tokens matched in the raw text, before normalization and BPE: a text splits
+        # into independent pieces where one starts (see _splits_at_added_token).
+        raw = [token for token in added.values() if not token.normalized]
+        self._raw_added = tuple({token.content for token in raw})
+        self._seam_tokens = frozenset(token.content for token in raw if _can_start_a_piece(token))
         # None: the model takes no images.
         self.image_pad_id: int | None = {text: i for i, text in self._added_text.items()}.get(
             IMAGE_PAD
@@ -111,12 +117,23 @@ class TextTokenizer:
         the output starts in reasoning). Raises PromptError for input the template or
         this server cannot handle.
         """
-        allow_images = image_tokens is not None
-        text = self.render_chat_text(messages, tools, chat_template_kwargs, True, allow_images)
-        ids = self.encode(text)
-        if allow_images:
-            ids = self.expand_images(ids, image_tokens or ())
+        text, ids = self._render_prompt(messages, tools, chat_template_kwargs, image_tokens)
         return ids, ends_in_reasoning(text)
+
+    def render_chat_with_history(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        image_tokens: Sequence[int] | None = None,
+    ) -> tuple[list[int], bool, int]:
+        """render_chat and history_length at once: (prompt ids, whether the output starts
+        in reasoning, history length), the prompt rendered and tokenized only once."""
+        text, ids = self._render_prompt(messages, tools, chat_template_kwargs, image_tokens)
+        history = self._history_length(
+            ids, text, messages, tools, chat_template_kwargs, image_tokens
+        )
+        return ids, ends_in_reasoning(text), history
 
     def history_length(
         self,
@@ -131,14 +148,86 @@ class TextTokenizer:
         cache snapshots there (GenerationRequest.prefix_hint). 0 when the template does
         not render the history as a token prefix of the prompt."""
         allow_images = image_tokens is not None
-        history = self.render_chat_text(messages, tools, chat_template_kwargs, False, allow_images)
-        ids = self.encode(history)
+        text = self.render_chat_text(messages, tools, chat_template_kwargs, True, allow_images)
+        return self._history_length(
+            prompt_ids, text, messages, tools, chat_template_kwargs, image_tokens
+        )
+
+    def _render_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        chat_template_kwargs: dict[str, Any] | None,
+        image_tokens: Sequence[int] | None,
+    ) -> tuple[str, list[int]]:
+        """The prompt text (with the generation prompt) and its ids, images expanded."""
+        allow_images = image_tokens is not None
+        text = self.render_chat_text(messages, tools, chat_template_kwargs, True, allow_images)
+        ids = self.encode(text)
         if allow_images:
+            ids = self.expand_images(ids, image_tokens or ())
+        return text, ids
+
+    def _history_length(
+        self,
+        prompt_ids: list[int],
+        prompt_text: str,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        chat_template_kwargs: dict[str, Any] | None,
+        image_tokens: Sequence[int] | None,
+    ) -> int:
+        """history_length given the prompt's text: from the generation prompt's tokens
+        alone where the seam is certain, else by tokenizing the whole history."""
+        allow_images = image_tokens is not None
+        history = self.render_chat_text(messages, tools, chat_template_kwargs, False, allow_images)
+        length = self._history_by_suffix(prompt_ids, prompt_text, history)
+        if length is None:
+            length = self._history_by_encoding(prompt_ids, history, image_tokens)
+        return length
+
+    def _history_by_suffix(self, prompt_ids: list[int], prompt: str, history: str) -> int | None:
+        """len(prompt_ids) less the tokens of what the prompt text adds to the history
+        text, when the tokenizer certainly splits the prompt between the two (an added
+        token starts the rest); None when it might not. With no image pads in the rest,
+        every image is in the history, and its expansion in the prompt's prefix."""
+        if self._backend is None or not prompt.startswith(history):
+            return None
+        rest = prompt[len(history) :]
+        if not self._splits_at_added_token(history, rest):
+            return None
+        rest_ids = self.encode(rest)
+        start = len(prompt_ids) - len(rest_ids)
+        if start < 0 or prompt_ids[start:] != rest_ids or self.image_pad_id in rest_ids:
+            return None
+        return start
+
+    def _history_by_encoding(
+        self, prompt_ids: list[int], history: str, image_tokens: Sequence[int] | None
+    ) -> int:
+        """history_length by tokenizing the history text (the general method)."""
+        ids = self.encode(history)
+        if image_tokens is not None:
             try:  # every image is in the history: the generation prompt adds none
-                ids = self.expand_images(ids, image_tokens or ())
+                ids = self.expand_images(ids, image_tokens)
             except PromptError:
                 return 0
         return len(ids) if prompt_ids[: len(ids)] == ids else 0
+
+    def _splits_at_added_token(self, left: str, right: str) -> bool:
+        """Whether `left + right` tokenizes as `left` then `right`: the longest raw added
+        token at the seam starts `right` and can start a piece there, and no added token
+        straddles the seam (the tokenizer splits added tokens out first, leftmost first)."""
+        at_seam = [token for token in self._raw_added if right.startswith(token)]
+        if not at_seam or max(at_seam, key=len) not in self._seam_tokens:
+            return False
+        width = max(map(len, self._raw_added)) - 1
+        tail = left[max(0, len(left) - width) :]
+        window, seam = tail + right[:width], len(tail)
+        return not any(
+            window.find(token, max(0, seam - len(token) + 1), seam + len(token) - 1) >= 0
+            for token in self._raw_added
+        )
 
     def expand_images(self, ids: list[int], image_tokens: Sequence[int]) -> list[int]:
         """`ids` with the i-th `<|image_pad|>` repeated image_tokens[i] times."""
@@ -197,6 +286,16 @@ def ends_in_reasoning(prompt: str) -> bool:
     """Whether the last turn of `prompt` opened `<think>` without closing it."""
     last_turn = prompt[prompt.rfind(IM_START) :] if IM_START in prompt else prompt
     return last_turn.rfind(THINK_OPEN) > last_turn.rfind(THINK_CLOSE)
+
+
+def _can_start_a_piece(token: AddedToken) -> bool:
+    """Whether an added token found right after other text is split out there exactly:
+    it takes in no whitespace on its left, and its first character is neither
+    whitespace (another token may take that in) nor a word character (a single-word
+    token before it would then not match, as it does at the end of a text)."""
+    first = token.content[:1]
+    joins = first.isalnum() or first == "_" or first.isspace()
+    return bool(first) and not (joins or token.lstrip or token.single_word)
 
 
 def _byte_level_decoder() -> dict[str, int]:
