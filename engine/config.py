@@ -51,7 +51,11 @@ class EngineConfig:
     # step); unset: on for CPU (a small prompt group next to the decode rows cost a second
     # pass over the weights: 0.8B, 8 rows + 2 tokens 0.99 -> 0.75 s), off on Metal/CUDA
     pack_token_wise: bool | None = None
-    pipeline_steps: bool = True  # plan step N+1 before reading step N's tokens back
+    # Step N+1 is planned and queued (mx.async_eval) before step N's tokens are read back,
+    # overlapping Python's graph building with the device. Unset: on for Metal/CUDA; off on
+    # the CPU, where the two share the cores (small shape, 32 rows: 72 vs 74 ms a step) and
+    # a request that arrives mid-step waited for the step already queued behind it
+    pipeline_steps: bool | None = None  # plan step N+1 before N is read back; unset = GPU only
     # Decode step as one mx.compile'd call (engine/decode.py); unset: on for Metal/CUDA
     # (launch-bound), off on CPU (no measured win: tiny B=16 206 vs 201 tok/s)
     compile_decode: bool | None = None

@@ -65,8 +65,11 @@ class Completion:
 # arrays (32 MB each at 32 rows of 248k: logits, masked logits, sampling noise), which were
 # then mapped afresh every step (~15k page faults at 32 rows). Small shape, 32 rows, this
 # CPU: a constrained greedy step 178-215 -> 153-155 ms, a free temperature-1 step
-# 462-475 -> 302-309 ms (bench/constrained.py step --cache-limit-mb).
-CPU_CACHE_BYTES = 512 << 20
+# 462-475 -> 302-309 ms (bench/constrained.py step --cache-limit-mb). At 512 MB a chat
+# turn's 57-token chunk after 2,000-token prefills still ran at 0.07 or 0.12-0.14 s (its
+# buffers freed and faulted in again); at 1 GiB at 0.07-0.08 s. The row-state budget is
+# half the memory the weights leave (budget.default_budget_bytes): this fits the other.
+CPU_CACHE_BYTES = 1 << 30
 
 
 def _keep_step_buffers() -> None:
@@ -91,7 +94,8 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.loaded = loaded
         self.leader = leader
-        self.pipeline = self.config.pipeline_steps and leader is None
+        pipeline = self.config.pipeline_steps
+        self.pipeline = (not on_cpu() if pipeline is None else pipeline) and leader is None
         cfg = loaded.config
         pack = self.config.pack_token_wise
         loaded.model.pack_token_wise = on_cpu() if pack is None else pack

@@ -50,11 +50,13 @@ long prompt prefills next to decode rows no decode-only step comes, and the line
 still needed). But the line is never extrapolated to a batch size it has not seen
 lately: `knows_decode` is false unless a decode-only step of about that many rows
 (within ROWS_NEAR) completed in the last MAX_AGE seconds, and the scheduler then runs
-decode-only steps until one is measured: four when pipelined (the first two after a
-lockstep step are not samples, see StepTimer, and the next plan comes before the third
-is read back). Not one in lockstep: the bound is against pipelined decode steps, and on
-the CPU server a lockstep decode step took ~2x one (0.14 against 0.07 s at 32 rows);
-measured so, the line rose and chunks ran at up to 3.8x. Without measuring, rows that
+decode-only steps until one is measured: one in lockstep (the CPU default, see
+EngineConfig.pipeline_steps), four when pipelined (the first two after a lockstep step
+are not samples, see StepTimer, and the next plan comes before the third is read back).
+Where steps are pipelined a measuring step is not forced into lockstep: the bound is
+against pipelined decode steps, and a lockstep step among pipelined ones also waits for
+the step in flight (CPU server: 0.14 against 0.07 s at 32 rows); measured so, the line
+rose and chunks ran at up to 3.8x. Without measuring, rows that
 joined while a prompt was prefilling (each through its own chunk, so no decode-only step
 came) were priced at the old batch's line: measured on the CPU, 32 rows at ~0.11 s a
 step against a line learned at 1 row (~0.04 s), so every chunk's residual looked like
