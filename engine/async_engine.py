@@ -183,6 +183,8 @@ class AsyncEngine:
             return
         self._streams[request.request_id] = stream
         self._open[request.request_id] = request.n
+        num_prompt = len(request.prompt_ids)
+        log.debug("request %s queued: %d prompt tokens", request.request_id, num_prompt)
         self._counters.prompt_tokens += len(request.prompt_ids)
         accepted.set_result(True)
 
