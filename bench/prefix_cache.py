@@ -8,8 +8,9 @@ resends it with the answer and a short new question, for one token (so the time 
 end of its stream is its time to first token, whatever that token's text). The cold
 reference is a turn-2-shaped chat of the same length whose history the server never saw.
 Measured alone, then (ours only unless --peer-background) while `--background` other
-streams decode. Prints JSON lines: TTFT of cold and warm turn 2, their ratio (the
-issue's target: <= 0.1), and the cached_tokens the server reported.
+streams decode. Each scenario runs `--repeat` chats (other histories); prints JSON lines:
+the median TTFT of cold and warm turn 2, their ratio (the issue's target: <= 0.1), each
+chat's ratio, and the cached_tokens the server reported.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -106,17 +108,26 @@ async def _turns(base: str, model: str, words: int, seed: int) -> dict:
     }
 
 
-async def _scenario(base: str, model: str, words: int, background: int, seed: int) -> dict:
+async def _scenario(
+    base: str, model: str, words: int, background: int, seed: int, repeat: int
+) -> dict:
+    """`repeat` chats (other histories) under the same load; medians of their times."""
     stop = asyncio.Event()
     load = asyncio.ensure_future(_background(base, model, background, stop)) if background else None
     if load is not None:
         await asyncio.sleep(5.0)  # let the background rows reach decode
     try:
-        return await _turns(base, model, words, seed)
+        runs = [await _turns(base, model, words, seed + 2 * r) for r in range(repeat)]
     finally:
         stop.set()
         if load is not None:
             await load
+    row = dict(runs[0])
+    for key in ("turn1_s", "cold_ttft_s", "warm_ttft_s"):
+        row[key] = statistics.median(r[key] for r in runs)
+    row["warm_over_cold"] = round(row["warm_ttft_s"] / row["cold_ttft_s"], 3)
+    row["runs_warm_over_cold"] = [r["warm_over_cold"] for r in runs]
+    return row
 
 
 async def _bench(kind: str, model: Path, args: argparse.Namespace) -> list[dict]:
@@ -134,7 +145,8 @@ async def _bench(kind: str, model: Path, args: argparse.Namespace) -> list[dict]
         if args.background and (kind == "deltaserve" or args.peer_background):
             loads.append(args.background)
         for i, background in enumerate(loads):
-            row = await _scenario(base, model_name, args.history, background, seed=100 + 10 * i)
+            seed = 100 + 10 * i
+            row = await _scenario(base, model_name, args.history, background, seed, args.repeat)
             rows.append({"server": kind, "background_streams": background, **row})
             print(json.dumps(rows[-1]), flush=True)
     finally:
@@ -148,6 +160,7 @@ def main() -> None:
     parser.add_argument("--history", type=int, default=2000, help="tokens, roughly")
     parser.add_argument("--background", type=int, default=32)
     parser.add_argument("--peer-background", action="store_true")
+    parser.add_argument("--repeat", type=int, default=3, help="chats per scenario (medians)")
     parser.add_argument("--only", choices=["deltaserve", "mlx_lm"])
     parser.add_argument(
         "--log-level", default="warning", help="ours: debug logs each step (/tmp/bench-prefix-*)"
