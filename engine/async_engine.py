@@ -185,7 +185,7 @@ class AsyncEngine:
         self._open[request.request_id] = request.n
         num_prompt = len(request.prompt_ids)
         log.debug("request %s queued: %d prompt tokens", request.request_id, num_prompt)
-        self._counters.prompt_tokens += len(request.prompt_ids)
+        self._counters.prompt_tokens += num_prompt
         accepted.set_result(True)
 
     def _abort_all(self) -> list[RequestOutput]:

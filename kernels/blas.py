@@ -184,7 +184,7 @@ def plan_openblas(argv: list[str] | None = None) -> BlasPlan:
     first += [] if _is_preloaded(lib) else [str(lib)]
     env["LD_PRELOAD"] = " ".join([*first, *_preload_entries()])
     env[ENV_GUARD] = "1"
-    return BlasPlan(argv=new_argv, env=env)
+    return BlasPlan(argv=new_argv, env=env, warning=note)  # the new process plans nothing
 
 
 def ensure_openblas(argv: list[str] | None = None) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -120,3 +122,40 @@ def test_cblas_sgemm_every_layout(m: int, n: int, trans_a: bool, trans_b: bool) 
         b.shape[1], ctypes.c_float(beta), c.ctypes.data_as(ptr), c.shape[1],
     )  # fmt: skip
     np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-5)  # padding untouched too
+
+
+def _plan_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A process started by hand: no preload, no guard, the shim cache in tmp_path."""
+    for var in (blas.ENV_GUARD, blas.ENV_OPT_OUT, gemv_shim.ENV_OPT_OUT, gemv_shim.ENV_PATH):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("LD_PRELOAD", "")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(blas, "_uses_gpu_backend", lambda: False)
+    monkeypatch.delitem(sys.modules, "mlx.core")  # plan as a process does before mlx loads
+
+
+@pytest.mark.skipif(blas.openblas_path() is None, reason="OpenBLAS not installed")
+def test_plan_preloads_the_shim_first(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The re-exec puts the built shim ahead of OpenBLAS (its cblas_sgemm must win)."""
+    _plan_env(monkeypatch, tmp_path)
+    if gemv_shim._compiler() is None:
+        pytest.skip("no C compiler")
+    plan = blas.plan_openblas(["python"])
+    assert plan.env is not None and plan.warning is None
+    first, second = plan.env["LD_PRELOAD"].split()[:2]
+    assert first.startswith(str(tmp_path)) and "gemv_shim" in first
+    assert second == str(blas.openblas_path())
+
+
+@pytest.mark.skipif(blas.openblas_path() is None, reason="OpenBLAS not installed")
+def test_no_compiler_warns_and_keeps_openblas(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without a compiler the process still gets OpenBLAS, and a warning says why the
+    1-row products stay slow (the re-exec'd process plans nothing, so it is said here)."""
+    _plan_env(monkeypatch, tmp_path)
+    monkeypatch.setattr(gemv_shim, "_compiler", lambda: None)
+    plan = blas.plan_openblas(["python"])
+    assert plan.env is not None
+    assert plan.env["LD_PRELOAD"].split() == [str(blas.openblas_path())]
+    assert plan.warning is not None and "no C compiler" in plan.warning
