@@ -4,7 +4,7 @@ MLX's CPU backend calls cblas_sgemm for every float32 matmul. OpenBLAS 0.3.21 (D
 runs a product with one row (or one column) through its packing GEMM driver, 3-5x slower
 than its own sgemv, and at batch 1 a decode step is only such products: the small shape's
 248,320 x 256 LM head took 14.3 ms as sgemm and 6.1 ms as sgemv; 1024 x 1024 180 vs 33 us.
-The shim is a cblas_sgemm of 40 lines that sends those products to cblas_sgemv and the rest
+The shim is a cblas_sgemm that sends those products to cblas_sgemv and the rest
 to OpenBLAS. kernels/blas.py preloads it ahead of OpenBLAS; it is compiled here once per
 source version with the system C compiler into the user's cache directory.
 
