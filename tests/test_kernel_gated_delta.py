@@ -204,6 +204,23 @@ def test_correlated_keys_are_stable_with_the_block_inverse(monkeypatch: pytest.M
     test_correlated_keys_are_stable()
 
 
+@pytest.mark.parametrize("length", [3, 41, 51, 100, 130])
+@pytest.mark.parametrize("lapack", [True, False])
+def test_short_chunks_of_any_size(
+    monkeypatch: pytest.MonkeyPatch, length: int, lapack: bool
+) -> None:
+    """With LAPACK's inverse (the CPU) L tokens are the fewest equal chunks of <= 64 (a
+    short input one chunk of L); with the block inverse chunks of a power of two. Both
+    match the reference."""
+    monkeypatch.setattr(gd, "_lapack_inverse", lambda: lapack)
+    expect = {3: (3, 4), 41: (41, 64), 51: (51, 64), 100: (50, 64), 130: (44, 64)}[length]
+    assert gd._chunk_size_for(length, 64, lapack) == expect[0 if lapack else 1]
+    x = make_inputs(2, length, 2, 4, 32, seed=23 + length, nonzero_state=True)
+    assert_close(gated_delta_chunked(*x), gated_delta_reference(*x))
+    mask = left_pad_mask(length, [2, 0])
+    assert_close(gated_delta_chunked(*x, mask), gated_delta_reference(*x, mask))
+
+
 def test_strong_decay_flush() -> None:
     """Decays down to e^-40 per step (products underflow inside a chunk) still match."""
     x = make_inputs(1, 130, 2, 4, 32, seed=19)
