@@ -118,7 +118,8 @@ async def _scenario(base: str, model: str, args: argparse.Namespace) -> dict:
 
 async def _bench(kind: str, model: Path, args: argparse.Namespace) -> dict:
     port = _free_port()
-    proc = _start(kind, model, port, Path(f"/tmp/bench-itl-{kind}.log"), args.log_level)
+    extra = tuple(args.ours.split()) if kind == "deltaserve" else ()
+    proc = _start(kind, model, port, Path(f"/tmp/bench-itl-{kind}.log"), args.log_level, extra)
     base = f"http://127.0.0.1:{port}"
     try:
         await _wait_ready(base, proc)
@@ -142,6 +143,9 @@ def main() -> None:
     parser.add_argument("--image", help="WxH: the arriving chat carries one image instead")
     parser.add_argument(
         "--log-level", default="warning", help="ours: debug logs each step (/tmp/bench-itl-*.log)"
+    )
+    parser.add_argument(
+        "--ours", default="", help='more arguments for our server, e.g. "--max-stall-factor 3"'
     )
     args = parser.parse_args()
     if args.image:

@@ -73,9 +73,15 @@ def _f32_copy(src: Path) -> Path:
 
 
 def _start(
-    kind: str, model: Path, port: int, log: Path, log_level: str = "warning"
+    kind: str,
+    model: Path,
+    port: int,
+    log: Path,
+    log_level: str = "warning",
+    extra: tuple[str, ...] = (),
 ) -> subprocess.Popen:
-    """Start one server; ours logs at `log_level` (debug: each step's size and time)."""
+    """Start one server; ours logs at `log_level` (debug: each step's size and time) and
+    gets `extra` arguments after its own."""
     env = dict(os.environ)
     lib = openblas_path()
     if lib is not None:
@@ -94,6 +100,7 @@ def _start(
             "64",
             "--log-level",
             log_level,
+            *extra,
         ]
     else:
         cmd = [
