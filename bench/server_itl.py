@@ -21,6 +21,7 @@ import asyncio
 import base64
 import io
 import json
+import shlex
 import time
 from pathlib import Path
 
@@ -118,7 +119,7 @@ async def _scenario(base: str, model: str, args: argparse.Namespace) -> dict:
 
 async def _bench(kind: str, model: Path, args: argparse.Namespace) -> dict:
     port = _free_port()
-    extra = tuple(args.ours.split()) if kind == "deltaserve" else ()
+    extra = tuple(shlex.split(args.ours)) if kind == "deltaserve" else ()
     proc = _start(kind, model, port, Path(f"/tmp/bench-itl-{kind}.log"), args.log_level, extra)
     base = f"http://127.0.0.1:{port}"
     try:
