@@ -149,7 +149,8 @@ class ModelRunner:
             state = self.states.cohort_state(cohort.row_ids)
         left_pad = tuple(pads) if any(pads) else None
         split = members[0].snapshot_at if len(members) == 1 else 0
-        return ForwardGroup(tokens, positions, state.layers, left_pad, embeds, split)
+        sampled = any(c.sample_row_ids for c in members)  # else only its states are read
+        return ForwardGroup(tokens, positions, state.layers, left_pad, embeds, split, sampled)
 
     def _scatter(self, cohort: _Cohort, group: ForwardGroup) -> list:
         """After a batched chunk: each row's state back to its own prefill state."""

@@ -73,6 +73,11 @@ class ForwardGroup:
     # B = 1, unpadded: DeltaNet layers also keep their state after this many columns
     # (RecurrentState.checkpoint), running the core in two parts; 0 = none
     snapshot_at: int = 0
+    # False: nobody reads this group's output, only its states (a prompt chunk that samples
+    # nothing). The last layer then only updates its state, outside any packing (packed
+    # with rows that need their output, the chunk's last attention and MLP would run for
+    # nothing), and the model returns None for the group.
+    wants_output: bool = True
 
     @property
     def shape(self) -> tuple[int, int]:

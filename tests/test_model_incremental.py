@@ -157,6 +157,44 @@ def test_groups_in_one_forward_equal_each_group_alone(
         assert rel_error(t.reshape(-1, t.shape[-1]), a.reshape(-1, a.shape[-1])) <= REL_TOL, i
 
 
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_group_that_wants_no_output_only_updates_its_state(
+    loaded: LoadedModel, ids: list[int], pack: bool
+) -> None:
+    """A prompt chunk that samples nothing (wants_output=False) next to a decode group:
+    the model returns None for it, its states equal those of the same chunk run with its
+    output, and the decode group's logits are unchanged."""
+    model = loaded.model
+
+    def run(wants: bool) -> tuple[list, list[mx.array]]:
+        decode = BatchState.empty(loaded.config)
+        forward(loaded, decode, [ids[:5]], [0])
+        prompt = BatchState.empty(loaded.config)
+        forward(loaded, prompt, [ids[10:40]], [0])
+        groups = [
+            ForwardGroup(_ids([[ids[5]]]), text_positions([5], 1), decode.layers),
+            ForwardGroup(_ids([ids[40:73]]), text_positions([30], 33), prompt.layers,
+                         wants_output=wants),
+        ]  # fmt: skip
+        model.pack_token_wise = pack
+        try:
+            hidden = model(groups)
+        finally:
+            model.pack_token_wise = False
+        states = [a for layer in prompt.layers for a in layer.state_arrays()]
+        mx.eval(states)
+        return hidden, states
+
+    full, full_states = run(True)
+    lean, lean_states = run(False)
+    assert lean[1] is None and full[1] is not None
+    assert rel_error(model.logits(lean[0][:, -1]), model.logits(full[0][:, -1])) <= REL_TOL
+    assert len(lean_states) == len(full_states)
+    for i, (a, b) in enumerate(zip(lean_states, full_states, strict=True)):
+        assert a.shape == b.shape, f"state array {i}"
+        assert rel_error(a, b) <= REL_TOL, f"state array {i}"
+
+
 def _ids(rows: list[list[int]]) -> mx.array:
     return mx.array(rows, dtype=mx.int32)
 
