@@ -149,8 +149,9 @@ class ModelRunner:
             state = self.states.cohort_state(cohort.row_ids)
         left_pad = tuple(pads) if any(pads) else None
         split = members[0].snapshot_at if len(members) == 1 else 0
-        sampled = any(c.sample_row_ids for c in members)  # else only its states are read
-        return ForwardGroup(tokens, positions, state.layers, left_pad, embeds, split, sampled)
+        # the runner reads a sampling chunk's last position, else only the states
+        outputs = "last" if any(c.sample_row_ids for c in members) else "none"
+        return ForwardGroup(tokens, positions, state.layers, left_pad, embeds, split, outputs)
 
     def _scatter(self, cohort: _Cohort, group: ForwardGroup) -> list:
         """After a batched chunk: each row's state back to its own prefill state."""

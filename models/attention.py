@@ -57,8 +57,10 @@ class GatedAttention(nn.Module):
         cos_sin: tuple[mx.array, mx.array],
         state: AttentionState,
         left_pad: tuple[int, ...] | None,
+        last_only: bool = False,
     ) -> mx.array:
-        """`project`'s outputs [B, L, *] -> o_proj's input [B, L, Hq * hd]."""
+        """`project`'s outputs [B, L, *] -> o_proj's input [B, L, Hq * hd]; with last_only
+        every position's K/V is stored but only the last query attends: [B, 1, Hq * hd]."""
         q_and_gate, keys, values = projected
         b, length, _ = q_and_gate.shape
         hd = self.head_dim
@@ -74,6 +76,8 @@ class GatedAttention(nn.Module):
         cos, sin = cos_sin
         queries = rope.apply(queries, cos, sin)
         keys = rope.apply(keys, cos, sin)
+        if last_only:
+            queries, gate, length = queries[:, :, -1:], gate[:, -1:], 1
         out = state.attend(queries, keys, values, self.scale, left_pad)
         out = out.transpose(0, 2, 1, 3).reshape(b, length, self.num_heads * hd)
         return out * fastmath.sigmoid(gate.reshape(b, length, -1))

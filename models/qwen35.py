@@ -61,6 +61,18 @@ class DecoderLayer(nn.Module):
             out = self.linear_attn(h, state, ctx.mask, group.left_pad, group.snapshot_at)
         return x + self._reduce(out)
 
+    def mix_last(self, x: mx.array, group: ForwardGroup, ctx: _GroupContext, state) -> mx.array:
+        """`mix` for one group whose last positions alone are read: x [B, L, H] -> [B, 1, H]
+        (every position's state is still written)."""
+        h = self.input_layernorm(x)
+        if self.is_full_attention:
+            mixer = self.self_attn
+            core = mixer.core(mixer.project(h), ctx.rope, ctx.cos_sin, state, group.left_pad, True)
+            out = mixer.o_proj(core)
+        else:
+            out = self.linear_attn(h, state, ctx.mask, group.left_pad, group.snapshot_at)[:, -1:]
+        return x[:, -1:] + self._reduce(out)
+
     def mix_many(
         self, xs: list[mx.array], groups: list[ForwardGroup], states: list
     ) -> list[mx.array]:
@@ -138,25 +150,29 @@ class Qwen35Model(nn.Module):
 
     def __call__(self, groups: list[ForwardGroup]) -> list[mx.array | None]:
         """Run every group through the stack; returns the final-normed hidden [B, L, H] of
-        each group (None for a group that wants no output). Reads and writes each group's
-        per-layer states in place."""
+        each group ([B, 1, H] for outputs "last", None for "none": ForwardGroup.outputs).
+        Reads and writes each group's per-layer states in place."""
         hidden = [self._embed(g) for g in groups]
         contexts = [_GroupContext(g, self._rope) for g in groups]
         *body, last = self.layers
         for idx, layer in enumerate(body):
             hidden = self._mix(layer, idx, hidden, groups, contexts)
             hidden = self._feed_forward(layer, hidden)
-        live = [i for i, g in enumerate(groups) if g.wants_output]
-        for i in (i for i, g in enumerate(groups) if not g.wants_output):
-            # Its own state is all this layer owes the group: the output of a mix run
-            # alone is never evaluated (MLX is lazy), so its attention core and MLP do not
-            # run (measured on the CPU: 4 ms of a 64-token chunk next to 8 decode rows).
-            last.mix(hidden[i], groups[i], contexts[i], groups[i].states[len(body)])
+        idx, result = len(body), [None] * len(groups)
+        for i, g in enumerate(groups):
+            if g.outputs == "none":
+                # Its own state is all the last layer owes the group: a mix run alone
+                # whose output is never evaluated (MLX is lazy) runs no attention core
+                # and no MLP (CPU: 4 ms of a 64-token chunk next to 8 decode rows).
+                last.mix(hidden[i], g, contexts[i], g.states[idx])
+            elif g.outputs == "last":
+                h = last.mix_last(hidden[i], g, contexts[i], g.states[idx])
+                result[i] = self.norm(last.feed_forward(h))
+        live = [i for i, g in enumerate(groups) if g.outputs == "all"]
         out = self._mix(
-            last, len(body), [hidden[i] for i in live], [groups[i] for i in live],
+            last, idx, [hidden[i] for i in live], [groups[i] for i in live],
             [contexts[i] for i in live],
         )  # fmt: skip
-        result: list[mx.array | None] = [None] * len(groups)
         for i, h in zip(live, self._feed_forward(last, out), strict=True):
             result[i] = self.norm(h)
         return result

@@ -27,9 +27,10 @@ class AttentionState(Protocol):
     ) -> mx.array:
         """Append this step's keys/values and attend over everything stored.
 
-        queries [B, Hq, L, D] (rotary applied), keys/values [B, Hkv, L, D]; the new tokens
-        are right-aligned with `left_pad[b]` padding tokens on the left of row b (None: no
-        padding). Returns [B, Hq, L, D]: causal attention that never looks at padding.
+        queries [B, Hq, Lq, D] (rotary applied) for the last Lq <= L of the new tokens,
+        keys/values [B, Hkv, L, D]; the new tokens are right-aligned with `left_pad[b]`
+        padding tokens on the left of row b (None: no padding). Returns [B, Hq, Lq, D]:
+        causal attention that never looks at padding.
         """
         ...
 
@@ -73,11 +74,12 @@ class ForwardGroup:
     # B = 1, unpadded: DeltaNet layers also keep their state after this many columns
     # (RecurrentState.checkpoint), running the core in two parts; 0 = none
     snapshot_at: int = 0
-    # False: nobody reads this group's output, only its states (a prompt chunk that samples
-    # nothing). The last layer then only updates its state, outside any packing (packed
-    # with rows that need their output, the chunk's last attention and MLP would run for
-    # nothing), and the model returns None for the group.
-    wants_output: bool = True
+    # Which of the group's output the caller reads: "all" positions, each row's "last"
+    # (a prompt chunk that samples), or "none" (one that samples nothing: only its states
+    # are read). Below "all", the last layer computes only what is read: its attention
+    # for the last query, or only its state, and outside any packing (packed with rows
+    # that need their output, the chunk's last attention and MLP would run for them).
+    outputs: str = "all"
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -158,15 +158,17 @@ def test_groups_in_one_forward_equal_each_group_alone(
 
 
 @pytest.mark.parametrize("pack", [False, True])
-def test_a_group_that_wants_no_output_only_updates_its_state(
-    loaded: LoadedModel, ids: list[int], pack: bool
+@pytest.mark.parametrize("outputs", ["last", "none"])
+def test_a_chunk_that_reads_less_output_keeps_its_states_and_last_logits(
+    loaded: LoadedModel, ids: list[int], pack: bool, outputs: str
 ) -> None:
-    """A prompt chunk that samples nothing (wants_output=False) next to a decode group:
-    the model returns None for it, its states equal those of the same chunk run with its
-    output, and the decode group's logits are unchanged."""
+    """A prompt chunk next to a decode group (packed or not) whose output is read only at
+    its last position (outputs="last") or not at all ("none"): its states equal those of
+    the same chunk run for every output, "last" gives that run's last-position logits,
+    "none" gives None, and the decode group's logits are unchanged."""
     model = loaded.model
 
-    def run(wants: bool) -> tuple[list, list[mx.array]]:
+    def run(wanted: str) -> tuple[list, list[mx.array]]:
         decode = BatchState.empty(loaded.config)
         forward(loaded, decode, [ids[:5]], [0])
         prompt = BatchState.empty(loaded.config)
@@ -174,7 +176,7 @@ def test_a_group_that_wants_no_output_only_updates_its_state(
         groups = [
             ForwardGroup(_ids([[ids[5]]]), text_positions([5], 1), decode.layers),
             ForwardGroup(_ids([ids[40:73]]), text_positions([30], 33), prompt.layers,
-                         wants_output=wants),
+                         outputs=wanted),
         ]  # fmt: skip
         model.pack_token_wise = pack
         try:
@@ -185,9 +187,13 @@ def test_a_group_that_wants_no_output_only_updates_its_state(
         mx.eval(states)
         return hidden, states
 
-    full, full_states = run(True)
-    lean, lean_states = run(False)
-    assert lean[1] is None and full[1] is not None
+    full, full_states = run("all")
+    lean, lean_states = run(outputs)
+    if outputs == "none":
+        assert lean[1] is None
+    else:
+        assert lean[1].shape == (1, 1, full[1].shape[-1])
+        assert rel_error(model.logits(lean[1][:, -1]), model.logits(full[1][:, -1])) <= REL_TOL
     assert rel_error(model.logits(lean[0][:, -1]), model.logits(full[0][:, -1])) <= REL_TOL
     assert len(lean_states) == len(full_states)
     for i, (a, b) in enumerate(zip(lean_states, full_states, strict=True)):

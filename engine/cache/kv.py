@@ -90,7 +90,7 @@ class KVStore:
     ) -> mx.array:
         """AttentionState.attend: append [B, Hkv, L, D] and attend causally."""
         arrays, mask = self.store(keys, values, left_pad)
-        return self.attend_stored(queries, arrays, scale, mask)
+        return self.attend_stored(queries, arrays, scale, last_rows(mask, queries.shape[2]))
 
     def store(
         self, keys: mx.array, values: mx.array, left_pad: tuple[int, ...] | None
@@ -238,6 +238,15 @@ class KVStore:
         if self.arrays is None:
             return 0
         return self.num_rows * self.size * self.bytes_per_token()
+
+
+def last_rows(mask: mx.array | str | None, queries: int) -> mx.array | str | None:
+    """A step's mask ([B, 1, L, S] bool, "causal" or None) for its last `queries` query
+    rows (AttentionState.attend: queries may be fewer than the new tokens). "causal"
+    already aligns the last query with the last key."""
+    if isinstance(mask, mx.array) and mask.shape[-2] != queries:
+        return mask[..., -queries:, :]
+    return mask
 
 
 def _with_headroom(used: mx.array) -> mx.array:

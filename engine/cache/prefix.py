@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engine.cache.kv import FullPrecisionKV, KVStore, fresh_copy
+from engine.cache.kv import FullPrecisionKV, KVStore, fresh_copy, last_rows
 from kernels.quant_attention import apply_mask, unfold_output
 
 _DENSE = FullPrecisionKV()  # stateless: its scores / weighted_sum serve the prefix part
@@ -86,8 +86,9 @@ class PrefixKV:
         self._write_prefix(keys, values, pads, taken)
         inner_pad = tuple(pad + t for pad, t in zip(pads, taken, strict=True))
         arrays, mask = self.inner.store(keys, values, inner_pad)
-        prefix_mask = self._prefix_mask(before, pads, length)
-        return self._attend_both(queries, scale, arrays, mask, prefix_mask)
+        rows = queries.shape[2]  # the last `rows` new tokens query (AttentionState.attend)
+        prefix_mask = last_rows(self._prefix_mask(before, pads, length), rows)
+        return self._attend_both(queries, scale, arrays, last_rows(mask, rows), prefix_mask)
 
     def _write_prefix(
         self, keys: mx.array, values: mx.array, pads: tuple[int, ...], taken: list[int]
