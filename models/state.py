@@ -9,7 +9,7 @@ these calls, so plain, affine-quantized and TurboQuant KV stores plug in unchang
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 import mlx.core as mx
 
@@ -53,6 +53,9 @@ class RecurrentState(Protocol):
 LayerState = AttentionState | RecurrentState
 
 
+Outputs = Literal["all", "last", "none"]  # ForwardGroup.outputs
+
+
 @dataclass
 class ForwardGroup:
     """Rows that share one batched state and one input shape [B, L].
@@ -79,7 +82,11 @@ class ForwardGroup:
     # are read). Below "all", the last layer computes only what is read: its attention
     # for the last query, or only its state, and outside any packing (packed with rows
     # that need their output, the chunk's last attention and MLP would run for them).
-    outputs: str = "all"
+    outputs: Outputs = "all"
+
+    def __post_init__(self) -> None:
+        if self.outputs not in get_args(Outputs):
+            raise ValueError(f"outputs must be one of {get_args(Outputs)}, got {self.outputs!r}")
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -201,6 +201,12 @@ def test_a_chunk_that_reads_less_output_keeps_its_states_and_last_logits(
         assert rel_error(a, b) <= REL_TOL, f"state array {i}"
 
 
+def test_an_unknown_outputs_value_is_refused() -> None:
+    """A typo would otherwise leave the group out of the last layer (its state unwritten)."""
+    with pytest.raises(ValueError, match="outputs"):
+        ForwardGroup(_ids([[1]]), text_positions([0], 1), [], outputs="first")  # type: ignore[arg-type]
+
+
 def _ids(rows: list[list[int]]) -> mx.array:
     return mx.array(rows, dtype=mx.int32)
 
