@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.cache.kv import FullPrecisionKV, KVStore
+from engine.cache.kv import FullPrecisionKV, KVStore, last_rows
 from engine.cache.rows import decode_bucket
 from engine.cache.ssm import SSMState
 
@@ -168,3 +168,16 @@ def test_bucketed_decode_batch_pads_with_dead_rows_and_drops_them() -> None:
     kv, ssm = states.decode.layers
     assert states.decode.num_rows == 2 and kv.lengths() == [3, 7]
     assert ssm.conv[:, 0, 0].tolist() == [1.0, 3.0]
+
+
+def test_a_steps_mask_for_its_last_queries() -> None:
+    """AttentionState.attend may get fewer queries than new tokens: an array mask keeps
+    its last rows, "causal" stays (it aligns the last query with the last key) except for
+    one query, which sees every key (None)."""
+    mask = mx.arange(5)[:, None] >= mx.arange(9)[None, :]  # [5, 9]
+    mask = mx.broadcast_to(mask[None, None], (2, 1, 5, 9))
+    assert mx.array_equal(last_rows(mask, 2), mask[:, :, 3:]).item()
+    assert last_rows(mask, 5) is mask
+    assert last_rows("causal", 3) == "causal"
+    assert last_rows("causal", 1) is None
+    assert last_rows(None, 1) is None

@@ -243,10 +243,11 @@ class KVStore:
 def last_rows(mask: mx.array | str | None, queries: int) -> mx.array | str | None:
     """A step's mask ([B, 1, L, S] bool, "causal" or None) for its last `queries` query
     rows (AttentionState.attend: queries may be fewer than the new tokens). "causal"
-    already aligns the last query with the last key."""
-    if isinstance(mask, mx.array) and mask.shape[-2] != queries:
-        return mask[..., -queries:, :]
-    return mask
+    aligns the last query with the last key; for one query it is None (it sees every
+    key), as for a decode token."""
+    if isinstance(mask, mx.array):
+        return mask[..., -queries:, :] if mask.shape[-2] != queries else mask
+    return None if mask == "causal" and queries == 1 else mask
 
 
 def _with_headroom(used: mx.array) -> mx.array:
