@@ -215,3 +215,32 @@ def test_sorted_and_broadcast_expert_rows_agree(
     assert sorted_out.shape == broadcast_out.shape == (tokens, k, hidden)
     ref = mx.abs(sorted_out).max().item()
     assert mx.abs(sorted_out - broadcast_out).max().item() <= 1e-5 * ref
+
+
+def test_sorted_rows_without_the_sorted_hint_give_the_same_experts_output(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where gather_mm's sorted path is wrong (mlx-cuda: layers.sorted_gather_mm_ok), the
+    rows are still sorted by expert but the hint is withheld: the same [N, k, H] as with it
+    (on the CPU, where both are right), and as each row's own matmuls."""
+    import models.layers as layers
+
+    num_experts, hidden, intermediate, k, tokens = 8, 64, 32, 3, 20
+    experts = SwitchExperts(num_experts, hidden, intermediate)
+    for i, name in enumerate(("gate_proj", "up_proj", "down_proj")):
+        shape = (num_experts, hidden, intermediate) if name == "down_proj" else (
+            num_experts, intermediate, hidden)  # fmt: skip
+        experts[name] = mx.random.normal(shape, key=mx.random.key(10 + i)) * 0.1
+    x = mx.random.normal((tokens, hidden), key=mx.random.key(1))
+    scores = mx.random.uniform(shape=(tokens, num_experts), key=mx.random.key(2))
+    indices = mx.argsort(scores)[:, :k].astype(mx.uint32)
+    monkeypatch.setattr(layers, "SORT_MIN_ROWS", 0)
+    hinted = experts(x, indices)
+    monkeypatch.setattr(layers, "sorted_gather_mm_ok", lambda: False)
+    unhinted = experts(x, indices)
+    t, j = 7, 2  # one (token, expert) row by plain matmuls
+    e = indices[t, j].item()
+    gate, up = x[t] @ experts.gate_proj[e].T, x[t] @ experts.up_proj[e].T
+    row = (gate * mx.sigmoid(gate) * up) @ experts.down_proj[e].T
+    assert mx.allclose(unhinted, hinted, atol=1e-5).item()
+    assert mx.allclose(unhinted[t, j], row, atol=1e-4).item()
