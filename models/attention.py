@@ -46,9 +46,11 @@ class GatedAttention(nn.Module):
         cos_sin: tuple[mx.array, mx.array],
         state: AttentionState,
         left_pad: tuple[int, ...] | None,
+        last_only: bool = False,
     ) -> mx.array:
-        """x [B, L, H] -> [B, L, H]; appends this step's K/V to `state`."""
-        return self.o_proj(self.core(self.project(x), rope, cos_sin, state, left_pad))
+        """x [B, L, H] -> [B, L, H] ([B, 1, H] with last_only, see `core`); appends this
+        step's K/V to `state`."""
+        return self.o_proj(self.core(self.project(x), rope, cos_sin, state, left_pad, last_only))
 
     def core(
         self,

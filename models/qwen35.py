@@ -52,26 +52,19 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def mix(self, x: mx.array, group: ForwardGroup, ctx: _GroupContext, state) -> mx.array:
-        """Residual + attention or DeltaNet for one group. x [B, L, H]."""
+    def mix(
+        self, x: mx.array, group: ForwardGroup, ctx: _GroupContext, state, last_only: bool = False
+    ) -> mx.array:
+        """Residual + attention or DeltaNet for one group. x [B, L, H] -> [B, L, H], or
+        [B, 1, H] with last_only (the last positions alone are read; every position's state
+        is still written)."""
         h = self.input_layernorm(x)
         if self.is_full_attention:
-            out = self.self_attn(h, ctx.rope, ctx.cos_sin, state, group.left_pad)
+            out = self.self_attn(h, ctx.rope, ctx.cos_sin, state, group.left_pad, last_only)
         else:
             out = self.linear_attn(h, state, ctx.mask, group.left_pad, group.snapshot_at)
-        return x + self._reduce(out)
-
-    def mix_last(self, x: mx.array, group: ForwardGroup, ctx: _GroupContext, state) -> mx.array:
-        """`mix` for one group whose last positions alone are read: x [B, L, H] -> [B, 1, H]
-        (every position's state is still written)."""
-        h = self.input_layernorm(x)
-        if self.is_full_attention:
-            mixer = self.self_attn
-            core = mixer.core(mixer.project(h), ctx.rope, ctx.cos_sin, state, group.left_pad, True)
-            out = mixer.o_proj(core)
-        else:
-            out = self.linear_attn(h, state, ctx.mask, group.left_pad, group.snapshot_at)[:, -1:]
-        return x[:, -1:] + self._reduce(out)
+            out = out[:, -1:] if last_only else out
+        return (x[:, -1:] if last_only else x) + self._reduce(out)
 
     def mix_many(
         self, xs: list[mx.array], groups: list[ForwardGroup], states: list
@@ -166,7 +159,7 @@ class Qwen35Model(nn.Module):
                 # and no MLP (CPU: 4 ms of a 64-token chunk next to 8 decode rows).
                 last.mix(hidden[i], g, contexts[i], g.states[idx])
             elif g.outputs == "last":
-                h = last.mix_last(hidden[i], g, contexts[i], g.states[idx])
+                h = last.mix(hidden[i], g, contexts[i], g.states[idx], last_only=True)
                 result[i] = self.norm(last.feed_forward(h))
         live = [i for i, g in enumerate(groups) if g.outputs == "all"]
         out = self._mix(
