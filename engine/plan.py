@@ -60,6 +60,9 @@ class SchedulerOutput:
     step: int = 0  # sequence number of this plan
     cache_saves: tuple[CacheSave, ...] = ()  # rows to snapshot after their chunk ran
     cache_drop: CacheDrop | None = None  # prefix-cache arrays to free after the step
+    # The decode batch sits this step out (prompts run ahead of it: PrefillPlanning.
+    # _plan_jump): its rows keep their state and place; decode_row_ids is empty.
+    decode_rows_wait: bool = False
 
     @property
     def sample_row_ids(self) -> list[str]:

@@ -54,7 +54,8 @@ class ModelRunner:
         for each of its forks). None when nothing samples this step. `prev_tokens`: the
         previous step's sampled tokens [N] (possibly not computed yet), for decode rows
         whose input is still pending."""
-        self.states.sync(out.decode_row_ids, out.freed_row_ids, out.forks)
+        hold = out.decode_rows_wait
+        self.states.sync(out.decode_row_ids, out.freed_row_ids, out.forks, hold)
         for chunk in out.prefill:
             if chunk.restore:
                 self.states.restore_prefix(chunk.row_id, chunk.restore)

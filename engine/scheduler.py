@@ -17,27 +17,26 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
 
 from engine.api import QueueFullError
 from engine.cache.budget import MemoryBudget
 from engine.cache.prefix_index import CacheSave, PrefixIndex
 from engine.config import EngineConfig
-from engine.media import PromptMedia, VisionPrice, VisionProgress
-from engine.plan import PrefillChunk, SchedulerOutput, VisionWork
+from engine.media import PromptMedia, VisionPrice
+from engine.plan import SchedulerOutput
+from engine.prefill_plan import MIN_PREFILL_TOKENS, PrefillPlanning
 from engine.request import Request, Status, choices_of
 from engine.step_cost import StepCostModel, StepTimer
 from engine.types import GenerationRequest, InvalidRequestError, RequestOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
 
-# Smallest prefill a step with decode rows gets (so prefill always progresses), and the
-# smallest slice the prefill allowance is split into (so it is not spread over tiny groups).
-MIN_PREFILL_TOKENS = 16
+__all__ = ["MIN_PREFILL_TOKENS", "Scheduler"]
 
 
-class Scheduler:
-    """FIFO admission bounded by rows and memory; phase-free chunked prefill."""
+class Scheduler(PrefillPlanning):
+    """FIFO admission bounded by rows and memory; phase-free chunked prefill (admission
+    and chunking: engine/prefill_plan.py)."""
 
     def __init__(
         self,
@@ -67,6 +66,7 @@ class Scheduler:
         self._price = VisionPrice()  # what tower blocks cost in this step's plan
         self.prefix = prefix
         self._saves: list[CacheSave] = []
+        self._ahead_seconds = 0.0  # predicted cost of the jump just planned (0: none)
         # The engine sets it where a forward can keep DeltaNet state mid-chunk (eager core)
         self.snapshot_in_chunk = False  # False: a chunk ends at each snapshot
 
@@ -118,24 +118,30 @@ class Scheduler:
         fairly. A long prompt therefore advances every step while the decode rows keep
         producing tokens at a bounded pace: nobody waits for a whole prompt (but for one
         decode-only step at a batch size not measured lately: StepCostModel.knows_decode).
+        Or, where prompts can finish within what the rows may wait, those prompts alone,
+        ahead of the rows (PrefillPlanning._plan_jump); the next step then has the rows.
         """
         started = self._clock()
         for req in self._promote_next:
             self._promote(req)
         self._promote_next = []
-        chunks = self._plan_prefill(self._prefill_allowance())
+        chunks, decoding = self._plan_jump(), []
+        if not chunks:  # the usual step: every decode row, prefill next to them
+            chunks, decoding = self._plan_prefill(self._prefill_allowance()), self.decoding
+            self._ahead_seconds = 0.0
         num_prefill = sum(c.length for c in chunks)
         out = SchedulerOutput(
-            decode_row_ids=tuple(r.row_id for r in self.decoding),
+            decode_row_ids=tuple(r.row_id for r in decoding),
             decode_token_ids=tuple(
-                -1 if r.row_id in self._pending else r.output_ids[-1] for r in self.decoding
+                -1 if r.row_id in self._pending else r.output_ids[-1] for r in decoding
             ),
-            decode_sources=tuple(self._pending.get(r.row_id, -1) for r in self.decoding),
-            decode_positions=tuple(r.num_computed + r.rope_delta for r in self.decoding),
+            decode_sources=tuple(self._pending.get(r.row_id, -1) for r in decoding),
+            decode_positions=tuple(r.num_computed + r.rope_delta for r in decoding),
             prefill=tuple(chunks),
             freed_row_ids=tuple(self._freed),
             forks=tuple(self._forks),
-            num_tokens=len(self.decoding) + num_prefill,
+            num_tokens=len(decoding) + num_prefill,
+            decode_rows_wait=bool(self.decoding) and not decoding,
             step=self._num_steps,
             cache_saves=tuple(self._saves),
             cache_drop=self.prefix.take_drops() if self.prefix is not None else None,
@@ -145,7 +151,7 @@ class Scheduler:
             self._timer.planned(out.step, started)
         # The plan is committed now, so the next step can be planned before this one's
         # tokens are known: counts advance here, tokens are appended in update().
-        for req in self.decoding:
+        for req in decoding:
             req.num_computed += 1
         for chunk in chunks:
             req = self.rows[chunk.row_id]
@@ -167,144 +173,14 @@ class Scheduler:
         self._price = VisionPrice(scale)
         if not factor or not self.decoding:
             return budget  # nobody waits on this step: prefill at full speed
-        allowance = self.step_cost.prefill_allowance(len(self.decoding), factor)
+        spent = self._ahead_seconds  # the rows already waited for a jump
+        allowance = self.step_cost.prefill_allowance(len(self.decoding), factor, spent)
         if allowance is None:
             return budget  # costs not learned yet
         if not self.step_cost.knows_decode(len(self.decoding)):
             return 0  # decode-only steps measure this batch size (StepCostModel)
         self._price = VisionPrice(scale, self.step_cost.vision_limit())
         return min(budget, max(allowance, MIN_PREFILL_TOKENS))
-
-    def _plan_prefill(self, allowance: int) -> list[PrefillChunk]:
-        """Hand `allowance` out oldest first (prefilling, then waiting requests admitted
-        now). A prompt that can finish takes all it needs: prompts arriving together
-        finish in arrival order, in few pieces (each is a group; on the GPU a group costs
-        its op count). The oldest, if it cannot finish, takes half while another could
-        follow (a long prompt never holds the allowance against short ones); the first
-        later prompt that cannot finish takes the rest and ends the plan. The oldest
-        always advances; no later one gets below min(its need, MIN_PREFILL_TOKENS)."""
-        plan: list[tuple[Request, int]] = []
-        left = allowance
-        candidates = list(self.prefilling)  # _admit appends to self.prefilling
-        while left > 0:
-            if candidates:
-                req = candidates.pop(0)
-            elif self._admissible(left, first=not plan):
-                req = self._admit(self.waiting.popleft())
-            else:
-                break
-            demand = self._prefill_demand(req)
-            rest = req.num_prompt - req.num_computed
-            fits = rest + self._vision_cost(req, req.num_prompt) <= left  # it can finish now
-            share = min(demand, left)
-            if not fits and not plan and (candidates or self.waiting):
-                share = min(share, max(left // 2, MIN_PREFILL_TOKENS))  # room for the next
-            if plan and share < min(demand, MIN_PREFILL_TOKENS):
-                break
-            plan.append((req, share))
-            left -= share
-            if len(plan) > 1 and not fits:
-                break
-        if plan and left:  # what the halving left unused goes back to the oldest
-            req, share = plan[0]
-            plan[0] = (req, min(self._prefill_demand(req), share + left))
-        chunks = [self._chunk(req, share, i == 0) for i, (req, share) in enumerate(plan)]
-        return [c for c in chunks if c.length or c.vision or c.restore]
-
-    def _admissible(self, left: int, first: bool) -> bool:
-        """Whether the oldest waiting request can be admitted and given a slice now."""
-        if not (self.waiting and self._can_admit(self.waiting[0])):
-            return False
-        need = min(self._prefill_demand(self.waiting[0]), MIN_PREFILL_TOKENS)
-        return first or need <= left
-
-    def _prefill_demand(self, req: Request) -> int:
-        """Prefill tokens (and tower passes, in token equivalents) of the next chunk."""
-        tokens = min(req.num_prompt - req.num_computed, self.config.max_prefill_chunk)
-        return tokens + self._vision_cost(req, req.num_computed + tokens)
-
-    def _vision_cost(self, req: Request, end: int) -> int:
-        """Prefill tokens (at this step's price) of the tower blocks `req` still needs
-        before position `end`."""
-        return req.media.cost(req.vision, end, self._price) if req.media is not None else 0
-
-    def _chunk(self, req: Request, budget: int, oldest: bool) -> PrefillChunk:
-        """The next chunk of `req`, ending at its next snapshot position if it gets there
-        (the row's state is saved right after the chunk), or past it with the snapshot
-        inside (snapshot_in_chunk). With images: tokens stop at an image whose tower has
-        not finished; its blocks take what the budget affords."""
-        length = min(req.num_prompt - req.num_computed, budget, self.config.max_prefill_chunk)
-        end = req.num_computed + length
-        work: tuple[VisionWork, ...] = ()
-        if req.media is not None:
-            stop = req.num_computed + min(req.num_prompt - req.num_computed, budget)
-            stop = min(stop, req.num_computed + self.config.max_prefill_chunk)
-            end, work, req.vision = req.media.plan(
-                req.vision, req.num_computed, stop, budget, oldest, self._price
-            )
-            length = end - req.num_computed
-        inside = 0
-        if self.snapshot_in_chunk and req.snapshot_at and req.snapshot_at[0] < end:
-            inside = self._save(req, req.snapshot_at.pop(0), inside=True)
-        if req.snapshot_at and end >= req.snapshot_at[0]:
-            end = req.snapshot_at.pop(0)
-            length = end - req.num_computed
-            self._save(req, end)
-        is_last = end == req.num_prompt
-        samplers = (req.row_id, *(c.row_id for c in req.children)) if is_last else ()
-        cost = sum((w.stop - w.start) * req.media.block_tokens[w.image] for w in work)
-        split = inside - req.num_computed if inside else 0
-        chunk = PrefillChunk(
-            req.row_id, req.num_computed, length, samplers, req.cache_chain, work, cost, split
-        )
-        req.cache_chain = ()
-        return chunk
-
-    def _save(self, req: Request, position: int, inside: bool = False) -> int:
-        """Snapshot `req`'s row at `position` with this step's chunk (`inside` it: the
-        forward keeps the state there); the position, 0 if cached already or no room."""
-        save = self.prefix.insert(req.row_id, req.key_ids, position) if self.prefix else None
-        if save is None:
-            return 0
-        self._saves.append(replace(save, inside=inside))
-        return position
-
-    def _can_admit(self, req: Request) -> bool:
-        rows = 1 + len(req.children)
-        if len(self.rows) + rows > self.config.max_num_seqs:
-            return False
-        new = (req, *req.children)
-        need = sum(self.budget.row_bytes(r.max_total_tokens()) for r in new)
-        need += self.budget.padding_bytes(self._lengths(*new)) - self.budget.padding
-        need += req.vision_bytes
-        if self.prefix is not None:
-            return self.prefix.evict_for(need)  # rows come before cached prefixes
-        return self.budget.can_reserve(need)
-
-    def _lengths(self, *joining: Request) -> list[int]:
-        """Worst-case tokens of every running row (and `joining`): what padding costs."""
-        return [r.max_total_tokens() for r in (*self.rows.values(), *joining)]
-
-    def _admit(self, req: Request) -> Request:
-        for r in (req, *req.children):
-            r.reserved_bytes = self.budget.row_bytes(r.max_total_tokens())
-            self.budget.reserve(r.reserved_bytes)
-            r.status = Status.FORKED if r is not req else Status.RUNNING
-            self.rows[r.row_id] = r
-        req.vision_reserved = req.vision_bytes  # released when the prefill ends
-        req.reserved_bytes += req.vision_reserved
-        self.budget.reserve(req.vision_reserved)
-        self.budget.padding = self.budget.padding_bytes(self._lengths())
-        if self.prefix is not None:
-            hit = self.prefix.match(req.key_ids, req.prefix_hint)
-            req.num_computed = req.num_cached = hit.tokens
-            req.cache_chain, req.snapshot_at = hit.chain, list(hit.snapshot_at)
-            for child in req.children:
-                child.num_cached = hit.tokens
-        if req.media is not None:
-            req.vision = VisionProgress(req.media.first_needed(req.num_computed))
-        self.prefilling.append(req)
-        return req
 
     # -- after the forward ----------------------------------------------------------------
     def update(
@@ -331,10 +207,12 @@ class Scheduler:
         seconds, settled = self._timer.completed(out.step, done)
         num_prefill = sum(c.length for c in out.prefill)
         num_vision = sum(c.vision_tokens for c in out.prefill)
+        first = sum(len(c.sample_row_ids) for c in out.prefill)
         log.debug("step %d: %d decode rows, %d prompt tokens, %d tower units: %.3f s",
                   out.step, len(out.decode_row_ids), num_prefill, num_vision, seconds)  # fmt: skip
         if settled:
-            self.step_cost.observe(len(out.decode_row_ids), num_prefill, seconds, num_vision, done)
+            rows = len(out.decode_row_ids)
+            self.step_cost.observe(rows, num_prefill, seconds, num_vision, done, first)
 
     def _promote(self, req: Request) -> None:
         """Prefill done: the request and its forks join the decode batch (a choice that
@@ -393,4 +271,5 @@ class Scheduler:
         self.budget.clear()
         self.prefilling, self.decoding, self._pending = [], [], {}
         self._promote_next, self._freed, self._forks, self._saves = [], [], [], []
+        self._ahead_seconds = 0.0
         return outputs

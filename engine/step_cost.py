@@ -78,6 +78,15 @@ oldest prompt's forced advance) and GROWTH x the most seen in one step after: on
 is measured before more run at its price. Without tower samples v = c (scale 1); below
 PROBE_TOKENS prompt tokens in the window (none included) c comes from the prompt-token
 and tower steps together, tokens and token equivalents counted alike, and v = c.
+
+Prefill-only steps that sample a first token give a fourth line, `alone_seconds(P)` =
+a0 + c0 * P (least squares over P, as the decode line over rows): what such a step costs
+when the scheduler runs it ahead of the decode rows (Scheduler: a short prompt that can
+finish gets its first token one step sooner, instead of after the decode rows' step). It
+is fitted from those steps alone: one that samples pays the LM head (CPU, small shape:
+one row of a 248K-token vocabulary reads its 254 MB of weights), a chunk that does not
+sample does not. These samples do not age (no decode line is in them); with none,
+`alone_seconds` is None and no prompt runs ahead.
 """
 
 from __future__ import annotations
@@ -108,6 +117,7 @@ class StepSample:
     seconds: float  # measured wall time of the step
     num_vision: int = 0  # vision-tower work of the step, in block_tokens' equivalents
     done: float = 0.0  # when the step completed (the scheduler's clock, seconds)
+    first_tokens: int = 0  # rows whose first token the step sampled
 
 
 class StepCostModel:
@@ -117,7 +127,9 @@ class StepCostModel:
         self._decode: deque[StepSample] = deque(maxlen=WINDOW)
         self._prefill: deque[StepSample] = deque(maxlen=WINDOW)  # prompt tokens only
         self._vision: deque[StepSample] = deque(maxlen=WINDOW)  # with tower work
+        self._alone: deque[StepSample] = deque(maxlen=WINDOW)  # prefill-only, sampling
         self._line: tuple[float, float] | None = None  # (a, b), refitted lazily
+        self._alone_line: tuple[float, float] | None = None  # (a0, c0), refitted lazily
         self._token_cost: float | None = None
         self._vision_cost: float | None = None
         self._now = 0.0  # the newest step's completion (the scheduler's clock)
@@ -129,15 +141,21 @@ class StepCostModel:
         seconds: float,
         num_vision: int = 0,
         done: float = 0.0,
+        first_tokens: int = 0,
     ) -> None:
-        """Record one step that completed at `done` (ignored if it took no time or
-        decoded nothing); prompt-token and tower samples older than MAX_AGE seconds
-        before `done` are dropped."""
+        """Record one step that completed at `done` (ignored if it took no time, or
+        decoded nothing and sampled no prompt's first token); prompt-token and tower
+        samples older than MAX_AGE seconds before `done` are dropped."""
         self._now = max(self._now, done)
         self._forget_before(done - MAX_AGE)
-        if seconds <= 0 or num_decode == 0:
+        sample = StepSample(num_decode, num_prefill, seconds, num_vision, done, first_tokens)
+        if seconds <= 0:
             return
-        sample = StepSample(num_decode, num_prefill, seconds, num_vision, done)
+        if num_decode == 0:
+            if num_prefill and first_tokens and not num_vision:
+                self._alone.append(sample)
+                self._alone_line = None
+            return
         kind = self._vision if num_vision else self._prefill if num_prefill else self._decode
         kind.append(sample)
         self._line = self._token_cost = self._vision_cost = None
@@ -161,6 +179,11 @@ class StepCostModel:
     def is_ready(self) -> bool:
         """Enough decode-only samples to predict a decode step."""
         return len(self._decode) >= MIN_SAMPLES
+
+    @property
+    def prices_tokens(self) -> bool:
+        """Whether a prompt token's cost next to decode rows was measured (in the window)."""
+        return bool(self._prefill or self._vision)
 
     def decode_seconds(self, num_decode: int) -> float:
         """Predicted time of a decode-only step of `num_decode` rows (needs samples)."""
@@ -206,15 +229,38 @@ class StepCostModel:
         tokens = self.token_seconds() * num_prefill
         return self.decode_seconds(num_decode) + tokens + self.vision_seconds() * num_vision
 
-    def prefill_allowance(self, num_decode: int, max_stall_factor: float) -> int | None:
+    def stall_seconds(self, num_decode: int, max_stall_factor: float) -> float:
+        """What prompt work may add to the decode rows' gap between two tokens: HEADROOM
+        of the bound's extra time over a decode-only step (needs decode samples)."""
+        return HEADROOM * (max_stall_factor - 1.0) * self.decode_seconds(num_decode)
+
+    def alone_seconds(self, num_prefill: int) -> float | None:
+        """Predicted time of a prefill-only step of `num_prefill` tokens that samples
+        its prompts' first tokens; None before such a step was measured."""
+        if not self._alone:
+            return None
+        if self._alone_line is None:
+            self._alone_line = _fit_line(list(self._alone), _tokens)
+        a, c = self._alone_line
+        most = max(s.num_prefill for s in self._alone)
+        if num_prefill <= most:
+            return a + c * num_prefill
+        # Past the largest step seen, in proportion: an upper bound of any a0 + c0 * P
+        # with a0, c0 >= 0 (the line through one size alone would be flat)
+        return (a + c * most) * num_prefill / most
+
+    def prefill_allowance(
+        self, num_decode: int, max_stall_factor: float, spent: float = 0.0
+    ) -> int | None:
         """Prefill tokens (tower work counted at vision_scale) that keep a step with
         `num_decode` rows within `max_stall_factor` x a decode-only step, less HEADROOM's
-        margin; None while the model has too few samples to say."""
+        margin and `spent` seconds the rows already waited since their last token (a
+        prefill-only step run ahead of them); None while the model has too few samples."""
         if not self.is_ready:
             return None
-        if not (self._prefill or self._vision):
+        if not self.prices_tokens:
             return 0
-        extra = HEADROOM * (max_stall_factor - 1.0) * self.decode_seconds(num_decode)
+        extra = max(self.stall_seconds(num_decode, max_stall_factor) - spent, 0.0)
         fit = int(extra / self.token_seconds() + 1e-6)  # not 139 for 139.99999
         # Slow start: at most GROWTH x the largest prefill seen next to decode rows. A
         # small probe's residual is mostly noise (a 3-token chunk can look free), and
@@ -239,28 +285,35 @@ def _weights(n: int) -> list[float]:
     return [DECAY ** (n - 1 - i) for i in range(n)]
 
 
-def _medians(samples: list[StepSample]) -> dict[int, float]:
-    """Median seconds of the samples of each decode row count (the upper one of two)."""
+def _medians(samples: list[StepSample], x: Callable[[StepSample], int]) -> dict[int, float]:
+    """Median seconds of the samples of each value of x (the upper one of two)."""
     by_rows: dict[int, list[float]] = {}
     for s in samples:
-        by_rows.setdefault(s.num_decode, []).append(s.seconds)
+        by_rows.setdefault(x(s), []).append(s.seconds)
     return {rows: sorted(t)[len(t) // 2] for rows, t in by_rows.items()}
 
 
-def _fit_line(samples: list[StepSample]) -> tuple[float, float]:
-    """Weighted least squares of seconds on decode rows, outliers dropped; b >= 0."""
-    median = _medians(samples)
+def _rows(s: StepSample) -> int:
+    return s.num_decode
+
+
+def _fit_line(
+    samples: list[StepSample], x: Callable[[StepSample], int] = _rows
+) -> tuple[float, float]:
+    """Weighted least squares of seconds on x (decode rows unless told), outliers
+    dropped; b >= 0."""
+    median = _medians(samples, x)
     kept = [
         (w, s)
         for w, s in zip(_weights(len(samples)), samples, strict=True)
-        if s.seconds <= OUTLIER * median[s.num_decode]
+        if s.seconds <= OUTLIER * median[x(s)]
     ]
     total = sum(w for w, _ in kept)
-    mean_x = sum(w * s.num_decode for w, s in kept) / total
+    mean_x = sum(w * x(s) for w, s in kept) / total
     mean_y = sum(w * s.seconds for w, s in kept) / total
-    var_x = sum(w * (s.num_decode - mean_x) ** 2 for w, s in kept) / total
-    cov = sum(w * (s.num_decode - mean_x) * (s.seconds - mean_y) for w, s in kept) / total
-    if var_x < 0.25 or cov <= 0:  # rows barely varied, or noise says "more rows, faster"
+    var_x = sum(w * (x(s) - mean_x) ** 2 for w, s in kept) / total
+    cov = sum(w * (x(s) - mean_x) * (s.seconds - mean_y) for w, s in kept) / total
+    if var_x < 0.25 or cov <= 0:  # x barely varied, or noise says "more of it, faster"
         return mean_y, 0.0
     b = cov / var_x
     a = mean_y - b * mean_x

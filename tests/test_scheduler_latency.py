@@ -165,6 +165,31 @@ def test_long_prompt_finishes_while_short_prompts_keep_arriving() -> None:
     assert len(first_token) >= len(arrived) - 1  # the last arrivals may still be going
 
 
+def test_short_prompt_runs_ahead_of_the_decode_rows() -> None:
+    """With the decode rows' costs and a prefill-only step's learned, a short prompt
+    arriving alone runs in a prefill-only step (its first token a decode step sooner);
+    the rows run next, and the two steps together stay within 2x a decode-only step. A
+    prompt arriving right after is not run ahead again; one too long for the allowance,
+    or arriving while another prefills, goes next to the rows."""
+    cost = FakeCost()
+    s = _scheduler(cost)
+    _decoding(s, cost)  # the rows' first step, a 32-token prefill, sampled: learned
+    s.add(_req("short", 24), EOS)
+    ahead = _step(s, cost)
+    assert not ahead.decode_row_ids and ahead.sample_row_ids == ["short/0"]
+    s.add(_req("next", 24), EOS)
+    after = _step(s, cost)
+    assert len(after.decode_row_ids) == 5 and [c.row_id for c in after.prefill] == ["next/0"]
+    assert cost.seconds(ahead) + cost.seconds(after) <= 2 * cost.decode_only(4) + 1e-12
+    for _ in range(2):
+        _step(s, cost)
+    s.add(_req("long", 100), EOS)  # 15 ms alone: more than the 11.9 ms allowed
+    assert _step(s, cost).decode_row_ids
+    s.add(_req("short2", 24), EOS)  # "long" is still prefilling
+    out = _step(s, cost)
+    assert out.decode_row_ids and {c.row_id for c in out.prefill} == {"long/0", "short2/0"}
+
+
 def test_rows_that_joined_while_a_prompt_prefilled_are_measured() -> None:
     """The decode line was learned at 4 rows; 12 more join while a long prompt prefills
     (each through its own chunk, so no decode-only step comes). The scheduler measures
@@ -232,6 +257,48 @@ def test_real_engine_default_config_tokens_unchanged() -> None:
     bounded = run(EngineConfig(max_num_batched_tokens=512))
     unbounded = run(EngineConfig(max_num_batched_tokens=512, max_stall_factor=0))
     assert bounded == unbounded and len(bounded["long"]) == 24
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_engine_tokens_unchanged_by_prompts_run_ahead_of_the_rows(pipeline: bool) -> None:
+    """The tiny model on a fake clock (FakeCost): short prompts arriving while rows decode
+    run in prefill-only steps ahead of them, lockstep or pipelined, and every request's
+    greedy tokens equal a run with the bound off (no step ahead)."""
+    loaded = load_model(str(cached_checkpoint("tiny")))
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [tuple(100 + 7 * i + j for j in range(5 + 9 * i)) for i in range(6)]
+
+    def run(factor: float) -> tuple[dict[str, list[int]], list[SchedulerOutput]]:
+        cost = FakeCost(per_row=0.005)  # a decode row costs more than a step's base
+        engine = LLMEngine(
+            loaded, EngineConfig(max_stall_factor=factor, pipeline_steps=pipeline), clock=cost
+        )
+        plan, outs = engine.scheduler.schedule, []
+
+        def timed() -> SchedulerOutput:
+            out = plan()
+            cost.now += cost.seconds(out)
+            outs.append(out)
+            return out
+
+        engine.scheduler.schedule = timed
+        tokens: dict[str, list[int]] = {}
+        for i in range(4):
+            engine.add_request(GenerationRequest(f"r{i}", prompts[i], params))
+        step = 0
+        while engine.has_work():
+            if step in (8, 11):
+                i = 4 if step == 8 else 5
+                engine.add_request(GenerationRequest(f"r{i}", prompts[i], params))
+            for delta in engine.step():
+                tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+            step += 1
+        return tokens, outs
+
+    bounded, outs = run(2.0)
+    ahead = [o for o in outs[1:] if o.prefill and not o.decode_row_ids]
+    assert [c.row_id for o in ahead for c in o.prefill] == ["r4/0", "r5/0"]
+    assert bounded == run(0.0)[0] and all(len(t) == 16 for t in bounded.values())
 
 
 def _image_request(length: int, span: tuple[int, int], block_tokens: int, depth: int):

@@ -152,3 +152,31 @@ def test_a_few_prompt_tokens_do_not_price_tower_work() -> None:
     model.observe(4, 16, 0.014 + 16 * 0.0001)
     assert model.token_seconds() == pytest.approx(0.0001)
     assert model.vision_scale() == pytest.approx(3.0)
+
+
+def test_prefill_only_steps_that_sample_price_a_step_ahead_of_the_rows() -> None:
+    """Prefill-only steps that sample a first token give their own line; those that
+    sample nothing (no LM head) or carry tower work are not in it. Past the largest step
+    seen it grows in proportion (an upper bound: a line through one size would be flat)."""
+    model = StepCostModel()
+    assert model.alone_seconds(10) is None
+    model.observe(0, 100, 0.5)  # a chunk that samples nothing
+    model.observe(0, 100, 0.5, num_vision=10, first_tokens=1)  # tower work
+    assert model.alone_seconds(10) is None
+    model.observe(0, 40, 0.012, first_tokens=1)
+    assert model.alone_seconds(20) == pytest.approx(0.012)  # one size: flat below it
+    assert model.alone_seconds(80) == pytest.approx(0.024)  # in proportion above it
+    model.observe(0, 20, 0.011, first_tokens=2)
+    assert model.alone_seconds(30) == pytest.approx(0.0115)  # the line 0.010 + 5e-5 P
+    assert model.alone_seconds(80) == pytest.approx(0.012 * 2)
+
+
+def test_time_spent_ahead_of_the_rows_comes_off_the_next_allowance() -> None:
+    model = StepCostModel()
+    for _ in range(5):
+        model.observe(4, 0, 0.014)
+    model.observe(4, 200, 0.024)  # 0.05 ms a token
+    assert model.stall_seconds(4, 2.0) == pytest.approx(0.85 * 0.014)
+    assert model.prefill_allowance(4, 2.0) == 238
+    assert model.prefill_allowance(4, 2.0, spent=0.005) == 138
+    assert model.prefill_allowance(4, 2.0, spent=1.0) == 0

@@ -85,12 +85,17 @@ class RowStates:
         decode_row_ids: Sequence[str],
         freed_row_ids: Sequence[str],
         forks: Sequence[tuple[str, str]],
+        hold: bool = False,
     ) -> None:
-        """Make the decode batch hold exactly `decode_row_ids`, in that order."""
+        """Make the decode batch hold exactly `decode_row_ids`, in that order; with
+        `hold` (the rows sit this step out) leave it as it is (freed rows leave it at the
+        next sync)."""
         for child, parent in forks:
             self.prefill[child] = self.prefill[parent].extract(0)
         for row_id in freed_row_ids:
             self.prefill.pop(row_id, None)
+        if hold:
+            return
         wanted = set(decode_row_ids)
         keep = [i for i, r in enumerate(self.decode_ids) if r in wanted]
         joining = list(decode_row_ids[len(keep) :])
