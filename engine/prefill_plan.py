@@ -49,9 +49,10 @@ class PrefillPlanning:
 
     def _plan_jump(self) -> list[PrefillChunk]:
         """Every prompt there is to prefill, in a prefill-only step ahead of the decode
-        rows, if each one finishes there and the step fits in the rows' stall allowance
-        (less a MIN_PREFILL_TOKENS chunk for the next step's prefill); else [] (as when
-        the costs are not known yet, or the last step was a jump). All or none: a
+        rows, if each one finishes there and the step fits in the rows' stall allowance;
+        else [] (as when the costs are not known yet, or the last step was a jump). The
+        rows' next step has what is left of the allowance (a prompt arriving meanwhile
+        gets at least MIN_PREFILL_TOKENS there, as in every step). All or none: a
         prefill-only step has fixed costs a chunk next to the rows does not (CPU: the LM
         head's weights read for one row), so it is no gain for the rows, only for the
         prompts whose first token it brings forward; a long prompt still prefilling gets
@@ -63,8 +64,6 @@ class PrefillPlanning:
         if not cost.knows_decode(rows) or cost.alone_seconds(0) is None:
             return []
         limit = cost.stall_seconds(rows, factor)
-        if cost.prices_tokens:
-            limit -= MIN_PREFILL_TOKENS * cost.token_seconds()
         plan: list[Request] = []
         for req in list(self.prefilling):
             if not self._fits_ahead(req, plan, limit):
