@@ -157,15 +157,16 @@ def test_a_few_prompt_tokens_do_not_price_tower_work() -> None:
 def test_prefill_only_steps_that_sample_price_a_step_ahead_of_the_rows() -> None:
     """Prefill-only steps that sample a first token give their own line; those that
     sample nothing (no LM head) or carry tower work are not in it. Past the largest step
-    seen it grows in proportion (an upper bound: a line through one size would be flat)."""
+    seen it grows in proportion (an upper bound), and in proportion to the samples' mean
+    while the line is flat (one size seen)."""
     model = StepCostModel()
     assert model.alone_seconds(10) is None
     model.observe(0, 100, 0.5)  # a chunk that samples nothing
     model.observe(0, 100, 0.5, num_vision=10, first_tokens=1)  # tower work
     assert model.alone_seconds(10) is None
     model.observe(0, 40, 0.012, first_tokens=1)
-    assert model.alone_seconds(20) == pytest.approx(0.012)  # one size: flat below it
-    assert model.alone_seconds(80) == pytest.approx(0.024)  # in proportion above it
+    assert model.alone_seconds(20) == pytest.approx(0.006)  # one size: in proportion
+    assert model.alone_seconds(80) == pytest.approx(0.024)
     model.observe(0, 20, 0.011, first_tokens=2)
     assert model.alone_seconds(30) == pytest.approx(0.0115)  # the line 0.010 + 5e-5 P
     assert model.alone_seconds(80) == pytest.approx(0.012 * 2)
