@@ -274,15 +274,19 @@ class LLMEngine:
         if inflight is None:
             return []
         if inflight.sampled is None:
-            return self.scheduler.update(inflight.out, [], [])
-        tokens, logprobs = inflight.sampled.to_python(inflight.rows)
-        self.constraints.accept(inflight.keys, tokens)
-        return self._released(self.scheduler.update(inflight.out, tokens, logprobs))
+            deltas = self.scheduler.update(inflight.out, [], [])
+        else:
+            tokens, logprobs = inflight.sampled.to_python(inflight.rows)
+            self.constraints.accept(inflight.keys, tokens)
+            deltas = self._released(self.scheduler.update(inflight.out, tokens, logprobs))
+        self.runner.flush_saves()  # behind the tokens just read (ModelRunner.flush_saves)
+        return deltas
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """A step raised: every request ends with the error; states start over."""
         self._inflight = None
         self.constraints.clear()
+        self.runner.discard_saves()
         self.states.reset()
         if self.runner.vision is not None:
             self.runner.vision.clear()

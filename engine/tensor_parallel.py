@@ -306,6 +306,7 @@ def _follow(engine: LLMEngine, channel: Channel, watchdog: Watchdog) -> None:
             # the same graph (and collectives, in the same order) as rank 0's step;
             # evaluated now, so that waiting for the next plan only waits on rank 0
             engine.runner.execute(plan.out, rows, None)
+            engine.runner.flush_saves()
             mx.synchronize()
         for row_id in plan.out.freed_row_ids:
             if row_id not in plan.rows:
