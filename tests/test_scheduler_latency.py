@@ -259,20 +259,24 @@ def test_real_engine_default_config_tokens_unchanged() -> None:
     assert bounded == unbounded and len(bounded["long"]) == 24
 
 
+@pytest.mark.parametrize("gpu_defaults", [False, True])
 @pytest.mark.parametrize("pipeline", [False, True])
-def test_engine_tokens_unchanged_by_prompts_run_ahead_of_the_rows(pipeline: bool) -> None:
+def test_engine_tokens_unchanged_by_prompts_run_ahead_of_the_rows(
+    pipeline: bool, gpu_defaults: bool
+) -> None:
     """The tiny model on a fake clock (FakeCost): short prompts arriving while rows decode
-    run in prefill-only steps ahead of them, lockstep or pipelined, and every request's
-    greedy tokens equal a run with the bound off (no step ahead)."""
+    run in prefill-only steps ahead of them, lockstep or pipelined, with the CPU's
+    defaults or the GPU's (compiled decode over bucketed rows, batched prefill), and every
+    request's greedy tokens equal a run with the bound off (no step ahead)."""
     loaded = load_model(str(cached_checkpoint("tiny")))
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = [tuple(100 + 7 * i + j for j in range(5 + 9 * i)) for i in range(6)]
 
     def run(factor: float) -> tuple[dict[str, list[int]], list[SchedulerOutput]]:
         cost = FakeCost(per_row=0.005)  # a decode row costs more than a step's base
-        engine = LLMEngine(
-            loaded, EngineConfig(max_stall_factor=factor, pipeline_steps=pipeline), clock=cost
-        )
+        gpu = {"compile_decode": True, "batch_prefill": True} if gpu_defaults else {}
+        config = EngineConfig(max_stall_factor=factor, pipeline_steps=pipeline, **gpu)
+        engine = LLMEngine(loaded, config, clock=cost)
         plan, outs = engine.scheduler.schedule, []
 
         def timed() -> SchedulerOutput:
