@@ -259,6 +259,28 @@ def test_real_engine_default_config_tokens_unchanged() -> None:
     assert bounded == unbounded and len(bounded["long"]) == 24
 
 
+@pytest.mark.parametrize(
+    ("snapshots", "in_chunk", "ahead"),
+    [([8, 16], True, False), ([8], True, True), ([8], False, False), ([24], False, True)],
+)
+def test_prompt_cut_by_snapshots_does_not_run_ahead(
+    snapshots: list[int], in_chunk: bool, ahead: bool
+) -> None:
+    """A prompt runs ahead only as one chunk that samples: a snapshot before its end cuts
+    the chunk there unless the forward keeps it inside (snapshot_in_chunk, one at most);
+    one at its very end does not cut it."""
+    cost = FakeCost()
+    s = _scheduler(cost)
+    s.snapshot_in_chunk = in_chunk
+    _decoding(s, cost)
+    s.add(_req("short", 24), EOS)
+    s.waiting[0].snapshot_at = list(snapshots)
+    out = _step(s, cost)
+    assert (not out.decode_row_ids) == ahead
+    if ahead:
+        assert out.sample_row_ids == ["short/0"]
+
+
 @pytest.mark.parametrize("gpu_defaults", [False, True])
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_engine_tokens_unchanged_by_prompts_run_ahead_of_the_rows(
