@@ -79,15 +79,11 @@ is measured before more run at its price. Without tower samples v = c (scale 1);
 PROBE_TOKENS prompt tokens in the window (none included) c comes from the prompt-token
 and tower steps together, tokens and token equivalents counted alike, and v = c.
 
-Prefill-only steps that sample a first token give a fourth line, `alone_seconds(P)` =
-a0 + c0 * P (least squares over P, as the decode line over rows; in proportion to their
-mean while that line is flat, and past the largest step seen): what such a step costs
-when the scheduler runs it ahead of the decode rows (Scheduler: a short prompt that can
-finish gets its first token one step sooner, instead of after the decode rows' step). It
-is fitted from those steps alone: one that samples pays the LM head (CPU, small shape:
-one row of a 248K-token vocabulary reads its 254 MB of weights), a chunk that does not
-sample does not. These samples do not age (no decode line is in them); with none,
-`alone_seconds` is None and no prompt runs ahead.
+Prefill-only steps that sample a first token give `alone_seconds(P)` = a0 + c0 * P (as
+the decode line, over P; in proportion while flat and past the largest P seen): what a
+step of prompts run ahead of the decode rows costs (engine/prefill_plan.py). Only steps
+that sample count (they pay the LM head, a chunk that samples nothing does not); they do
+not age; with none, nothing runs ahead.
 """
 
 from __future__ import annotations
@@ -244,17 +240,14 @@ class StepCostModel:
             self._alone_line = _fit_line(list(self._alone), _tokens)
         a, c = self._alone_line
         if c == 0:
-            # One size seen (or noise said "more tokens, faster"): in proportion to the
-            # samples' mean. Flat would price a 32-token final piece as the 452- and
-            # 512-token steps of the prompts before it (CPU: 0.42 s), and no step of
-            # that size would ever run ahead to be measured.
+            # Flat (one size seen) would price a 32-token last piece as the 452/512-token
+            # steps before it (CPU: 0.42 s): it would never run ahead to be measured.
             tokens = sum(s.num_prefill for s in self._alone)
             return sum(s.seconds for s in self._alone) * num_prefill / tokens
         most = max(s.num_prefill for s in self._alone)
         if num_prefill <= most:
             return a + c * num_prefill
-        # Past the largest step seen, in proportion: an upper bound of any a0 + c0 * P
-        # with a0, c0 >= 0
+        # Past the largest P seen, in proportion: a bound of any a0 + c0 P, a0, c0 >= 0
         return (a + c * most) * num_prefill / most
 
     def prefill_allowance(
