@@ -65,23 +65,26 @@ class PrefillPlanning:
             return []
         limit = cost.stall_seconds(rows, factor)
         plan: list[Request] = []
+        tokens = 0
         for req in list(self.prefilling):
-            if not self._fits_ahead(req, plan, limit):
+            if not self._fits_ahead(req, tokens, limit):
                 return []
             plan.append(req)
+            tokens += _rest(req)
         while self.waiting and self._can_admit(self.waiting[0]):
             req = self._admit(self.waiting.popleft())
-            if not self._fits_ahead(req, plan, limit):
+            if not self._fits_ahead(req, tokens, limit):
                 return []  # it prefills next to the rows, as do the others
             plan.append(req)
+            tokens += _rest(req)
         if not plan:
             return []
-        self._ahead_seconds = cost.alone_seconds(sum(_rest(r) for r in plan))
+        self._ahead_seconds = cost.alone_seconds(tokens)
         return [self._chunk(req, _rest(req), False) for req in plan]
 
-    def _fits_ahead(self, req: Request, plan: list[Request], limit: float) -> bool:
-        """Whether `req` can join the prefill-only step `plan` within `limit` seconds."""
-        tokens = _rest(req) + sum(_rest(r) for r in plan)
+    def _fits_ahead(self, req: Request, tokens: int, limit: float) -> bool:
+        """Whether `req` can join a prefill-only step of `tokens` within `limit` seconds."""
+        tokens += _rest(req)
         if not self._can_jump(req) or tokens > self.config.max_num_batched_tokens:
             return False
         return self.step_cost.alone_seconds(tokens) <= limit

@@ -145,9 +145,9 @@ class StepCostModel:
         samples older than MAX_AGE seconds before `done` are dropped."""
         self._now = max(self._now, done)
         self._forget_before(done - MAX_AGE)
-        sample = StepSample(num_decode, num_prefill, seconds, num_vision, done, first_tokens)
         if seconds <= 0:
             return
+        sample = StepSample(num_decode, num_prefill, seconds, num_vision, done, first_tokens)
         if num_decode == 0:
             if num_prefill and first_tokens and not num_vision:
                 self._alone.append(sample)
@@ -288,10 +288,10 @@ def _weights(n: int) -> list[float]:
 
 def _medians(samples: list[StepSample], x: Callable[[StepSample], int]) -> dict[int, float]:
     """Median seconds of the samples of each value of x (the upper one of two)."""
-    by_rows: dict[int, list[float]] = {}
+    by_x: dict[int, list[float]] = {}
     for s in samples:
-        by_rows.setdefault(x(s), []).append(s.seconds)
-    return {rows: sorted(t)[len(t) // 2] for rows, t in by_rows.items()}
+        by_x.setdefault(x(s), []).append(s.seconds)
+    return {value: sorted(t)[len(t) // 2] for value, t in by_x.items()}
 
 
 def _rows(s: StepSample) -> int:
