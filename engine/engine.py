@@ -300,7 +300,11 @@ class LLMEngine:
             self.leader.heartbeat()
 
     def close(self) -> None:
-        """At shutdown (after every request ended): the other ranks stop following."""
+        """At shutdown (after every request ended): what is still queued finishes (the
+        prefix-cache copies flushed after the last read-back: a process that exited with
+        MLX's stream thread still running them aborted once in CI, "terminate called
+        without an active exception"), and the other ranks stop following."""
+        mx.synchronize()
         if self.leader is not None:
             self.leader.stop()
 
@@ -320,4 +324,5 @@ class LLMEngine:
                 result.token_ids.extend(delta.token_ids)
                 result.logprobs.extend(delta.logprobs or ())
                 result.finish_reason = delta.finish_reason or result.finish_reason
+        mx.synchronize()  # nothing queued (prefix-cache copies) outlives the call: see close
         return results
