@@ -33,6 +33,7 @@ from engine.sampler import SampledBatch, Sampler, SamplingRow
 from engine.scheduler import Scheduler
 from engine.types import GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
 from engine.vision_inputs import VisionInputs
+from kernels.host_memory import keep_freed_memory
 from models.build import LoadedModel, on_cpu
 from models.deltanet import compile_prefill_default
 
@@ -59,23 +60,6 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
-
-
-# mlx-cpu keeps only 32 MB of freed buffers, less than one step's [rows, vocab] float32
-# arrays (32 MB each at 32 rows of 248k: logits, masked logits, sampling noise), which were
-# then mapped afresh every step (~15k page faults at 32 rows). Small shape, 32 rows, this
-# CPU: a constrained greedy step 178-215 -> 153-155 ms, a free temperature-1 step
-# 462-475 -> 302-309 ms (bench/constrained.py step --cache-limit-mb). At 512 MB a chat
-# turn's 57-token chunk after 2,000-token prefills still ran at 0.07 or 0.12-0.14 s (its
-# buffers freed and faulted in again); at 1 GiB at 0.07-0.08 s. The row-state budget is
-# half the memory the weights leave (budget.default_budget_bytes): this fits the other.
-CPU_CACHE_BYTES = 1 << 30
-
-
-def _keep_step_buffers() -> None:
-    previous = mx.set_cache_limit(CPU_CACHE_BYTES)
-    if previous > CPU_CACHE_BYTES:  # never lower a limit someone raised
-        mx.set_cache_limit(previous)
 
 
 class LLMEngine:
@@ -129,7 +113,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.constraints = RowConstraints(self.grammar_compiler(), cfg.vocab_size, self.eos_ids)
         if on_cpu():
-            _keep_step_buffers()
+            keep_freed_memory()  # kernels/host_memory.py: steps reuse freed buffers
         self._inflight: _InFlight | None = None
 
     def _budget_bytes(self) -> int:
