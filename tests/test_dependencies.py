@@ -66,3 +66,12 @@ def test_every_runtime_dependency_has_a_lower_bound() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     unbounded = [spec for spec in project["dependencies"] if ">=" not in spec]
     assert not unbounded, unbounded
+
+
+def test_no_distribution_shadows_our_top_level_packages() -> None:
+    """No installed distribution other than ours provides server/ engine/ models/ kernels/
+    as top-level modules (transformers 5.25 pulled in Hugging Face's `kernels`, which
+    clashes with ours: pyproject.toml caps transformers below it)."""
+    owners = packages_distributions()
+    clashes = {p: owners[p] for p in PACKAGES if set(owners.get(p, ())) - {"deltaserve"}}
+    assert not clashes, f"distributions that install our top-level module names: {clashes}"
