@@ -110,7 +110,8 @@ class LLMEngine:
             batch_prefill = not on_cpu()
         vision = VisionInputs(loaded.model, loaded.vision, loaded.dtype)
         self.runner = ModelRunner(loaded.model, self.states, compiled, batch_prefill, vision)
-        self.sampler = Sampler()
+        # in lockstep the step's tokens are read back at once: no graph needs them lazily
+        self.sampler = Sampler(lazy_tokens=self.pipeline)
         self.constraints = RowConstraints(self.grammar_compiler(), cfg.vocab_size, self.eos_ids)
         if on_cpu():
             keep_freed_memory()  # kernels/host_memory.py: steps reuse freed buffers

@@ -29,6 +29,7 @@ import numpy as np
 from engine.noise import gumbel_noise, row_key
 from engine.token_mask import apply_token_mask
 from engine.types import SamplingParams, TokenLogprob
+from kernels.argmax import argmax_rows
 
 _CACHE_SIZE = {"plans": 8, "prompts": 512}
 # Row groups, each drawn one way; a batch's tokens come out group by group.
@@ -191,7 +192,11 @@ class Sampler:
     (keyed by the identity of each row's SamplingParams) and each prompt's unique ids.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, lazy_tokens: bool = True) -> None:
+        """lazy_tokens=False: the caller reads the tokens back right away (an engine whose
+        steps run in lockstep), so the final argmax may evaluate the scores and reduce them
+        on the host where that is faster (kernels/argmax.py)."""
+        self.lazy_tokens = lazy_tokens
         self._plans: OrderedDict[tuple[int, ...], _Plan] = OrderedDict()
         self._prompts: OrderedDict[tuple[int, int], tuple] = OrderedDict()  # (prompt, unique ids)
 
@@ -206,7 +211,7 @@ class Sampler:
         if allowed is not None:
             logits = apply_token_mask(logits, allowed)
         if plan.fast_greedy:
-            return SampledBatch(mx.argmax(logits, axis=-1).astype(mx.int32))
+            return SampledBatch(argmax_rows(logits, self.lazy_tokens))
         z = self._process(logits.astype(mx.float32), rows, plan)
         parts = [self._draw(_take(z, g.index), rows, g) for g in plan.groups]
         tokens = mx.concatenate(parts).astype(mx.int32)
@@ -268,7 +273,7 @@ class Sampler:
     def _draw(self, z: mx.array, rows: Sequence[SamplingRow], g: _Group) -> mx.array:
         """Token ids [G] of group g from its processed logits z [G, V]."""
         if g.kind == _GREEDY:
-            return mx.argmax(z, axis=-1)
+            return argmax_rows(z, self.lazy_tokens)
         y = z * g.inv_temp
         k0, k1 = _keys([rows[i] for i in g.rows], g.seeded)
         if g.kind == _TOP_K:
@@ -287,7 +292,7 @@ class Sampler:
             y_max = mx.max(y, axis=-1, keepdims=True) if y_max is None else y_max
             thr = mx.maximum(thr, y_max + g.log_min_p)
         ids = mx.arange(y.shape[1], dtype=mx.uint32)[None]
-        return mx.argmax(_masked_scores_fused(y, thr, k0, k1, ids), axis=-1)
+        return argmax_rows(_masked_scores_fused(y, thr, k0, k1, ids), self.lazy_tokens)
 
 
 def _draw_top_k(y: mx.array, g: _Group, k0: mx.array, k1: mx.array) -> mx.array:
