@@ -46,6 +46,13 @@ def test_ties_masks_and_lazy() -> None:
     assert argmax_rows(scores, lazy=True).tolist() == want  # the graph node: mx.argmax
 
 
+def test_views() -> None:
+    """Transposed, strided, sliced and broadcast scores read the same on the host."""
+    x = _scores(300, 40, mx.float32, seed=5)
+    for view in (x.T, x[::2], x[:, 5:30], mx.broadcast_to(x[:1], (4, 40))):
+        assert argmax_rows(view, lazy=False).tolist() == argmax_reference(view).tolist()
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_sampler_host_tokens_equal_lazy_tokens(temperature: float) -> None:
     """Greedy and Gumbel-max draws pick the same tokens either way (seeded rows)."""
