@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.cache.kv import FullPrecisionKV, KVStore, last_rows
+from engine.cache.kv import FullPrecisionKV, KVStore, last_rows, take_rows
 from engine.cache.rows import decode_bucket
 from engine.cache.ssm import SSMState
 
@@ -69,6 +69,26 @@ def test_filter_trims_shared_padding_and_extract_copies() -> None:
     # An extracted row is independent: changing the batch afterwards leaves it alone.
     batch.filter([0])
     np.testing.assert_array_equal(_row_tokens(single, 0), np.array(originals[0][0]))
+
+
+@pytest.mark.parametrize(
+    "keep", [[0, 1, 2], [1, 2, 3, 4], [0, 1, 3, 4], [4, 3, 0], [2], [0, 2, 4], [3, 4, 0, 1], []]
+)
+def test_take_rows_equals_a_gather(keep: list[int]) -> None:
+    """Rows in `keep`'s order, from slices of its consecutive runs (views or a concat)."""
+    x = mx.random.normal((5, 2, 7, 3))[:, :, 2:6]  # column-sliced, as the KV filter's input
+    np.testing.assert_array_equal(
+        np.array(take_rows(x, keep)), np.array(x)[np.array(keep, dtype=np.int64)]
+    )
+
+
+def test_filter_keeps_unordered_survivors_of_several_runs() -> None:
+    """Survivors in a new order, from several runs, hold exactly their own tokens."""
+    batch, originals = _merged([3, 8, 5, 2, 6])
+    batch.filter([4, 0, 2, 3])
+    assert batch.size == 6 and batch.left_pad == [0, 3, 1, 4]
+    for row, src in enumerate([4, 0, 2, 3]):
+        np.testing.assert_array_equal(_row_tokens(batch, row), np.array(originals[src][0]))
 
 
 def test_filter_to_nothing_and_merge_into_empty() -> None:
@@ -132,6 +152,12 @@ def test_ssm_row_ops_round_trip() -> None:
     for row, original in zip((0, 1), (rows[2], rows[0]), strict=True):
         single = batch.extract(row)
         np.testing.assert_array_equal(np.array(single.conv), np.array(original.conv))
+        np.testing.assert_array_equal(np.array(single.ssm), np.array(original.ssm))
+    # One run of survivors (a view of the old arrays), then a row joins after them
+    batch.filter([1])
+    batch.merge(rows[1])
+    for row, original in zip((0, 1), (rows[0], rows[1]), strict=True):
+        single = batch.extract(row)
         np.testing.assert_array_equal(np.array(single.ssm), np.array(original.ssm))
 
 
