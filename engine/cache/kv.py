@@ -194,12 +194,20 @@ class KVStore:
         self.left_pad = [p - trim for p in pads]
         self.size -= trim
 
-    def load(self, columns: list[mx.array]) -> None:
-        """Become a B=1 store of `columns` (encoded arrays [1, Hkv, T, X], unpadded): a
-        prefix-cache hit (engine/cache/prefix_store.py)."""
-        self.arrays = [_with_headroom(c) for c in columns]
+    def load(self, parts: list[list[mx.array]]) -> None:
+        """Become a B=1 store whose array i is parts[i] joined in time (encoded arrays
+        [1, Hkv, T_j, X], unpadded): a prefix-cache hit (engine/cache/prefix_store.py).
+        The blocks and the free columns go into one buffer in one copy."""
+        size = sum(int(p.shape[2]) for p in parts[0])
+        extra = round_capacity(size) - size
+        self.arrays = [
+            mx.concatenate(
+                [*ps, mx.zeros((*ps[0].shape[:2], extra, ps[0].shape[3]), ps[0].dtype)], axis=2
+            )
+            for ps in parts
+        ]
         self.left_pad = [0]
-        self.size = int(columns[0].shape[2])
+        self.size = size
 
     def extract(self, row: int) -> KVStore:
         """An independent B=1 copy of `row`, without its padding."""

@@ -6,10 +6,11 @@ for snapshot nodes, every DeltaNet layer's conv tail [1, K-1, C] and recurrent s
 [1, Hv, Dv, Dk]. Blocks are shared by every cached prefix that passes through them.
 
 A hit builds the row's own B=1 prefill state from a chain of nodes: its KV columns are
-the blocks concatenated (one copy, because a row's attention reads one contiguous
-[B, Hkv, T, X] slab), its DeltaNet state the snapshot's arrays themselves (arrays are
-values: the row's next chunk makes new ones and the snapshot stays as it was). Saving
-copies (fresh_copy): a slice would pin the whole batch it came from.
+the blocks concatenated with free columns after them (one copy, because a row's
+attention reads one contiguous [B, Hkv, T, X] slab), its DeltaNet state the snapshot's
+arrays themselves (arrays are values: the row's next chunk makes new ones and the
+snapshot stays as it was). Saving copies (fresh_copy): a slice would pin the whole batch
+it came from.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class PrefixStore:
         for layer in state.layers:
             if isinstance(layer, KVStore):
                 per_array = zip(*(b[kv_index] for b in blocks), strict=True)
-                layer.load([mx.concatenate(parts, axis=2) for parts in per_array])
+                layer.load([list(parts) for parts in per_array])
                 kv_index += 1
             elif isinstance(layer, SSMState):
                 layer.conv, layer.ssm = next(snapshot)
