@@ -29,10 +29,10 @@ class SSMState:
 
     def filter(self, keep: list[int]) -> None:
         """Keep rows `keep` in that order. Survivors that are one run of consecutive rows
-        are views of the old arrays, not copies: the decode batch is filtered only in a step that
-        decodes it (RowStates.sync), whose forward replaces both arrays, so the leavers'
-        memory is held one step longer, not copied (CPU, small shape: 6 layers' copies
-        were ~4 ms of that step)."""
+        are views of the old arrays, not copies: the decode batch is filtered only in a
+        step that decodes it (RowStates.sync), whose forward replaces both arrays, so the
+        leavers' memory is held one step longer instead of the survivors being copied
+        (CPU, small shape: 6 layers' copies were ~4 ms of that step)."""
         if self.conv is None or not keep:
             self.conv = self.ssm = None
             self._num_rows = len(keep)
