@@ -189,7 +189,7 @@ class KVStore:
             # Columns first, then rows: gathering rows of the whole capacity copied every
             # survivor's full width (a 2,000-token row leaving 32 short ones: 150 MB)
             self.arrays = [
-                _with_headroom(take_rows(a[:, :, trim : self.size], keep)) for a in self.arrays
+                _with_headroom([take_rows(a[:, :, trim : self.size], keep)]) for a in self.arrays
             ]
         self.left_pad = [p - trim for p in pads]
         self.size -= trim
@@ -198,16 +198,9 @@ class KVStore:
         """Become a B=1 store whose array i is parts[i] joined in time (encoded arrays
         [1, Hkv, T_j, X], unpadded): a prefix-cache hit (engine/cache/prefix_store.py).
         The blocks and the free columns go into one buffer in one copy."""
-        size = sum(int(p.shape[2]) for p in parts[0])
-        extra = round_capacity(size) - size
-        self.arrays = [
-            mx.concatenate(
-                [*ps, mx.zeros((*ps[0].shape[:2], extra, ps[0].shape[3]), ps[0].dtype)], axis=2
-            )
-            for ps in parts
-        ]
+        self.arrays = [_with_headroom(ps) for ps in parts]
         self.left_pad = [0]
-        self.size = size
+        self.size = sum(int(p.shape[2]) for p in parts[0])
 
     def extract(self, row: int) -> KVStore:
         """An independent B=1 copy of `row`, without its padding."""
@@ -273,10 +266,13 @@ def last_rows(mask: mx.array | str | None, queries: int) -> mx.array | str | Non
     return None if mask == "causal" and queries == 1 else mask
 
 
-def _with_headroom(used: mx.array) -> mx.array:
-    """A fresh copy of `used` [B, Hkv, size, X] with free columns up to round_capacity."""
-    extra = round_capacity(used.shape[2]) - used.shape[2]
-    return mx.pad(used, [(0, 0), (0, 0), (0, extra), (0, 0)])
+def _with_headroom(parts: list[mx.array]) -> mx.array:
+    """`parts` [B, Hkv, T_j, X] joined in time, with free columns up to round_capacity,
+    in one fresh buffer (one copy)."""
+    size = sum(int(p.shape[2]) for p in parts)
+    first = parts[0]
+    free = mx.zeros((*first.shape[:2], round_capacity(size) - size, first.shape[3]), first.dtype)
+    return mx.concatenate([*parts, free], axis=2)
 
 
 class FullPrecisionKV(KVStore):
