@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 DISTRIBUTED_BACKENDS = ("any", "ring", "jaccl", "mpi", "nccl")
+CPU_TOKENS = 512  # the CPU's per-step token budget and chunk size (EngineConfig.for_device)
+GPU_TOKENS = 2048  # a GPU's
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,11 @@ class EngineConfig:
     """Scheduling and memory policy of the engine."""
 
     max_num_seqs: int = 32  # rows running at once
-    max_num_batched_tokens: int = 512  # per-step token budget (decode rows + prefill chunks)
-    max_prefill_chunk: int = 512  # longest prefill chunk of one request in one step
+    # Per-step token budget (decode rows + prefill chunks) and the longest prefill chunk
+    # of one request in one step; 0 = the device's (`for_device`: 512 on the CPU, where a
+    # step's cost is its arithmetic; 2048 on a GPU, where a chunk's cost is mostly fixed)
+    max_num_batched_tokens: int = 0
+    max_prefill_chunk: int = 0
     max_waiting: int = 256  # queued requests before new ones get 429
     memory_budget_bytes: int = 0  # row state (KV + DeltaNet); 0 = derive from free memory
     max_context: int = 0  # 0 = the model's max_position_embeddings
@@ -62,6 +67,10 @@ class EngineConfig:
     # Prefill chunks of several prompts as one left-padded group; unset: on for Metal/CUDA
     # (op-bound there), off on CPU (padding costs FLOPs there)
     batch_prefill: bool | None = None
+    # Prompt chunks' DeltaNet recurrence as one scan kernel per layer (CUDA only:
+    # kernels/gated_delta_scan.py) instead of the chunked form's many small kernels;
+    # unset = on for CUDA. Metal and the CPU keep their own paths either way
+    deltanet_scan: bool | None = None
     # Latency bound: while rows decode, a step's prefill is sized (from measured step
     # times) to take at most this factor x a decode-only step; 0 or unset = token budget only
     max_stall_factor: float | None = 2.0
@@ -85,10 +94,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if self.max_num_batched_tokens and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one per row)")
-        if self.max_prefill_chunk < 1:
-            raise ValueError("max_prefill_chunk must be >= 1")
+        if self.max_num_batched_tokens < 0 or self.max_prefill_chunk < 0:
+            raise ValueError("max_num_batched_tokens and max_prefill_chunk must be >= 0")
         if self.max_waiting < 1:
             raise ValueError("max_waiting must be >= 1")
         if self.memory_budget_bytes < 0 or self.max_context < 0:
@@ -105,3 +114,12 @@ class EngineConfig:
             raise ValueError("distributed_timeout_s must be > 0")
         if self.max_stall_factor and self.max_stall_factor <= 1:
             raise ValueError("max_stall_factor must be > 1 (or 0 / unset: no latency bound)")
+
+    def for_device(self, gpu: bool) -> EngineConfig:
+        """This config with the token budget and chunk size that were left at 0 filled in
+        for the device. On the H200 a prompt chunk of the 0.8B shape cost ~35 ms whatever
+        its size up to 256 tokens and a 512-token chunk 67 ms (bench/README.md), so the
+        CPU's 512 would cut a GPU's prompts into pieces that each pay the fixed cost."""
+        chunk = self.max_prefill_chunk or (GPU_TOKENS if gpu else CPU_TOKENS)
+        budget = self.max_num_batched_tokens or max(chunk, self.max_num_seqs)
+        return replace(self, max_num_batched_tokens=budget, max_prefill_chunk=chunk)

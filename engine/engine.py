@@ -75,7 +75,7 @@ class LLMEngine:
         """`clock` times the steps (the scheduler's cost model learns from it). `leader`:
         this is rank 0 of a tensor-parallel group (engine/tensor_parallel.py); each step's
         plan goes to the other ranks first, and steps are not pipelined."""
-        self.config = config or EngineConfig()
+        self.config = (config or EngineConfig()).for_device(not on_cpu())
         self.loaded = loaded
         self.leader = leader
         pipeline = self.config.pipeline_steps
@@ -83,6 +83,7 @@ class LLMEngine:
         cfg = loaded.config
         pack = self.config.pack_token_wise
         loaded.model.pack_token_wise = on_cpu() if pack is None else pack
+        loaded.model.set_deltanet_scan(self.config.deltanet_scan)
         self.max_context = self.config.max_context or cfg.max_position_embeddings
         dtype_size = loaded.dtype.size
         kv = self.config.kv_cache
@@ -159,6 +160,12 @@ class LLMEngine:
 
     def _log_budget(self) -> None:
         row = self.budget.row_bytes(self.max_context)
+        log.info(
+            "steps: up to %d tokens, prompt chunks up to %d tokens, %d rows",
+            self.config.max_num_batched_tokens,
+            self.config.max_prefill_chunk,
+            self.config.max_num_seqs,
+        )
         log.info(
             "row-state budget %.2f GiB: %d rows of the full %d-token context (%.1f MiB each)",
             self.budget.total / 2**30,

@@ -24,11 +24,11 @@ from engine.config import EngineConfig
 from engine.media import VisionPrice, VisionProgress
 from engine.plan import PrefillChunk, VisionWork
 from engine.request import Request, Status
-from engine.step_cost import StepCostModel
+from engine.step_cost import MIN_CHUNK, StepCostModel
 
 # Smallest prefill a step with decode rows gets (so prefill always progresses), and the
 # smallest slice the prefill allowance is split into (so it is not spread over tiny groups).
-MIN_PREFILL_TOKENS = 16
+MIN_PREFILL_TOKENS = MIN_CHUNK
 
 
 class PrefillPlanning:

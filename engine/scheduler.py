@@ -67,6 +67,7 @@ class Scheduler(PrefillPlanning):
         self.prefix = prefix
         self._saves: list[CacheSave] = []
         self._ahead_seconds = 0.0  # predicted cost of the jump just planned (0: none)
+        self._promise: int | None = None  # allowance last logged as unattainable's
         # The engine sets it where a forward can keep DeltaNet state mid-chunk (eager core)
         self.snapshot_in_chunk = False  # False: a chunk ends at each snapshot
 
@@ -180,7 +181,31 @@ class Scheduler(PrefillPlanning):
         if not self.step_cost.knows_decode(len(self.decoding)):
             return 0  # decode-only steps measure this batch size (StepCostModel)
         self._price = VisionPrice(scale, self.step_cost.vision_limit())
-        return min(budget, max(allowance, MIN_PREFILL_TOKENS))
+        allowance = min(budget, max(allowance, MIN_PREFILL_TOKENS))
+        self._log_promise(allowance, factor)
+        return allowance
+
+    def _log_promise(self, allowance: int, factor: float) -> None:
+        """Say once (and again when it changes) that the stall bound cannot be met here,
+        and what the steps with prompt work cost instead."""
+        line, last = self.step_cost.unattainable, self._promise
+        if line is None:
+            if last is not None:
+                log.info("prompt chunks fit the %.1fx stall bound again", factor)
+            self._promise = None
+            return
+        if last is not None and last / 2 <= allowance <= 2 * last:
+            return  # said already (about this size)
+        decode = self.step_cost.decode_seconds(len(self.decoding))
+        step = decode + line[0] + line[1] * allowance
+        log.info(
+            "a prompt chunk next to %d decode rows costs a fixed %.1f ms (a decode step "
+            "%.1f ms): the %.1fx stall bound cannot be met; prompts advance in chunks of "
+            "up to %d tokens, steps of ~%.1f ms (%.1fx)",
+            len(self.decoding), 1e3 * line[0], 1e3 * decode, factor, allowance,
+            1e3 * step, step / decode,
+        )  # fmt: skip
+        self._promise = allowance
 
     # -- after the forward ----------------------------------------------------------------
     def update(

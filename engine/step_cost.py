@@ -99,6 +99,9 @@ OUTLIER = 1.5  # decode-only samples above this x their row count's median are i
 MAX_AGE = 30.0  # seconds: older prompt-token and tower samples are forgotten
 GROWTH = 2  # the allowance is at most this x the largest prefill sample in the window
 PROBE_TOKENS = 16  # prompt tokens (in the window) before they get a cost of their own
+# Smallest prompt chunk a step with decode rows runs (engine/prefill_plan.py's
+# MIN_PREFILL_TOKENS); an allowance below it means the bound cannot be met as priced.
+MIN_CHUNK = 16
 ROWS_NEAR = 0.25  # a decode-only sample within this share of D rows (at least 1) knows D
 # Of the time a step may add over a decode step, the share the prefill is sized to. The
 # bound is on the p99 gap, the model predicts a step's mean: a step sized to exactly the
@@ -130,6 +133,10 @@ class StepCostModel:
         self._token_cost: float | None = None
         self._vision_cost: float | None = None
         self._now = 0.0  # the newest step's completion (the scheduler's clock)
+        # Set by prefill_allowance: (fixed, per-token) seconds of a prompt chunk when the
+        # stall bound cannot be met by any chunk and chunks are sized to repay their
+        # fixed cost instead (read by the scheduler's log); None while the bound holds
+        self.unattainable: tuple[float, float] | None = None
 
     def observe(
         self,
@@ -261,14 +268,52 @@ class StepCostModel:
             return None
         if not self.prices_tokens:
             return 0
-        extra = max(self.stall_seconds(num_decode, max_stall_factor) - spent, 0.0)
+        bound = self.stall_seconds(num_decode, max_stall_factor)
+        extra = max(bound - spent, 0.0)
         fit = int(extra / self.token_seconds() + 1e-6)  # not 139 for 139.99999
         # Slow start: at most GROWTH x the largest prefill seen next to decode rows. A
         # small probe's residual is mostly noise (a 3-token chunk can look free), and
         # the fit alone would then hand the next step the whole token budget.
         scale = self.vision_scale()
         seen = max(s.num_prefill + scale * s.num_vision for s in (*self._prefill, *self._vision))
-        return min(fit, int(GROWTH * seen + 1e-6))
+        cap = int(GROWTH * seen + 1e-6)
+        self.unattainable = None
+        if bound / self.token_seconds() < MIN_CHUNK:  # no chunk meets it, `spent` or not
+            fit = self._amortized(bound, cap)
+        return min(fit, cap)
+
+    def _amortized(self, extra: float, cap: int) -> int:
+        """The allowance where even MIN_CHUNK tokens break the bound: a prompt chunk that
+        pays its fixed cost (a forward's launches on a GPU: a 16-token chunk of the 0.8B
+        shape cost about what 256 tokens did) for as many tokens as that cost, or as the
+        bound's extra time, buys (`prefill_line`); while the fixed part is unknown (the
+        chunks so far were all of one size), a chunk of `cap` to learn it. Sets
+        `unattainable` to (fixed, per-token) seconds for the scheduler's log."""
+        line = self.prefill_line()
+        if line is None:
+            return cap
+        fixed, token = line
+        self.unattainable = line
+        return max(MIN_CHUNK, int(max(fixed, extra) / token + 1e-6))
+
+    def prefill_line(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds a token) of a prompt chunk next to decode rows: the
+        least-squares line of the prompt-token samples' residuals over the decode line,
+        on their token counts (no tower work). None while the counts barely varied."""
+        if not self.is_ready or len(self._prefill) < 2:
+            return None
+        a, b = self._decode_line()
+        residual = [
+            StepSample(0, s.num_prefill, max(s.seconds - a - b * s.num_decode, 0.0), done=s.done)
+            for s in self._prefill
+        ]
+        sizes = {s.num_prefill for s in residual}
+        if len(sizes) < 2 or max(sizes) < 2 * min(sizes):
+            return None
+        fixed, token = _fit_line(residual, _tokens)
+        if token <= 0:  # flat: the chunks' cost is all fixed; price a token as the median
+            token = self.token_seconds()
+        return max(fixed, 0.0), max(token, _floor((a, b)))
 
     def vision_limit(self) -> int:
         """Most tower work (token equivalents) for one step next to decode rows: GROWTH x

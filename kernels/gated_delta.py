@@ -11,8 +11,10 @@ Shapes (MLX convention, state kept as [Dv, Dk] per value head, always float32):
 Value head h reads q/k head h // (Hv // Hk) (repeat-interleave). Per step and value head:
     S <- exp(g) S ; delta = beta (v - S k) ; S <- S + delta k^T ; y = S q
 
-`gated_delta` dispatches: L == 1 -> `gated_delta_step_fused` (decode: one CUDA/Metal kernel
-that reads and writes the state once; `gated_delta_step` on CPU); Metal without mask ->
+`gated_delta` dispatches: on CUDA with `scan`, L > 1 -> `gated_delta_scan` (one kernel that
+holds each state row in registers across the tokens); L == 1 -> `gated_delta_step_fused`
+(decode: one CUDA/Metal kernel that reads and writes the state once; `gated_delta_step` on
+CPU); Metal without mask ->
 `mx.fast.gated_delta_update` (Apple's kernels); otherwise `gated_delta_chunked` (WY/UT
 form, float32 matmuls; the prefill path on CPU and CUDA). `gated_delta_reference` is the
 plain per-step loop the tests compare against; nothing dispatches to it.
@@ -379,6 +381,7 @@ def gated_delta(
     beta: mx.array,
     state: mx.array | None,
     mask: mx.array | None = None,
+    scan: bool = False,
 ) -> tuple[mx.array, mx.array]:
     """Gated-DeltaNet over a block of L tokens; shapes in the module docstring.
 
@@ -387,7 +390,15 @@ def gated_delta(
     float32 (None = zeros); mask: [B, L] bool (True = real token) or None.
     Returns y [B, L, Hv, Dv] in v.dtype and the new state [B, Hv, Dv, Dk] float32.
     A masked step leaves the state exactly unchanged and yields y = 0.
+    scan: on CUDA, L > 1 runs as one sequential-scan kernel (kernels/gated_delta_scan.py)
+    instead of the chunked form's ~100 small kernels; ignored on other backends.
     """
+    if scan and v.shape[1] > 1 and mx.default_device() != mx.cpu and mx.cuda.is_available():
+        # Imported here as the fused step below: that module builds on the reference above.
+        from kernels.gated_delta_scan import gated_delta_scan, scan_supported
+
+        if scan_supported(k, v):
+            return gated_delta_scan(q, k, v, g, beta, state, mask)
     if v.shape[1] == 1:
         # Imported here: the fused module builds on gated_delta_step (its CPU path).
         from kernels.gated_delta_fused import gated_delta_step_fused

@@ -17,7 +17,7 @@ token is an exact no-op on the state (kernels/gated_delta.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache, partial
 
 import mlx.core as mx
@@ -61,13 +61,15 @@ def shifted_conv_input(
 
 @dataclass(frozen=True)
 class CoreDims:
-    """The static sizes `deltanet_core` needs (hashable: one compiled trace set per dims)."""
+    """The static sizes and choices `deltanet_core` needs (hashable: one compiled trace
+    set per dims). scan: the recurrence of L > 1 inputs as the CUDA scan kernel."""
 
     num_k_heads: int
     head_k_dim: int
     num_v_heads: int
     head_v_dim: int
     norm_eps: float
+    scan: bool = False
 
 
 def deltanet_core(
@@ -109,7 +111,7 @@ def deltanet_core(
     beta = fastmath.sigmoid(beta_in.astype(mx.float32))
     a = a_in.astype(mx.float32) + dt_bias
     g = -mx.exp(a_log) * mx.logaddexp(a, mx.zeros_like(a))  # log-decay <= 0
-    y, ssm = gated_delta(q, k, v, g, beta, ssm, mask)
+    y, ssm = gated_delta(q, k, v, g, beta, ssm, mask, dims.scan)
     z = z.reshape(b, length, dims.num_v_heads, dims.head_v_dim)
     y = gated_rms_norm(y, z, norm_w, dims.norm_eps).reshape(b, length, -1)
     return y, full[:, -(kernel - 1) :], ssm
@@ -142,6 +144,13 @@ def fused_decode_default() -> bool:
     return mx.default_device() != mx.cpu
 
 
+def scan_prefill_default() -> bool:
+    """The DeltaNet recurrence of prompt chunks as one scan kernel on CUDA
+    (kernels/gated_delta_scan.py), where the chunked form's small kernels cost a prompt
+    chunk a fixed ~1.2 ms per layer; Metal and the CPU keep their paths."""
+    return mx.default_device() != mx.cpu and mx.cuda.is_available()
+
+
 def compile_prefill_default() -> bool:
     """Compiled prefill core on Metal/CUDA (op-bound there); plain ops on the CPU, where
     an op's cost is its arithmetic and compiling only adds traces."""
@@ -155,6 +164,8 @@ class GatedDeltaNet(nn.Module):
     compile_prefill: run `deltanet_core` compiled for L > 1; None = compile_prefill_default().
     fused_decode: run an unmasked L = 1 input as one kernel (kernels/deltanet_decode.py);
     None = fused_decode_default().
+    scan_prefill: the recurrence of L > 1 inputs as one CUDA scan kernel
+    (kernels/gated_delta_scan.py); None = scan_prefill_default().
     """
 
     def __init__(self, cfg: TextConfig) -> None:
@@ -169,6 +180,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = cfg.conv_dim
         self.compile_prefill: bool | None = None
         self.fused_decode: bool | None = None
+        self.scan_prefill: bool | None = None
         self._dims = CoreDims(
             self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim, cfg.rms_norm_eps
         )
@@ -208,6 +220,13 @@ class GatedDeltaNet(nn.Module):
         if enabled is None:
             enabled = compile_prefill_default()
         return enabled and length > 1
+
+    def core_dims(self) -> CoreDims:
+        """The dims `deltanet_core` runs with (sizes, and whether prompts use the scan)."""
+        enabled = self.scan_prefill
+        if enabled is None:
+            enabled = scan_prefill_default()
+        return self._dims if enabled == self._dims.scan else replace(self._dims, scan=enabled)
 
     def use_fused_decode(self) -> bool:
         """Whether an unmasked L = 1 input runs as the one-kernel decode token."""
@@ -270,7 +289,7 @@ class GatedDeltaNet(nn.Module):
         left_pad = mx.array(pads, dtype=mx.int32)
         mask = mx.arange(length_b, dtype=mx.int32)[None] >= left_pad[:, None]
         weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
-        y, conv, ssm = _compiled_core(self._dims)(
+        y, conv, ssm = _compiled_core(self.core_dims())(
             qkv, z, beta_in, a_in, mx.concatenate(convs), mx.concatenate(ssms), *weights,
             mask, left_pad,
         )  # fmt: skip
@@ -324,15 +343,16 @@ class GatedDeltaNet(nn.Module):
         weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
         if not split:
             y, state.conv, state.ssm = deltanet_core(
-                self._dims, *projected, conv_state, ssm, *weights, *masked
+                self.core_dims(), *projected, conv_state, ssm, *weights, *masked
             )
             return y
         assert mask is None and 0 < split < qkv.shape[1], "a split inside unpadded input"
         head = [p[:, :split] for p in projected]
-        y_head, conv_state, ssm = deltanet_core(self._dims, *head, conv_state, ssm, *weights)
+        dims = self.core_dims()
+        y_head, conv_state, ssm = deltanet_core(dims, *head, conv_state, ssm, *weights)
         state.checkpoint = (conv_state, ssm)
         tail = [p[:, split:] for p in projected]
-        y_tail, state.conv, state.ssm = deltanet_core(self._dims, *tail, conv_state, ssm, *weights)
+        y_tail, state.conv, state.ssm = deltanet_core(dims, *tail, conv_state, ssm, *weights)
         return mx.concatenate([y_head, y_tail], axis=1)
 
     @property

@@ -181,3 +181,34 @@ def test_time_spent_ahead_of_the_rows_comes_off_the_next_allowance() -> None:
     assert model.prefill_allowance(4, 2.0) == 238
     assert model.prefill_allowance(4, 2.0, spent=0.005) == 138
     assert model.prefill_allowance(4, 2.0, spent=1.0) == 0
+
+
+def test_a_fixed_chunk_cost_buys_larger_chunks_not_the_minimum() -> None:
+    """Where a chunk's cost is mostly fixed (a GPU's launches: 16 tokens cost about what
+    256 do) the bound cannot be met by any chunk; the allowance first probes a larger one
+    to learn the fixed part, then sizes chunks to repay it, and says so (`unattainable`)."""
+    model = StepCostModel()
+    for _ in range(5):
+        model.observe(8, 0, 0.006)
+    model.observe(8, 16, 0.030)  # 24 ms over the decode step for 16 tokens
+    assert model.prefill_allowance(8, 2.0) == 32  # probe: GROWTH x the largest seen
+    assert model.unattainable is None  # one size seen: the fixed part is unknown
+    model.observe(8, 32, 0.0305)
+    fixed, token = model.prefill_line()
+    assert fixed == pytest.approx(0.0235, rel=1e-3) and token == pytest.approx(3.125e-5)
+    assert model.prefill_allowance(8, 2.0) == 64  # repays 23.5 ms; slow start caps it
+    assert model.unattainable == pytest.approx((fixed, token))
+
+
+def test_expensive_tokens_without_a_fixed_cost_keep_the_minimum_chunk() -> None:
+    """Where a chunk's cost grows with its tokens (no fixed part) nothing is repaid by a
+    larger chunk: after the probe the allowance falls back to the minimum."""
+    model = StepCostModel()
+    for _ in range(5):
+        model.observe(8, 0, 0.006)
+    model.observe(8, 16, 0.022)  # 1 ms a token
+    assert model.prefill_allowance(8, 2.0) == 32
+    model.observe(8, 32, 0.038)
+    fixed, token = model.prefill_line()
+    assert fixed == pytest.approx(0.0, abs=1e-9) and token == pytest.approx(1e-3)
+    assert model.prefill_allowance(8, 2.0) == 16

@@ -1,0 +1,173 @@
+"""What a mixed step (decode rows + one prompt chunk) costs, and where its time goes.
+
+    python -m bench.mixed_step --shape 0.8B --rows 8 64 --sizes 16 64 256
+
+Model level: a fresh [1, L] prompt group through the whole model and through one layer
+of each kind, timed as graph building (the Python call until it returns lazy arrays)
+and evaluation (device synchronised around each). Engine level: `--rows` rows decode
+while a long prompt prefills; decode-only and mixed steps alternate (chunk sizes forced,
+the stall bound off), each step synchronised; per chunk size the median mixed step, the
+median decode-only step, and the CPU time inside runner.execute (graph building and
+submission). Prints JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections import defaultdict
+
+import mlx.core as mx
+
+
+def _timed(fn, reps: int = 7, warmup: int = 2) -> dict:
+    """Median build ms (fn() returning lazy arrays) and total ms (built + evaluated)."""
+    builds, totals = [], []
+    for i in range(warmup + reps):
+        mx.synchronize()
+        start = time.perf_counter()
+        out = fn()
+        built = time.perf_counter()
+        mx.eval(out)
+        mx.synchronize()
+        if i >= warmup:
+            builds.append(1e3 * (built - start))
+            totals.append(1e3 * (time.perf_counter() - start))
+    return {"build_ms": round(statistics.median(builds), 3),
+            "total_ms": round(statistics.median(totals), 3)}  # fmt: skip
+
+
+def model_lines(loaded, sizes: list[int]) -> list[dict]:
+    """A fresh [1, L] group: whole model, one DeltaNet layer, one attention layer."""
+    from engine.cache.batch import BatchState
+    from models.state import ForwardGroup, text_positions
+
+    model = loaded.model
+    dn_idx = next(i for i, layer in enumerate(model.layers) if not layer.is_full_attention)
+    at_idx = next(i for i, layer in enumerate(model.layers) if layer.is_full_attention)
+    out = []
+    for length in sizes:
+        tokens = mx.random.randint(100, 200000, (1, length)).astype(mx.int32)
+        positions = text_positions([0], length)
+
+        def whole(tokens=tokens, positions=positions) -> list[mx.array]:
+            state = BatchState.empty(loaded.config)
+            group = ForwardGroup(tokens, positions, state.layers, outputs="last")
+            hidden = model([group])
+            arrays = [a for layer in state.layers for a in layer.state_arrays()]
+            return [model.logits(hidden[0][:, -1]), *arrays]
+
+        x = model.embed_tokens(tokens)
+        mx.eval(x)
+
+        def one(idx: int, x=x, tokens=tokens, positions=positions) -> list[mx.array]:
+            from models.qwen35 import _GroupContext
+
+            state = BatchState.empty(loaded.config)
+            group = ForwardGroup(tokens, positions, state.layers)
+            layer = model.layers[idx]
+            ctx = _GroupContext(group, model._rope)
+            h = layer.mix(x, group, ctx, state.layers[idx])
+            h = layer.feed_forward(h)
+            return [h, *state.layers[idx].state_arrays()]
+
+        for what, fn in (("whole_model", whole), ("deltanet_layer", lambda: one(dn_idx)),
+                         ("attention_layer", lambda: one(at_idx))):  # fmt: skip
+            line = {"what": what, "length": length, **_timed(fn)}
+            out.append(line)
+            print(json.dumps(line), flush=True)
+    return out
+
+
+def engine_lines(path: str, rows: int, sizes: list[int], prompt: int, reps: int) -> list[dict]:
+    """Alternate decode-only and mixed steps while a `prompt`-token prompt prefills."""
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+    from engine.types import GenerationRequest, SamplingParams
+    from models.build import load_model
+
+    loaded = load_model(path)
+    config = EngineConfig(max_num_seqs=max(64, rows + 1), max_stall_factor=0)
+    engine = LLMEngine(loaded, config)
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=100000, ignore_eos=True)
+    for i in range(rows):
+        ids = tuple(rng.randrange(1000, 50000) for _ in range(rng.randrange(32, 200)))
+        engine.add_request(GenerationRequest(f"r{i}", ids, params))
+    t0 = time.perf_counter()
+    while len(engine.scheduler.decoding) < rows:
+        start = time.perf_counter()
+        engine.step()
+        print(json.dumps({"warm_step_ms": round(1e3 * (time.perf_counter() - start), 1),
+                          "decoding": len(engine.scheduler.decoding),
+                          "t": round(time.perf_counter() - t0, 1)}), flush=True)  # fmt: skip
+    for _ in range(8):
+        engine.step()
+    forced = {"tokens": 0}
+    engine.scheduler._prefill_allowance = lambda: forced["tokens"]
+    execute = engine.runner.execute
+    cpu = {"s": 0.0}
+
+    def timed_execute(*a, **k):
+        start = time.perf_counter()
+        result = execute(*a, **k)
+        cpu["s"] = time.perf_counter() - start
+        return result
+
+    engine.runner.execute = timed_execute
+    walls: dict[int, list[float]] = defaultdict(list)
+    builds: dict[int, list[float]] = defaultdict(list)
+    for rep in range(2):  # the first pass traces every shape; the second is measured
+        long_ids = tuple(rng.randrange(1000, 50000) for _ in range(prompt))
+        engine.add_request(GenerationRequest(f"p{rep}", long_ids, params))
+        cycle = [s for size in sizes for s in (0, size)]
+        for k in range(reps * len(cycle)):
+            forced["tokens"] = cycle[k % len(cycle)]
+            mx.synchronize()
+            start = time.perf_counter()
+            engine.step()
+            mx.synchronize()
+            if rep:
+                walls[forced["tokens"]].append(1e3 * (time.perf_counter() - start))
+                builds[forced["tokens"]].append(1e3 * cpu["s"])
+        engine.abort(f"p{rep}")
+        engine.step()
+    decode = statistics.median(walls[0])
+    out = []
+    for size in [0, *sizes]:
+        line = {
+            "what": "engine_step", "rows": rows, "chunk": size,
+            "wall_ms": round(statistics.median(walls[size]), 3),
+            "execute_cpu_ms": round(statistics.median(builds[size]), 3),
+            "x_decode": round(statistics.median(walls[size]) / decode, 2), "n": len(walls[size]),
+        }  # fmt: skip
+        out.append(line)
+        print(json.dumps(line), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shape", default="0.8B", help="models.testing shape name or a path")
+    ap.add_argument("--rows", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--prompt", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--skip-model", action="store_true")
+    args = ap.parse_args()
+    from models.build import load_model
+    from models.testing import cached_checkpoint
+
+    path = args.shape if "/" in args.shape else str(cached_checkpoint(args.shape))
+    print(json.dumps({"shape": args.shape, "device": str(mx.default_device())}), flush=True)
+    if not args.skip_model:
+        model_lines(load_model(path), args.sizes)
+    for rows in args.rows:
+        engine_lines(path, rows, args.sizes, args.prompt, args.reps)
+
+
+if __name__ == "__main__":
+    main()

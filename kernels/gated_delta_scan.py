@@ -1,0 +1,205 @@
+"""Gated-DeltaNet over a block of L tokens as one kernel: a sequential scan per state row.
+
+Same contract as `kernels.gated_delta.gated_delta` for L >= 1:
+    q, k  [B, L, Hk, Dk]   L2-normalised; q already scaled by Dk**-0.5
+    v     [B, L, Hv, Dv]   y comes back in v.dtype
+    g     [B, L, Hv]       log-decay;  beta [B, L, Hv]
+    state [B, Hv, Dv, Dk]  float32 (None = zeros); the new state is float32
+    mask  [B, L] bool      False: the step leaves the state exactly unchanged and y = 0
+
+Why a scan and not the chunked WY form on CUDA: a prompt chunk's DeltaNet core ran as
+~100 small kernels per layer there (the chunk decays, the block inverse, per-chunk
+matmuls), so a 16-token chunk of the 0.8B shape cost as much as a 256-token one and a
+step that added one to the decode rows cost ~5x a decode step (bench/mixed_step.py). The
+rows of the state are independent given the token's k, q, v, g and beta:
+    S_r <- a S_r + beta (v_r - a S_r.k) k ;  y_r = S_r.q      (a = exp(g))
+so each row is held in registers by LANES lanes for the whole block of tokens, read once
+and written once, and a token costs three dot products and an update: no block-level
+synchronisation at all. This is the per-step recurrence itself (the test oracle's
+arithmetic), not an approximation of it.
+
+Backends: CUDA -> `mx.fast.cuda_kernel` below. Everywhere else `gated_delta_scan` is
+`gated_delta_reference` (the plain per-step loop): the dispatcher (`gated_delta`) only
+sends CUDA work here; Metal keeps Apple's `mx.fast.gated_delta_update` and the chunked
+form, the CPU the chunked form.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from kernels.gated_delta import gated_delta_reference
+from kernels.gated_delta_fused import _backend
+
+__all__ = ["gated_delta_scan", "scan_supported"]
+
+# As kernels/gated_delta_fused.py: LANES lanes per state row, float4s interleaved so a
+# warp's loads read whole rows; BLOCK / LANES rows per block; grid B * Hv * Dv / ROWS.
+_LANES = 8
+_BLOCK = 128
+
+_CUDA_HEADER = """
+namespace deltaserve_scan {
+
+template <int LANES>
+__device__ __forceinline__ float row_sum(float x) {
+#pragma unroll
+  for (int o = LANES / 2; o > 0; o /= 2) {
+    x += __shfl_xor_sync(0xffffffffu, x, o);
+  }
+  return x;
+}
+
+}  // namespace deltaserve_scan
+"""
+
+# Template constants: Dk, Dv, Hk, Hv, LANES, BLOCK; Tq, Tk, Tv, Tg, Tb (input dtypes:
+# MLX caches compiled kernels by name + template arguments). __SKIP__ is `!mask[bt]` or
+# `false`. Every lane of a row takes the same branch, so the shuffles stay converged.
+_CUDA_SOURCE = """
+  constexpr int NV4 = Dk / (4 * LANES);
+  constexpr int ROWS = BLOCK / LANES;
+  constexpr int CHUNKS = (Dv + ROWS - 1) / ROWS;
+
+  const int tid = threadIdx.x;
+  const int n = blockIdx.x / CHUNKS;  // b * Hv + h
+  const int b = n / Hv;
+  const int h = n % Hv;
+  const int hk = h / (Hv / Hk);
+  const int lane = tid % LANES;
+  const int row = (blockIdx.x % CHUNKS) * ROWS + tid / LANES;
+  if (row >= Dv) {
+    return;  // whole rows only: the shuffles below never span two rows
+  }
+  const size_t s_off = (size_t(n) * Dv + row) * Dk;
+  const float* src = state_in + s_off;
+  float* dst = state_out + s_off;
+
+  float4 s[NV4];
+#pragma unroll
+  for (int i = 0; i < NV4; ++i) {
+    const int c = 4 * (lane + i * LANES);
+    s[i] = make_float4(src[c], src[c + 1], src[c + 2], src[c + 3]);
+  }
+
+  const int L = steps[0];  // an input, not a template constant: one build for every L
+  for (int t = 0; t < L; ++t) {
+    const size_t bt = size_t(b) * L + t;
+    const size_t gh = bt * Hv + h;  // index into g, beta; (gh * Dv + row) into v, y
+    if (__SKIP__) {
+      if (lane == 0) {
+        y[gh * Dv + row] = static_cast<Tv>(0.f);
+      }
+      continue;
+    }
+    const size_t kq_off = (bt * Hk + hk) * Dk;
+    float4 kk[NV4];
+    float sk = 0.f, sq = 0.f, kq = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV4; ++i) {
+      const int c = 4 * (lane + i * LANES);
+      kk[i] = make_float4(
+          static_cast<float>(k[kq_off + c]), static_cast<float>(k[kq_off + c + 1]),
+          static_cast<float>(k[kq_off + c + 2]), static_cast<float>(k[kq_off + c + 3]));
+      const float4 qq = make_float4(
+          static_cast<float>(q[kq_off + c]), static_cast<float>(q[kq_off + c + 1]),
+          static_cast<float>(q[kq_off + c + 2]), static_cast<float>(q[kq_off + c + 3]));
+      sk += s[i].x * kk[i].x + s[i].y * kk[i].y + s[i].z * kk[i].z + s[i].w * kk[i].w;
+      sq += s[i].x * qq.x + s[i].y * qq.y + s[i].z * qq.z + s[i].w * qq.w;
+      kq += kk[i].x * qq.x + kk[i].y * qq.y + kk[i].z * qq.z + kk[i].w * qq.w;
+    }
+    sk = deltaserve_scan::row_sum<LANES>(sk);
+    sq = deltaserve_scan::row_sum<LANES>(sq);
+    kq = deltaserve_scan::row_sum<LANES>(kq);
+    const float a = expf(static_cast<float>(g[gh]));
+    const float vr = static_cast<float>(v[gh * Dv + row]);
+    const float delta = static_cast<float>(beta[gh]) * (vr - a * sk);
+#pragma unroll
+    for (int i = 0; i < NV4; ++i) {
+      s[i].x = a * s[i].x + delta * kk[i].x;
+      s[i].y = a * s[i].y + delta * kk[i].y;
+      s[i].z = a * s[i].z + delta * kk[i].z;
+      s[i].w = a * s[i].w + delta * kk[i].w;
+    }
+    if (lane == 0) {
+      y[gh * Dv + row] = static_cast<Tv>(a * sq + delta * kq);
+    }
+  }
+
+#pragma unroll
+  for (int i = 0; i < NV4; ++i) {
+    const int c = 4 * (lane + i * LANES);
+    dst[c] = s[i].x;
+    dst[c + 1] = s[i].y;
+    dst[c + 2] = s[i].z;
+    dst[c + 3] = s[i].w;
+  }
+"""
+
+_INPUTS = ["q", "k", "v", "g", "beta", "state_in", "steps"]
+_OUTPUTS = ["y", "state_out"]
+
+
+@functools.cache
+def _kernel(masked: bool) -> Callable[..., list[mx.array]]:
+    """The CUDA kernel, built once per mask flavour."""
+    return mx.fast.cuda_kernel(
+        name="deltaserve_gdn_scan" + ("_masked" if masked else ""),
+        input_names=_INPUTS + (["mask"] if masked else []),
+        output_names=_OUTPUTS,
+        source=_CUDA_SOURCE.replace("__SKIP__", "!mask[bt]" if masked else "false"),
+        header=_CUDA_HEADER,
+    )
+
+
+def scan_supported(k: mx.array, v: mx.array) -> bool:
+    """Whether the CUDA kernel takes these sizes (every Qwen3.5 shape: Dk = Dv = 128)."""
+    hk, dk = k.shape[2], k.shape[3]
+    return dk % (4 * _LANES) == 0 and v.shape[2] % hk == 0
+
+
+def gated_delta_scan(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array | None,
+    mask: mx.array | None = None,
+) -> tuple[mx.array, mx.array]:
+    """L tokens for all rows and heads (shapes in the module docstring): the CUDA kernel
+    on CUDA, the per-step reference loop elsewhere. Returns y [B, L, Hv, Dv] in v.dtype
+    and the new state [B, Hv, Dv, Dk] float32."""
+    b, length, hv, dv = v.shape
+    hk, dk = k.shape[2], k.shape[3]
+    if q.shape != k.shape or k.shape[:2] != (b, length):
+        raise ValueError(f"q {q.shape} and k {k.shape} must both be [B, L, Hk, Dk] of v {v.shape}")
+    if g.shape != (b, length, hv) or beta.shape != (b, length, hv):
+        raise ValueError(f"g {g.shape} and beta {beta.shape} must be [B, L, Hv]")
+    if _backend() != "cuda":
+        return gated_delta_reference(q, k, v, g, beta, state, mask)
+    if not scan_supported(k, v):
+        raise ValueError(f"no DeltaNet scan kernel for k {k.shape}, v {v.shape}")
+    if state is None:
+        state = mx.zeros((b, hv, dv, dk), mx.float32)
+    if state.shape != (b, hv, dv, dk):
+        raise ValueError(f"state {state.shape} must be [B, Hv, Dv, Dk]")
+    inputs = [q, k, v, g, beta, state.astype(mx.float32), mx.array([length], mx.int32)]
+    if mask is not None:
+        inputs.append(mask.astype(mx.bool_))
+    template = [("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv)]
+    template += [("LANES", _LANES), ("BLOCK", _BLOCK)]
+    template += [(f"T{c}", x.dtype) for c, x in zip("qkvgb", inputs, strict=False)]
+    rows = _BLOCK // _LANES
+    y, s = _kernel(mask is not None)(
+        inputs=inputs,
+        template=template,
+        grid=(b * hv * -(-dv // rows) * _BLOCK, 1, 1),
+        threadgroup=(_BLOCK, 1, 1),
+        output_shapes=[v.shape, state.shape],
+        output_dtypes=[v.dtype, mx.float32],
+    )
+    return y, s
