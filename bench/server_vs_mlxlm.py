@@ -17,6 +17,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -72,6 +73,42 @@ def _f32_copy(src: Path) -> Path:
     return dst
 
 
+def server_command(
+    kind: str,
+    model: Path,
+    port: int,
+    log_level: str | None = "warning",
+    extra: tuple[str, ...] = (),
+    max_num_seqs: int | None = 64,
+) -> list[str]:
+    """The command line of one server. `log_level` None leaves each server at its own
+    default; ours gets `--max-num-seqs` unless None, then `extra` after its own
+    arguments; mlx_lm.server gets `extra` too."""
+    if kind == "deltaserve":
+        cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model)]
+        cmd += ["--port", str(port)]
+        if max_num_seqs is not None:
+            cmd += ["--max-num-seqs", str(max_num_seqs)]
+        if log_level is not None:
+            cmd += ["--log-level", log_level]
+    else:
+        cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model)]
+        cmd += ["--port", str(port)]
+        if log_level is not None:
+            cmd += ["--log-level", log_level.upper()]
+    return [*cmd, *extra]
+
+
+def launch(cmd: list[str], log: Path, preload_blas: bool = True) -> subprocess.Popen:
+    """Start a server command, stdout and stderr into `log`; OpenBLAS preloaded (the
+    CPU's BLAS) when asked and found."""
+    env = dict(os.environ)
+    lib = openblas_path() if preload_blas else None
+    if lib is not None:
+        env["LD_PRELOAD"] = str(lib)
+    return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
 def _start(
     kind: str,
     model: Path,
@@ -80,42 +117,11 @@ def _start(
     log_level: str = "warning",
     extra: tuple[str, ...] = (),
 ) -> subprocess.Popen:
-    """Start one server; ours logs at `log_level` (debug: each step's size and time) and
-    gets `extra` arguments after its own."""
-    env = dict(os.environ)
-    lib = openblas_path()
-    if lib is not None:
-        env["LD_PRELOAD"] = str(lib)
+    """Start one server with OpenBLAS preloaded; ours logs at `log_level` (debug: each
+    step's size and time), runs 64 rows and gets `extra` arguments after its own."""
     if kind == "deltaserve":
-        cmd = [
-            sys.executable,
-            "-m",
-            "server.cli",
-            "serve",
-            "--model",
-            str(model),
-            "--port",
-            str(port),
-            "--max-num-seqs",
-            "64",
-            "--log-level",
-            log_level,
-            *extra,
-        ]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "mlx_lm",
-            "server",
-            "--model",
-            str(model),
-            "--port",
-            str(port),
-            "--log-level",
-            "WARNING",
-        ]
-    return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        return launch(server_command(kind, model, port, log_level, extra), log)
+    return launch(server_command(kind, model, port, "warning"), log)
 
 
 async def _wait_ready(base: str, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -152,27 +158,42 @@ def _workload(n: int, seed: int) -> list[tuple[str, int]]:
 
 
 async def _one(
-    client: httpx.AsyncClient, base: str, model: str, prompt: str, max_tokens: int
+    client: httpx.AsyncClient,
+    base: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    extra: dict | None = None,
 ) -> dict:
+    """One streamed chat (greedy; `extra` fields added to the body): TTFT, the gaps
+    between chunks that carry text, and its tokens: the usage's completion_tokens when
+    the server reports them (`stream_options.include_usage`), else the chunks."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
         "stream": True,
         "max_tokens": max_tokens,
         "temperature": 0.0,
+        **(extra or {}),
     }
     start = time.perf_counter()
     stamps: list[float] = []
+    usage_tokens = None
     try:
         async with client.stream(
             "POST", f"{base}/v1/chat/completions", json=body, timeout=600
         ) as r:
             if r.status_code != 200:
-                return {"ok": False, "error": f"HTTP {r.status_code}"}
+                text = (await r.aread()).decode(errors="replace")[:200]
+                return {"ok": False, "error": f"HTTP {r.status_code}: {text}"}
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return {"ok": False, "error": f"stream error: {chunk['error']}"[:300]}
+                if chunk.get("usage"):
+                    usage_tokens = chunk["usage"]["completion_tokens"]
                 for choice in chunk.get("choices", []):
                     delta = choice.get("delta", {})
                     if (
@@ -182,14 +203,15 @@ async def _one(
                     ):
                         stamps.append(time.perf_counter())
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        return {"ok": False, "error": type(exc).__name__}
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
     if not stamps:
         return {"ok": False, "error": "no tokens"}
     return {
         "ok": True,
         "ttft": stamps[0] - start,
         "itl": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
-        "tokens": len(stamps),
+        "tokens": len(stamps) if usage_tokens is None else usage_tokens,
+        "chunks": len(stamps),
     }
 
 
@@ -250,15 +272,16 @@ async def _bench(kind: str, model: Path, args: argparse.Namespace) -> list[dict]
         _stop(proc)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL after 30 s: a server left behind would share the cores
-    with the next benchmark."""
-    proc.terminate()
+def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, wait_s: float = 30) -> int:
+    """Send `sig`, then SIGKILL after `wait_s` seconds: a server left behind would share
+    the cores with the next benchmark. Returns the exit code (negative: killed by that
+    signal)."""
+    proc.send_signal(sig)
     try:
-        proc.wait(30)
+        return proc.wait(wait_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait()
+        return proc.wait()
 
 
 def main() -> None:

@@ -1,0 +1,358 @@
+"""The server benchmark, the headline: `deltaserve serve` at its default config vs
+`mlx_lm.server`, one after the other on one machine and one checkpoint.
+
+CPU (both servers get a float32 copy of the checkpoint, OpenBLAS preloaded):
+
+    python -m bench.serve --checkpoint small --clients 1 4 --requests-per-client 1 --max-tokens 32
+
+GPU (mlx's default device is the GPU: both serve the checkpoint as it is, bf16 or
+quantized; server wheels unpacked into /tmp/site as in ../shared/GPU.md):
+
+    export PYTHONPATH=/tmp/site:$PWD DELTASERVE_TEST_CACHE=/tmp/ckpt
+    python3 -m bench.serve --checkpoint 0.8B --log-dir $OUT/serve-0.8B --plot $OUT/serve-0.8B.png
+    python3 -m bench.serve --checkpoint 9B --log-dir $OUT/serve-9B --plot $OUT/serve-9B.png
+
+deltaserve gets only --model and --port (and --max-num-seqs when more clients than its
+default of rows run at once; the `config` line says so), so it reads ./config.yaml like
+a user's server; `--extra-args` adds flags. mlx_lm.server gets `--decode-concurrency C
+--prompt-concurrency 8`, C the most clients. Each server is warmed up with one short
+request, then per client count: every client sends `--requests-per-client` streaming
+chats one after the other (greedy, thinking off, prompts of 32-400 words drawn with a
+fixed seed, `--max-tokens` new tokens); client i starts at i/C of `--ramp-s`, so requests
+arrive while others decode. deltaserve ignores EOS (`ignore_eos`); mlx_lm.server has no
+such field, and its one way to force the length, a `logit_bias` on the EOS ids
+(`--peer-eos-bias`), puts every row through its per-row logits-processor path. So tok/s
+counts the completion tokens each server reports, and `short` counts requests that
+stopped before `--max-tokens`.
+
+Prints a `config` line, then one JSON line per (server, clients): tok/s (completion
+tokens / wall of the phase), TTFT p50/p99, the gap between a stream's text chunks
+p50/p99, failures and the first error; per server its exit code after SIGINT and whether
+its log has "terminate called"; the ratios ours/peer per client count; then markdown
+tables. On a cold GPU the first phase also pays MLX's kernel JIT for new shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shlex
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.server_vs_mlxlm import (
+    WORDS,
+    _f32_copy,
+    _free_port,
+    _one,
+    _pct,
+    _stop,
+    _wait_ready,
+    launch,
+    served_name,
+    server_command,
+)
+
+SERVERS = ("deltaserve", "mlx_lm")
+Row = dict[str, Any]
+
+
+def _checkpoint(name: str, dtype: str) -> tuple[Path, bool]:
+    """The directory both servers load, and whether they run on the CPU: there a
+    float32 copy (mlx-lm computes in the checkpoint's dtype, we in float32 on the CPU)."""
+    import mlx.core as mx
+
+    from models.testing import cached_checkpoint
+
+    src = Path(name) if "/" in name or Path(name).is_dir() else cached_checkpoint(name)
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    use_f32 = dtype == "float32" or (dtype == "auto" and on_cpu)
+    return (_f32_copy(src) if use_f32 else src), on_cpu
+
+
+def _eos_ids(model: Path) -> list[int]:
+    """EOS token ids from config.json (or its text_config) and generation_config.json."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = model / name
+        if not path.exists():
+            continue
+        config = json.loads(path.read_text())
+        for value in (
+            config.get("eos_token_id"),
+            config.get("text_config", {}).get("eos_token_id"),
+        ):
+            ids.update([value] if isinstance(value, int) else value or [])
+    return sorted(ids)
+
+
+def _request_fields(kind: str, model: Path, peer_eos_bias: bool) -> dict:
+    """Body fields beside the prompt: usage in the stream, thinking off, and what keeps a
+    request going to max_tokens where the server has it."""
+    fields: dict = {
+        "stream_options": {"include_usage": True},
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    if kind == "deltaserve":
+        fields["ignore_eos"] = True
+    elif peer_eos_bias:
+        fields["logit_bias"] = {str(i): -1e9 for i in _eos_ids(model)}
+    return fields
+
+
+def _commands(model: Path, args: argparse.Namespace) -> dict[str, list[str]]:
+    """Both servers' command lines, each on a free port."""
+    from engine.config import EngineConfig
+
+    rows = max(args.clients)
+    ours_rows = rows if rows > EngineConfig.max_num_seqs else None
+    ours_extra = tuple(shlex.split(args.extra_args))
+    peer_extra = ("--decode-concurrency", str(rows), "--prompt-concurrency", "8")
+    return {
+        "deltaserve": server_command(
+            "deltaserve", model, _free_port(), None, ours_extra, ours_rows
+        ),
+        "mlx_lm": server_command("mlx_lm", model, _free_port(), None, peer_extra),
+    }
+
+
+def _prompts(clients: int, per_client: int) -> list[list[str]]:
+    """Each client's prompts, 32-400 words; the same for both servers."""
+    rng = random.Random(f"serve-{clients}")
+    return [
+        [" ".join(rng.choices(WORDS, k=rng.randint(32, 400))) for _ in range(per_client)]
+        for _ in range(clients)
+    ]
+
+
+async def _phase(
+    base: str, model: str, clients: int, fields: dict, args: argparse.Namespace
+) -> Row:
+    """Every client's chats, client i starting at i/clients of the ramp; the summary."""
+    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(limits=limits) as client:
+
+        async def run(i: int, prompts: list[str]) -> list[dict]:
+            await asyncio.sleep(args.ramp_s * i / clients)
+            return [await _one(client, base, model, p, args.max_tokens, fields) for p in prompts]
+
+        start = time.perf_counter()
+        per_client = await asyncio.gather(
+            *(run(i, p) for i, p in enumerate(_prompts(clients, args.requests_per_client)))
+        )
+        wall = time.perf_counter() - start
+    results = [r for rs in per_client for r in rs]
+    ok = [r for r in results if r["ok"]]
+    errors = [r["error"] for r in results if not r["ok"]]
+    ttft = [r["ttft"] for r in ok]
+    gaps = [g for r in ok for g in r["itl"]]
+    tokens = sum(r["tokens"] for r in ok)
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "wall_s": round(wall, 3),
+        "completion_tokens": tokens,
+        "chunks": sum(r["chunks"] for r in ok),  # the gaps are between these
+        "short": sum(r["tokens"] < args.max_tokens for r in ok),
+        "tok_s": round(tokens / wall, 2),
+        "ttft_p50_s": round(_pct(ttft, 0.5), 4),
+        "ttft_p99_s": round(_pct(ttft, 0.99), 4),
+        "gap_p50_ms": round(1e3 * _pct(gaps, 0.5), 2),
+        "gap_p99_ms": round(1e3 * _pct(gaps, 0.99), 2),
+        "failures": len(errors),
+        "first_error": errors[0] if errors else None,
+    }
+
+
+async def _measure(
+    kind: str,
+    model: Path,
+    base: str,
+    proc: subprocess.Popen,
+    args: argparse.Namespace,
+    rows: list[Row],
+) -> None:
+    """Wait for the server, warm it up, then append one row per client count to `rows`."""
+    await _wait_ready(base, proc, args.start_timeout_s)
+    name = await served_name(kind, base, model)
+    fields = _request_fields(kind, model, args.peer_eos_bias)
+    async with httpx.AsyncClient() as client:
+        warm = await _one(client, base, name, "Say hello.", 8, fields)
+    if not warm["ok"]:
+        print(json.dumps({"server": kind, "warmup_error": warm["error"]}), flush=True)
+    for clients in args.clients:
+        row = {"server": kind, **await _phase(base, name, clients, fields, args)}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+
+def _bench(
+    kind: str, model: Path, cmd: list[str], args: argparse.Namespace
+) -> tuple[list[Row], Row]:
+    """Start one server, measure every client count, stop it with SIGINT: its rows and
+    its `stopped` line (exit code, "terminate called" in its log, a start or run error)."""
+    port = int(cmd[cmd.index("--port") + 1])
+    log = args.log_dir / f"{kind}.log"
+    proc = launch(cmd, log, preload_blas=args.on_cpu)
+    rows: list[Row] = []
+    error = None
+    try:
+        asyncio.run(_measure(kind, model, f"http://127.0.0.1:{port}", proc, args, rows))
+    except Exception as exc:  # a server that failed: report it, keep its rows, run the other
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        exit_code = proc.returncode if proc.poll() is not None else _stop(proc, signal.SIGINT, 60)
+    stopped = {
+        "server": kind,
+        "stopped": True,
+        "exit_code": exit_code,
+        "terminate_called": "terminate called" in log.read_text(errors="replace"),
+        "error": error,
+        "log": str(log),
+    }
+    print(json.dumps(stopped), flush=True)
+    return rows, stopped
+
+
+def _ratios(rows: list[Row]) -> list[Row]:
+    """ours/peer per client count run by both (tok/s: higher is better; the rest lower)."""
+    by = {(r["server"], r["clients"]): r for r in rows}
+    out = []
+    for clients in sorted({r["clients"] for r in rows}):
+        ours, peer = by.get(("deltaserve", clients)), by.get(("mlx_lm", clients))
+        if ours is None or peer is None:
+            continue
+        ratio = {"clients": clients}
+        for key in ("tok_s", "ttft_p50_s", "gap_p99_ms"):
+            ratio[f"ratio_{key}"] = round(ours[key] / peer[key], 3) if peer[key] else None
+        out.append(ratio)
+    return out
+
+
+def _table(rows: list[Row], ratios: list[Row], stopped: list[Row], max_tokens: int) -> str:
+    head = "| clients | server | tok/s | TTFT p50 s | TTFT p99 s | gap p50 ms | gap p99 ms |"
+    lines = [
+        head + f" tokens (short of {max_tokens}) | failures |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["clients"], r["server"])):
+        lines.append(
+            f"| {r['clients']} | {r['server']} | {r['tok_s']:.1f} | {r['ttft_p50_s']:.3f}"
+            f" | {r['ttft_p99_s']:.3f} | {r['gap_p50_ms']:.1f} | {r['gap_p99_ms']:.1f}"
+            f" | {r['completion_tokens']} ({r['short']}) | {r['failures']} |"
+        )
+    if ratios:
+        lines += ["", "| clients | tok/s ours/peer | TTFT p50 ours/peer | gap p99 ours/peer |"]
+        lines.append("|---|---|---|---|")
+        for r in ratios:
+            cells = [r["ratio_tok_s"], r["ratio_ttft_p50_s"], r["ratio_gap_p99_ms"]]
+            text = ["n/a" if c is None else f"{c:.2f}x" for c in cells]
+            lines.append(f"| {r['clients']} | " + " | ".join(text) + " |")
+    lines.append("")
+    for s in stopped:
+        said = "yes" if s["terminate_called"] else "no"
+        error = f", error: {s['error']}" if s["error"] else ""
+        lines.append(
+            f"- {s['server']}: exit code {s['exit_code']}, 'terminate called': {said}{error}"
+        )
+    return "\n".join(lines)
+
+
+def _plot(rows: list[Row], path: Path, title: str) -> None:
+    """tok/s and TTFT p50 against clients, one line per server (needs matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"--plot {path}: matplotlib is not importable (pip install matplotlib); no plot")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    metrics = (("tok_s", "tok/s"), ("ttft_p50_s", "TTFT p50 (s)"))
+    for ax, (key, label) in zip(axes, metrics, strict=True):
+        for kind in SERVERS:
+            mine = sorted((r for r in rows if r["server"] == kind), key=lambda r: r["clients"])
+            if mine:
+                ax.plot(
+                    [r["clients"] for r in mine], [r[key] for r in mine], marker="o", label=kind
+                )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("clients (streaming chats)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--checkpoint", default="small", help="models.testing name, or a path")
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--ramp-s", type=float, default=2.0, help="clients start over this")
+    ap.add_argument("--only", choices=SERVERS, default=None)
+    ap.add_argument("--extra-args", default="", help="more deltaserve flags, one string")
+    ap.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "checkpoint"],
+        default="auto",
+        help="auto: a float32 copy on the CPU, the checkpoint as is on the GPU",
+    )
+    ap.add_argument(
+        "--peer-eos-bias",
+        action="store_true",
+        help="force mlx_lm.server's length with a logit_bias on the EOS ids (slows its rows)",
+    )
+    ap.add_argument("--start-timeout-s", type=float, default=600)
+    ap.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temp dir)")
+    ap.add_argument("--plot", type=Path, default=None, help="PNG of tok/s and TTFT vs clients")
+    args = ap.parse_args()
+    args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    model, args.on_cpu = _checkpoint(args.checkpoint, args.dtype)
+    commands = _commands(model, args)
+    kinds = [k for k in SERVERS if args.only in (None, k)]
+    ours = commands["deltaserve"]
+    config = {
+        "config": True,
+        "model": str(model),
+        "on_cpu": args.on_cpu,
+        "log_dir": str(args.log_dir),
+        "deltaserve_flags_beyond_model_port": ours[ours.index("--port") + 2 :],
+        "commands": {k: commands[k] for k in kinds},
+    }
+    print(json.dumps(config), flush=True)
+    rows: list[Row] = []
+    stopped: list[Row] = []
+    for kind in kinds:
+        server_rows, server_stopped = _bench(kind, model, commands[kind], args)
+        rows += server_rows
+        stopped.append(server_stopped)
+    ratios = _ratios(rows)
+    for ratio in ratios:
+        print(json.dumps({"ratio": True, **ratio}), flush=True)
+    print()
+    print(_table(rows, ratios, stopped, args.max_tokens))
+    flags = " ".join(config["deltaserve_flags_beyond_model_port"]) or "none"
+    print(f"- deltaserve flags beyond --model/--port: {flags}")
+    if args.plot is not None:
+        _plot(rows, args.plot, f"{model.name}: deltaserve (default config) vs mlx_lm.server")
+
+
+if __name__ == "__main__":
+    main()
