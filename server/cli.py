@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Sequence
+from importlib import metadata
 from pathlib import Path
 
 import uvicorn
@@ -44,6 +45,7 @@ def build_parser(shown: Shown | None = None) -> argparse.ArgumentParser:
     `shown` holds the config-file / env values that --help reports as each flag's default.
     """
     parser = argparse.ArgumentParser(prog="deltaserve")
+    parser.add_argument("--version", action="version", version=f"deltaserve {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve",
@@ -53,6 +55,14 @@ def build_parser(shown: Shown | None = None) -> argparse.ArgumentParser:
     )
     add_arguments(serve, shown)
     return parser
+
+
+def package_version() -> str:
+    """The installed distribution's version (pyproject.toml's, through its metadata)."""
+    try:
+        return metadata.version("deltaserve")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
