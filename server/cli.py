@@ -2,9 +2,10 @@
 
 Mistakes an operator makes at start-up (bad config, no model, a model that cannot be
 found) end in one `deltaserve: error: ...` line on stderr and exit status 2, before
-anything slow (OpenBLAS re-exec, MLX) runs; so does a port that cannot be bound, before
-the model loads (the socket is bound first and handed to uvicorn). Loading says what it
-is doing, and the start-up summary (server/startup.py) comes once the port is bound.
+anything slow (OpenBLAS re-exec, MLX) runs; so does a port that cannot be bound (probed
+there, then bound for real before the model loads and handed to uvicorn). Loading says
+what it is doing, and the start-up summary (server/startup.py) comes once the port is
+bound.
 
 Ctrl-C (SIGINT) or SIGTERM: uvicorn stops accepting, every open generation ends at once
 with a 503 "shutting down" error (streams: an error event, then [DONE]; see
@@ -89,6 +90,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModelNotFound as e:
         print(f"deltaserve: error: {e}", file=sys.stderr)
         return 2
+    # A taken port fails now, not after the OpenBLAS re-exec and MLX's import; serve()
+    # binds for real (under mlx.launch, rank 0 only: a follower's host may use the port).
+    if "MLX_RANK" not in os.environ:
+        probe = _bind(settings.server)
+        if probe is None:
+            return 2
+        probe.close()
     # Before anything imports mlx: on Linux CPU this may re-exec us with OpenBLAS.
     ensure_openblas()
     quiet_third_party_logs()
@@ -150,11 +158,8 @@ def serve(settings: Settings, checkpoint: Path) -> int:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 follow(start_engine(str(checkpoint), settings.engine, parallel))
                 return 0
-        try:
-            sock = bind_socket(settings.server)  # rank 0 only: the others serve no HTTP
-        except OSError as e:
-            host, port = settings.server.host, settings.server.port
-            print(f"deltaserve: error: {port_taken_message(host, port, e)}", file=sys.stderr)
+        sock = _bind(settings.server)  # rank 0 only: the others serve no HTTP
+        if sock is None:
             return 2
         engine = _load(settings, checkpoint, parallel)
     except SetupMismatchError as e:
@@ -205,6 +210,16 @@ def bind_socket(server: ServerSettings) -> socket.socket:
         raise
     sock.set_inheritable(True)
     return sock
+
+
+def _bind(server: ServerSettings) -> socket.socket | None:
+    """bind_socket, or None after printing why the port cannot be bound."""
+    try:
+        return bind_socket(server)
+    except OSError as e:
+        message = port_taken_message(server.host, server.port, e)
+        print(f"deltaserve: error: {message}", file=sys.stderr)
+        return None
 
 
 def _url_host(host: str) -> str:

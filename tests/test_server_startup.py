@@ -30,9 +30,9 @@ READY = re.compile(r"ready: \S+ \(.*\) on (http://127\.0\.0\.1:(\d+)) \(api key 
 GIB = {"MiB": 2**20, "GiB": 2**30}
 
 
-def _serve(*args: str, stderr: Path) -> subprocess.Popen:
+def _serve(*args: str, stderr: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     command = [sys.executable, "-m", "server.cli", "serve", "--config", "/dev/null", *args]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     with stderr.open("w") as err:
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err)
 
@@ -105,20 +105,23 @@ def test_loading_is_announced_before_the_summary(demo_server: tuple[int, str, st
     assert loading < loaded < ready
 
 
-def test_taken_port_fails_before_the_model_loads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("launched", [False, True], ids=["alone", "under-mlx-launch"])
+def test_taken_port_fails_before_the_model_loads(tmp_path: Path, launched: bool) -> None:
     """A port another process listens on: one error line naming it, exit 2, and the
-    model was never loaded."""
+    model was never loaded; also where mlx.launch's MLX_RANK defers the check to the
+    bind that precedes loading (here a group of one)."""
+    env = {"MLX_RANK": "0"} if launched else {}
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         log = tmp_path / "stderr.log"
-        proc = _serve("--model", str(cached_checkpoint("demo")), "--port", str(port), stderr=log)
+        model = str(cached_checkpoint("demo"))
+        proc = _serve("--model", model, "--port", str(port), stderr=log, env=env)
         assert proc.wait(timeout=120) == 2
     err = log.read_text()
-    assert (
-        f"deltaserve: error: cannot listen on 127.0.0.1:{port}: the port is already in use" in err
-    )
+    taken_line = f"cannot listen on 127.0.0.1:{port}: the port is already in use"
+    assert f"deltaserve: error: {taken_line}" in err
     assert "loading" not in err and "Traceback" not in err
 
 
