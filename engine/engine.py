@@ -163,7 +163,7 @@ class LLMEngine:
         """The engine's set-up in a user's terms (see EngineSummary)."""
         name = dict(mx.device_info()).get("device_name", "")
         kind = "cpu" if on_cpu() else f"gpu: {'metal' if mx.metal.is_available() else 'cuda'}"
-        cache = self.prefix_cache
+        cache, chat_tokens = self.prefix_cache, min(chat_tokens, self.max_context)
         return EngineSummary(
             device=f"{kind} ({name})" if name else kind,
             dtype=str(self.loaded.dtype).removeprefix("mlx.core."),
@@ -172,8 +172,8 @@ class LLMEngine:
             reserved_bytes=self.budget.reserved + self.budget.padding,
             max_num_seqs=self.config.max_num_seqs,
             max_context=self.max_context,
-            chat_tokens=min(chat_tokens, self.max_context),
-            chat_rows=self.budget.rows_of(min(chat_tokens, self.max_context)),
+            chat_tokens=chat_tokens,
+            chat_rows=self.budget.rows_of(chat_tokens),
             context_rows=self.budget.rows_of(self.max_context),
             prefix_cache_bytes=cache.max_bytes if cache is not None else 0,
         )
