@@ -68,3 +68,21 @@ class QueueFullError(RuntimeError):
     def __init__(self, retry_after: float = 1.0) -> None:
         super().__init__("the server is at capacity; retry later")
         self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class EngineSummary:
+    """What the engine runs, where, and how much the row-state budget holds, in a user's
+    terms (the server's start-up summary). Written once by the engine after loading."""
+
+    device: str  # e.g. "cpu (AMD EPYC)", "gpu: cuda (NVIDIA H200)"
+    dtype: str  # compute dtype of the weights, e.g. "float32"
+    weight_bytes: int  # the loaded weights (text model + vision tower)
+    budget_bytes: int  # the row-state cap: rows are admitted while they fit under it
+    reserved_bytes: int  # row state reserved now
+    max_num_seqs: int  # rows that run at once, whatever the budget holds
+    max_context: int
+    chat_tokens: int  # a typical chat's length (prompt + answer) for chat_rows
+    chat_rows: int  # rows of chat_tokens the budget holds
+    context_rows: int  # rows of the full max_context the budget holds
+    prefix_cache_bytes: int  # the prefix cache's cap inside the budget (0: off)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.api import EngineStats
+from engine.api import EngineStats, EngineSummary
 from engine.cache.prefix_index import PrefixCacheStats
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -100,6 +100,11 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+    def summary(self) -> EngineSummary:
+        """The engine's set-up in a user's terms; call before serving (it reads the
+        engine's state from this thread)."""
+        return self.engine.summary()
 
     def stats(self) -> EngineStats:
         """The latest snapshot the engine thread published (never reads live state)."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from engine.api import EngineSummary
 from engine.cache.batch import BatchState
 from engine.cache.budget import MemoryBudget, StateCosts, default_budget_bytes
 from engine.cache.factory import kv_bytes_per_element_pair, kv_prefix_tokens, kv_store_factory
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # tensor_parallel.py builds engines
     from engine.tensor_parallel import Leader
 
 log = logging.getLogger(__name__)
+TYPICAL_CHAT_TOKENS = 4096  # prompt + answer of a typical chat turn (the start-up summary)
 
 
 @dataclass
@@ -148,7 +150,7 @@ class LLMEngine:
             return None
         costs, block = self.budget.costs, cfg.prefix_block_tokens
         max_bytes = cfg.prefix_cache_bytes or self.budget.total // 2
-        log.info("prefix cache: up to %.2f GiB, %d-token blocks", max_bytes / 2**30, block)
+        log.debug("prefix cache: up to %.2f GiB, %d-token blocks", max_bytes / 2**30, block)
         return PrefixIndex(
             block,
             costs.kv_bytes_per_token,
@@ -156,6 +158,25 @@ class LLMEngine:
             max_bytes,
             self.budget,
             cfg.prefix_min_tokens,
+        )
+
+    def summary(self, chat_tokens: int = TYPICAL_CHAT_TOKENS) -> EngineSummary:
+        """The engine's set-up in a user's terms (see EngineSummary)."""
+        name = dict(mx.device_info()).get("device_name", "")
+        kind = "cpu" if on_cpu() else f"gpu: {'metal' if mx.metal.is_available() else 'cuda'}"
+        cache, chat_tokens = self.prefix_cache, min(chat_tokens, self.max_context)
+        return EngineSummary(
+            device=f"{kind} ({name})" if name else kind,
+            dtype=str(self.loaded.dtype).removeprefix("mlx.core."),
+            weight_bytes=self.loaded.weight_bytes() + self.loaded.vision_weight_bytes(),
+            budget_bytes=self.budget.total,
+            reserved_bytes=self.budget.reserved + self.budget.padding,
+            max_num_seqs=self.config.max_num_seqs,
+            max_context=self.max_context,
+            chat_tokens=chat_tokens,
+            chat_rows=self.budget.rows_of(chat_tokens),
+            context_rows=self.budget.rows_of(self.max_context),
+            prefix_cache_bytes=cache.max_bytes if cache is not None else 0,
         )
 
     def _log_budget(self) -> None:
@@ -166,8 +187,8 @@ class LLMEngine:
             self.config.max_prefill_chunk,
             self.config.max_num_seqs,
         )
-        log.info(
-            "row-state budget %.2f GiB: %d rows of the full %d-token context (%.1f MiB each)",
+        log.debug(
+            "row-state budget up to %.2f GiB: %d rows of the full %d-token context (%.1f MiB each)",
             self.budget.total / 2**30,
             self.budget.total // row,
             self.max_context,

@@ -2,7 +2,10 @@
 
 Mistakes an operator makes at start-up (bad config, no model, a model that cannot be
 found) end in one `deltaserve: error: ...` line on stderr and exit status 2, before
-anything slow (OpenBLAS re-exec, MLX) runs.
+anything slow (OpenBLAS re-exec, MLX) runs; so does a port that cannot be bound (probed
+there, then bound for real before the model loads and handed to uvicorn). Loading says
+what it is doing, and the start-up summary (server/startup.py) comes once the port is
+bound.
 
 Ctrl-C (SIGINT) or SIGTERM: uvicorn stops accepting, every open generation ends at once
 with a 503 "shutting down" error (streams: an error event, then [DONE]; see
@@ -19,20 +22,29 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable, Sequence
+from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from kernels.blas import ensure_openblas
 from server.flags import Shown, add_arguments, effective_defaults
-from server.settings import ConfigError, Settings, load_settings
+from server.settings import ConfigError, ServerSettings, Settings, load_settings
 from server.startup import (
     ModelNotFound,
     log_startup,
     missing_model_message,
     not_a_checkpoint_message,
+    port_taken_message,
+    size,
 )
+
+if TYPE_CHECKING:  # imported in serve(): mlx loads only after the checks above
+    from engine.async_engine import AsyncEngine
+    from engine.tensor_parallel import TensorParallel
 
 GRACEFUL_SHUTDOWN_S = 1
 logger = logging.getLogger("deltaserve")
@@ -44,6 +56,7 @@ def build_parser(shown: Shown | None = None) -> argparse.ArgumentParser:
     `shown` holds the config-file / env values that --help reports as each flag's default.
     """
     parser = argparse.ArgumentParser(prog="deltaserve")
+    parser.add_argument("--version", action="version", version=f"deltaserve {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve",
@@ -53,6 +66,14 @@ def build_parser(shown: Shown | None = None) -> argparse.ArgumentParser:
     )
     add_arguments(serve, shown)
     return parser
+
+
+def package_version() -> str:
+    """The installed distribution's version (pyproject.toml's, through its metadata)."""
+    try:
+        return metadata.version("deltaserve")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -69,6 +90,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModelNotFound as e:
         print(f"deltaserve: error: {e}", file=sys.stderr)
         return 2
+    # A taken port fails now, not after the OpenBLAS re-exec and MLX's import; serve()
+    # binds for real (under mlx.launch, rank 0 only: a follower's host may use the port).
+    if "MLX_RANK" not in os.environ:
+        probe = _bind(settings.server)
+        if probe is None:
+            return 2
+        probe.close()
     # Before anything imports mlx: on Linux CPU this may re-exec us with OpenBLAS.
     ensure_openblas()
     quiet_third_party_logs()
@@ -115,12 +143,10 @@ def serve(settings: Settings, checkpoint: Path) -> int:
     Started by `mlx.launch` on several processes: tensor parallel. Rank 0 serves HTTP and
     schedules; the other ranks follow its steps (engine/tensor_parallel.py) and exit
     when it stops. Returns the exit status (2: the ranks were started differently)."""
-    from engine.async_engine import AsyncEngine
     from engine.tensor_parallel import SetupMismatchError, follow, join_group, start_engine
     from server.app import begin_shutdown, create_app
     from server.frontend.tokenizer import TextTokenizer
 
-    logger.info("model: %s (served as %s)", settings.model.path, settings.model.name)
     parallel = join_group(settings.engine.distributed_backend)
     try:
         if parallel is not None:
@@ -132,24 +158,72 @@ def serve(settings: Settings, checkpoint: Path) -> int:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 follow(start_engine(str(checkpoint), settings.engine, parallel))
                 return 0
-        engine = AsyncEngine.start(
-            str(checkpoint), settings.engine, name=settings.model.name, parallel=parallel
-        )
+        sock = _bind(settings.server)  # rank 0 only: the others serve no HTTP
+        if sock is None:
+            return 2
+        engine = _load(settings, checkpoint, parallel)
     except SetupMismatchError as e:
         print(f"deltaserve: error: {e}", file=sys.stderr)
         return 2
     tokenizer = TextTokenizer(engine.model_path, engine.eos_token_ids)
-    log_startup(engine, settings)
+    host, port = sock.getsockname()[:2]  # port 0 binds a free one: name it
+    log_startup(engine, settings, f"http://{_url_host(host)}:{port}")
     app = create_app(engine, tokenizer, settings)
     config = uvicorn.Config(
         app,
         host=settings.server.host,
-        port=settings.server.port,
+        port=port,
         log_level=settings.server.log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    StreamEndingServer(config, lambda: begin_shutdown(app)).run()
+    StreamEndingServer(config, lambda: begin_shutdown(app)).run(sockets=[sock])
     return 0
+
+
+def _load(settings: Settings, checkpoint: Path, parallel: TensorParallel | None) -> AsyncEngine:
+    """Start the engine, saying what it loads and how long that took."""
+    from engine.async_engine import AsyncEngine
+
+    on_disk = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
+    logger.info("loading %s (%s of weights on disk) ...", settings.model.path, size(on_disk))
+    started = time.monotonic()
+    engine = AsyncEngine.start(
+        str(checkpoint), settings.engine, name=settings.model.name, parallel=parallel
+    )
+    logger.info("model loaded in %.1f s; loading the tokenizer ...", time.monotonic() - started)
+    return engine
+
+
+def bind_socket(server: ServerSettings) -> socket.socket:
+    """The server's TCP socket, bound now (uvicorn listens on it later), so that a port
+    that is taken fails in a second instead of after the model has loaded. As uvicorn
+    binds: IPv6 when the host has a colon, SO_REUSEADDR (a restart need not wait out
+    TIME_WAIT; a port another process listens on still fails)."""
+    host, port = server.host, server.port
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def _bind(server: ServerSettings) -> socket.socket | None:
+    """bind_socket, or None after printing why the port cannot be bound."""
+    try:
+        return bind_socket(server)
+    except OSError as e:
+        message = port_taken_message(server.host, server.port, e)
+        print(f"deltaserve: error: {message}", file=sys.stderr)
+        return None
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 class StreamEndingServer(uvicorn.Server):

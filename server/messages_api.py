@@ -3,7 +3,8 @@
 Requests follow server/schemas.py's rules (unknown fields ignored, null = unset, strict
 types). Content blocks are told apart by `type`; those this server cannot use (documents,
 server tools' results) are a 400 naming the block. The sampling extensions of the OpenAI
-routes (min_p, penalties, logit_bias, seed, ignore_eos) are accepted here too.
+routes (min_p, penalties, logit_bias, seed, ignore_eos) are accepted here too, with the
+OpenAI routes' ranges, except temperature: Anthropic's is [0, 1].
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from server.responses import _Out
-from server.schemas import MAX_STOP_STRINGS, SamplingFields, _In
+from server.schemas import MAX_STOP_STRINGS, PositiveInt, SamplingFields, _In
 
 
 class TextBlockIn(_In):
@@ -139,7 +140,8 @@ class CountTokensRequest(PromptFields):
 class MessagesRequest(PromptFields, SamplingFields):
     """POST /v1/messages."""
 
-    max_tokens: int
+    max_tokens: PositiveInt
+    temperature: Annotated[float, Field(ge=0, le=1)] | None = None
     stop_sequences: Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None  # accepted and ignored

@@ -68,7 +68,7 @@ async def create_chat_completion(request: Request, body: ChatBody) -> Response:
     all_tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
     tools = template_tools(all_tools, spec)
     messages = [message.model_dump(exclude_none=True) for message in body.messages]
-    prompt = await render_prompt(state, messages, tools, body.chat_template_kwargs)
+    prompt = await render_prompt(state, messages, tools, body.template_kwargs())
     state.metrics.images.inc(len(prompt.images))
     names = _field_names(body)
     params = sampling_params(

@@ -3,8 +3,10 @@ Anthropic's are in server/messages_api.py.
 
 Requests: unknown fields are ignored, null means "use the default", types are strict
 (a string is not a number), and the checks that only make sense at the HTTP edge live
-here (tool schemas, tool_choice vs tools, stop list size). Numeric ranges of sampling
-fields are checked once, by engine.types.SamplingParams, when the route builds it.
+here (tool schemas, tool_choice vs tools, stop list size, and OpenAI's documented ranges
+of numeric fields, e.g. temperature in [0, 2], so a value the API does not allow is a 400
+naming the field before any work). engine.types.SamplingParams checks its own, wider,
+ranges again when the route builds it (the engine serves other callers too).
 """
 
 from __future__ import annotations
@@ -21,6 +23,15 @@ from pydantic import (
 )
 
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; Qwen prompts often want a few more
+MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs (the engine's MAX_TOP_LOGPROBS)
+
+# OpenAI's ranges (openai-openapi.yaml: CreateChatCompletionRequest and
+# CreateCompletionRequest); Anthropic's narrower temperature is in server/messages_api.py.
+Temperature = Annotated[float, Field(ge=0, le=2)]
+Probability = Annotated[float, Field(ge=0, le=1)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+PositiveInt = Annotated[int, Field(ge=1)]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 class _In(BaseModel):
@@ -135,12 +146,12 @@ class ResponseFormat(_In):
 class SamplingFields(_In):
     """Sampling fields every generating endpoint takes (OpenAI's and our extensions)."""
 
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
     top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    min_p: Probability | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     seed: int | None = None
@@ -162,9 +173,9 @@ class GenerationFields(SamplingFields):
     """Fields chat and completions share."""
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: PositiveInt | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    n: int = 1
+    n: PositiveInt = 1  # at most engine.types' limit, checked there
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -198,14 +209,15 @@ class ChatCompletionRequest(GenerationFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+    reasoning_effort: ReasoningEffort | None = None  # Qwen3.5 thinks or not: template_kwargs
 
     @field_validator("top_logprobs")
     @classmethod
@@ -224,6 +236,14 @@ class ChatCompletionRequest(GenerationFields):
             raise ValueError(f"function {value.function.name!r} is not in tools")
         return value
 
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs, with reasoning_effort as Qwen's enable_thinking: "none"
+        turns thinking off, any other effort on. An explicit enable_thinking wins."""
+        kwargs = self.chat_template_kwargs
+        if self.reasoning_effort is None or "enable_thinking" in (kwargs or {}):
+            return kwargs
+        return {**(kwargs or {}), "enable_thinking": self.reasoning_effort != "none"}
+
     @property
     def max_new_tokens(self) -> int | None:
         """max_completion_tokens (the new name) over max_tokens (deprecated)."""
@@ -238,7 +258,7 @@ class CompletionRequest(GenerationFields):
     """POST /v1/completions."""
 
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    logprobs: int | None = None  # number of top alternatives, 0..20
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # top alternatives
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None

@@ -1,15 +1,20 @@
-"""What an operator reads when `deltaserve serve` starts: the log lines that say what runs
-where, and the one-line error when the model cannot be found.
+"""What an operator reads when `deltaserve serve` starts: the summary that says what runs
+where in how much memory, and the one-line errors (model not found, port taken).
 
-Pure formatting (no mlx, no engine imports), so each message is testable on its own.
+Pure formatting (no mlx), so each message is testable on its own.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import resource
+import sys
 from pathlib import Path
 from typing import Any
 
+from engine.api import EngineSummary
 from engine.config import KVCacheConfig
 from kernels.blas import blas_summary
 from server.settings import Settings
@@ -68,22 +73,73 @@ def kv_cache_summary(kv: KVCacheConfig) -> str:
     return f"kv cache: {kv.kind}"
 
 
-def log_startup(engine: Any, settings: Settings) -> None:
-    """The lines an operator checks first: what runs where, how fast, in how much memory."""
-    stats = engine.stats()
-    # dtype lives on the loaded model inside the engine; read it without importing mlx.
-    loaded = getattr(getattr(engine, "engine", None), "loaded", None)
-    logger.info("checkpoint: %s", engine.model_path)
-    logger.info("dtype: %s", getattr(loaded, "dtype", "unknown"))
-    logger.info("%s", blas_summary())  # backend + measured GEMM throughput
-    logger.info(
-        "memory budget for row state: %.2f GiB (%d KV bytes/token); max context %d",
-        stats.state_bytes_budget / 2**30,
-        stats.kv_bytes_per_token,
-        engine.max_context,
+def port_taken_message(host: str, port: int, error: OSError) -> str:
+    """One line for a port that cannot be bound (in use, or not allowed)."""
+    taken = error.errno == errno.EADDRINUSE
+    reason = "is already in use" if taken else f"cannot be bound ({error.strerror or error})"
+    return (
+        f"cannot listen on {host}:{port}: the port {reason}. "
+        "Stop what holds it or pass --port N (0: any free port)."
     )
-    logger.info("%s", kv_cache_summary(settings.engine.kv_cache))
+
+
+def resident_bytes() -> tuple[int, str]:
+    """This process's resident memory and whether it is the current or the peak value
+    (Linux reads the current one; elsewhere only the peak is portable)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"), "now"
+    except OSError:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak * (1 if sys.platform == "darwin" else 1024), "at peak"
+
+
+def size(nbytes: float) -> str:
+    """Bytes in binary units a person reads at a glance: 272 MiB, 11.5 GiB."""
+    if nbytes < 2**30:
+        return f"{nbytes / 2**20:.0f} MiB"
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def summary_lines(
+    summary: EngineSummary,
+    settings: Settings,
+    url: str,
+    resident: tuple[int, str],
+    blas: str = "",
+) -> list[str]:
+    """The start-up summary, printed once the port is bound: what is served where, and
+    what the memory numbers mean. The row-state budget is a cap (rows are allocated as
+    they join: engine/cache/budget.py), so it reads "up to", next to what is reserved
+    and resident now; capacity is counted in rows of a typical chat and of the full
+    context, and max_num_seqs says how many of them run at once."""
     auth = "on" if settings.server.api_key else "off"
-    logger.info(
-        "listening on http://%s:%d (api key %s)", settings.server.host, settings.server.port, auth
-    )
+    nbytes, when = resident
+    configured = settings.engine.memory_budget_bytes
+    source = "memory_budget_bytes" if configured else "half the memory left"
+    lines = [
+        f"ready: {settings.model.name} ({settings.model.path}) on {url} (api key {auth})",
+        f"  device: {summary.device}, {summary.dtype}",
+        *([f"  {blas}"] if blas else []),
+        f"  memory: weights {size(summary.weight_bytes)}, process resident {size(nbytes)} {when}",
+        f"  row state: up to {size(summary.budget_bytes)} ({source}), allocated as requests "
+        f"arrive ({size(summary.reserved_bytes)} reserved now): room for "
+        f"{summary.chat_rows:,} chats of {summary.chat_tokens:,} tokens or "
+        f"{summary.context_rows:,} of the full {summary.max_context:,}-token context; "
+        f"{summary.max_num_seqs} run at once (max_num_seqs), the rest wait",
+    ]
+    if summary.prefix_cache_bytes:
+        lines.append(
+            f"  prefix cache: up to {size(summary.prefix_cache_bytes)}, inside the row-state "
+            "budget (it gives way to running rows)"
+        )
+    else:
+        lines.append("  prefix cache: off")
+    lines.append(f"  {kv_cache_summary(settings.engine.kv_cache)}")
+    return lines
+
+
+def log_startup(engine: Any, settings: Settings, url: str) -> None:
+    """Log the start-up summary (summary_lines) of `engine`, serving on `url`."""
+    for line in summary_lines(engine.summary(), settings, url, resident_bytes(), blas_summary()):
+        logger.info("%s", line)

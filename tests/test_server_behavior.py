@@ -98,6 +98,31 @@ def test_defaults_and_context_cap(http: httpx.Client, engine: FakeEngine) -> Non
     assert params.logit_bias == {42: -100.0}
 
 
+@pytest.mark.parametrize(
+    ("fields", "thinks"),
+    [
+        ({"reasoning_effort": "none"}, False),
+        ({"reasoning_effort": "low"}, True),
+        ({"reasoning_effort": "high"}, True),
+        ({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}, True),
+        ({"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}}, False),
+    ],
+    ids=["none", "low", "high", "kwargs-on-win", "kwargs-off-win"],
+)
+def test_reasoning_effort_switches_thinking(
+    http: httpx.Client, engine: FakeEngine, fields: dict[str, Any], thinks: bool
+) -> None:
+    """reasoning_effort "none" renders the prompt with thinking off (as enable_thinking:
+    false does), any other effort with it on; an explicit enable_thinking wins."""
+    prompts = {}
+    for enabled in (True, False):
+        chat(http, max_tokens=1, chat_template_kwargs={"enable_thinking": enabled})
+        prompts[enabled] = engine.requests[-1].prompt_ids
+    assert prompts[True] != prompts[False]
+    chat(http, max_tokens=1, **fields)
+    assert engine.requests[-1].prompt_ids == prompts[thinks]
+
+
 def test_length_finish(http: httpx.Client) -> None:
     """max_tokens reached → finish_reason "length" and that many completion tokens."""
     body = chat(http, max_tokens=2)

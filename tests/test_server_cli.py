@@ -4,6 +4,7 @@ carry no transformers advice and a kv cache line with only the settings that app
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -171,3 +172,12 @@ def test_no_pytorch_advice_at_startup() -> None:
 def test_kv_cache_log_line(kv: KVCacheConfig, line: str) -> None:
     """The kv cache line names only the settings the chosen kind reads."""
     assert kv_cache_summary(kv) == line
+
+
+def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """`deltaserve --version` prints the distribution's version and exits 0."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    version = importlib.metadata.version("deltaserve")
+    assert capsys.readouterr().out == f"deltaserve {version}\n"

@@ -72,6 +72,7 @@ TOOL_PARAMS = "tools.0.function.parameters"
 TEMPLATE_KWARGS = "chat_template_kwargs"
 FORMAT, FORMAT_TYPE = "response_format", "response_format.type"
 USAGE, OPTIONS = {"include_usage": True}, "stream_options"  # OpenAI: only with stream: true
+P_PENALTY = "presence_penalty"
 
 # (id, path, JSON body or raw bytes, expected status, expected param)
 CASES: list[tuple[str, str, Any, int, str | None]] = [
@@ -89,6 +90,9 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("temperature-string", CHAT, chat(temperature="hot"), 400, "temperature"),
     ("temperature-negative", CHAT, chat(temperature=-1), 400, "temperature"),
     ("temperature-huge", CHAT, chat(temperature=1000), 400, "temperature"),
+    ("temperature-above-openai-range", CHAT, chat(temperature=2.5), 400, "temperature"),
+    ("top-p-above-one", CHAT, chat(top_p=1.5), 400, "top_p"),
+    ("frequency-penalty-low", CHAT, chat(frequency_penalty=-2.5), 400, "frequency_penalty"),
     ("top-p-zero", CHAT, chat(top_p=0), 400, "top_p"),
     ("top-k-negative", CHAT, chat(top_k=-1), 400, "top_k"),
     ("min-p-above-one", CHAT, chat(min_p=1.5), 400, "min_p"),
@@ -100,12 +104,16 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("max-tokens-string", CHAT, chat(max_tokens="ten"), 400, "max_tokens"),
     ("max-tokens-huge", CHAT, chat(max_tokens=10**12), 400, "max_tokens"),
     ("max-completion-huge", CHAT, chat(max_completion_tokens=5000), 400, "max_completion_tokens"),
+    ("max-completion-zero", CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens"),
     ("prompt-too-long", CHAT, chat(messages=[user("word " * 2000)]), 400, "messages"),
     ("n-zero", CHAT, chat(n=0), 400, "n"),
+    ("n-negative", CHAT, chat(n=-1), 400, "n"),
     ("n-huge", CHAT, chat(n=1000), 400, "n"),
     ("n-string", CHAT, chat(n="2"), 400, "n"),
     ("top-logprobs-without-logprobs", CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
     ("top-logprobs-too-many", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    ("top-logprobs-negative", CHAT, chat(logprobs=True, top_logprobs=-1), 400, "top_logprobs"),
+    ("reasoning-effort-unknown", CHAT, chat(reasoning_effort="extreme"), 400, "reasoning_effort"),
     ("logit-bias-key", CHAT, chat(logit_bias={"hello": 1}), 400, "logit_bias"),
     ("logit-bias-value", CHAT, chat(logit_bias={"42": 500}), 400, "logit_bias"),
     ("logit-bias-not-in-vocab", CHAT, chat(logit_bias={"99999999": 1}), 400, "logit_bias"),
@@ -134,6 +142,10 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("completions-suffix", COMPLETIONS, completion(suffix="end"), 400, "suffix"),
     ("completions-echo-logprobs", COMPLETIONS, completion(echo=True, logprobs=1), 400, "echo"),
     ("completions-logprobs-too-many", COMPLETIONS, completion(logprobs=21), 400, "logprobs"),
+    ("completions-logprobs-negative", COMPLETIONS, completion(logprobs=-1), 400, "logprobs"),
+    ("completions-temperature", COMPLETIONS, completion(temperature=5), 400, "temperature"),
+    ("completions-presence-penalty", COMPLETIONS, completion(presence_penalty=9), 400, P_PENALTY),
+    ("completions-n-zero", COMPLETIONS, completion(n=0), 400, "n"),
     ("completions-best-of", COMPLETIONS, completion(best_of=3), 400, "best_of"),
     ("completions-too-long", COMPLETIONS, completion(max_tokens=2000), 400, "max_tokens"),
     ("completions-unknown-model", COMPLETIONS, completion(model="davinci"), 404, "model"),
@@ -170,6 +182,27 @@ def test_bad_input_gets_openai_error(
         response = client.post(path, json=body)
     check_error(response, status, param)
     assert engine.requests == []
+
+
+# The edges of OpenAI's ranges are allowed (openai-openapi.yaml).
+EDGES = [
+    {"temperature": 0},
+    {"temperature": 2},
+    {"top_p": 1},
+    {"presence_penalty": -2, "frequency_penalty": 2},
+    {"logprobs": True, "top_logprobs": 20},
+    {"reasoning_effort": "none"},
+]
+
+
+@pytest.mark.parametrize("fields", EDGES, ids=[",".join(e) for e in EDGES])
+def test_range_edges_are_accepted(
+    client: httpx.Client, engine: FakeEngine, fields: dict[str, Any]
+) -> None:
+    """A value at the edge of OpenAI's documented range is served, not refused."""
+    response = client.post(CHAT, json=chat(max_tokens=2, **fields))
+    assert response.status_code == 200, response.text
+    assert len(engine.requests) == 1
 
 
 @pytest.mark.parametrize("stream", [False, True])

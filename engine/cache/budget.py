@@ -55,6 +55,12 @@ def default_budget_bytes(
 ) -> int:
     """Row-state budget when none is configured: half of the memory left for it.
 
+    A cap on admission, not an allocation: row state is allocated as rows join and freed
+    as they leave, so a small model on a large machine holds only what its running rows
+    use; the start-up summary states it as "up to", next to what is reserved and resident
+    now. Sizing the cap to the model instead (say, max_num_seqs full-context rows) would
+    refuse long requests that the machine can hold.
+
     CPU: host RAM minus the weights. CUDA (`mx.device_info()` has total_memory /
     free_memory): free memory as measured after loading, so the weights are already out
     of it. Metal (memory_size, max_recommended_working_set_size): the working set the
@@ -94,6 +100,10 @@ class MemoryBudget:
     def row_bytes(self, num_tokens: int) -> int:
         fixed = self.costs.ssm_bytes_per_row + self.costs.kv_prefix_bytes_per_row
         return fixed + num_tokens * self.costs.kv_bytes_per_token
+
+    def rows_of(self, num_tokens: int) -> int:
+        """How many rows of `num_tokens` tokens each the whole budget holds."""
+        return self.total // self.row_bytes(num_tokens)
 
     def can_reserve(self, nbytes: int) -> bool:
         return self.reserved + self.padding + nbytes <= self.total
