@@ -4,7 +4,8 @@
 "use strict";
 
 const POLL_MS = 1000;
-const WINDOW_S = 300; // the charts' time span (the server keeps 5 minutes of samples)
+const WINDOW_S = 300; // the charts' longest time span (the server keeps 5 minutes)
+const MIN_SPAN_S = 60; // and their shortest, right after the server started
 const SVG_NS = "http://www.w3.org/2000/svg";
 const COLORS = ["#3d7be0", "#e0823d", "#3da65a"];
 
@@ -38,9 +39,9 @@ function svgElement(name, attrs, text) {
   return el;
 }
 
-// One chart: `series` = [{name, points: [[t, y], ...], dots}], x = the last WINDOW_S
+// One chart: `series` = [{name, points: [[t, y], ...], dots}], x = the last `span`
 // seconds up to `now`, y from 0 to a rounded-up maximum, with three grid lines.
-function drawChart(svg, series, now) {
+function drawChart(svg, series, now, span) {
   const width = svg.clientWidth || 300;
   const height = svg.clientHeight || 160;
   const left = 40, right = 8, top = 8, bottom = 18;
@@ -48,7 +49,7 @@ function drawChart(svg, series, now) {
   let yMax = 0;
   for (const s of series) for (const [, y] of s.points) yMax = Math.max(yMax, y);
   yMax = niceCeiling(yMax);
-  const x = (t) => left + plotW * (1 - (now - t) / WINDOW_S);
+  const x = (t) => left + plotW * (1 - (now - t) / span);
   const y = (v) => top + plotH * (1 - v / yMax);
 
   svg.replaceChildren();
@@ -59,13 +60,15 @@ function drawChart(svg, series, now) {
     const label = value >= 100 ? value.toFixed(0) : Number(value.toPrecision(2)).toString();
     svg.append(svgElement("text", { x: left - 4, y: y(value) + 3, "text-anchor": "end" }, label));
   }
-  for (let m = 0; m <= WINDOW_S / 60; m += 1) {
-    const label = m === 0 ? "now" : `-${m}m`;
-    svg.append(svgElement("text", { x: x(now - m * 60), y: height - 4, "text-anchor": "middle" }, label));
+  const tick = span > 120 ? 60 : 15;
+  for (let ago = 0; ago <= span; ago += tick) {
+    const label = ago === 0 ? "now" : tick === 60 ? `-${ago / 60}m` : `-${ago}s`;
+    const anchor = ago === 0 ? "end" : ago + tick > span ? "start" : "middle";
+    svg.append(svgElement("text", { x: x(now - ago), y: height - 4, "text-anchor": anchor }, label));
   }
   series.forEach((s, k) => {
     const color = COLORS[k % COLORS.length];
-    const visible = s.points.filter(([t]) => now - t <= WINDOW_S);
+    const visible = s.points.filter(([t]) => now - t <= span);
     const coords = visible.map(([t, v]) => `${x(t).toFixed(1)},${y(v).toFixed(1)}`).join(" ");
     svg.append(svgElement("polyline", { class: "line", points: coords, stroke: color }));
     if (s.dots) {
@@ -162,12 +165,15 @@ function render(data) {
     setText("prefix-cache", "off");
   }
 
-  drawChart($("chart-throughput"), [{ name: "tokens/s", points: zip(history.time, history.tokens_per_s) }], data.time);
-  drawChart($("chart-ttft"), [{ name: "TTFT", points: data.ttft.filter(([, v]) => v !== null), dots: true }], data.time);
+  // From the oldest sample (the server's start) to now, between 1 and 5 minutes.
+  const oldest = history.time.length ? history.time[0] : data.time;
+  const span = Math.min(WINDOW_S, Math.max(MIN_SPAN_S, data.time - oldest));
+  drawChart($("chart-throughput"), [{ name: "tokens/s", points: zip(history.time, history.tokens_per_s) }], data.time, span);
+  drawChart($("chart-ttft"), [{ name: "TTFT", points: data.ttft.filter(([, v]) => v !== null), dots: true }], data.time, span);
   drawChart($("chart-rows"), [
     { name: "running", points: zip(history.time, history.running) },
     { name: "queued", points: zip(history.time, history.queued) },
-  ], data.time);
+  ], data.time, span);
 
   fillRequests(data.requests);
   fillKeyValues("platform", data.platform);
