@@ -41,7 +41,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     log = tmp_path_factory.mktemp("dashboard") / "stderr.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     with log.open("w") as stderr:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, [(proc, log)])
@@ -134,8 +136,7 @@ def test_dashboard_numbers_move_while_chats_run(
         stream.join(60)
 
         chats = [
-            threading.Thread(target=_chat, args=(url, SHORT_TOKENS))
-            for _ in range(NUM_SHORT_CHATS)
+            threading.Thread(target=_chat, args=(url, SHORT_TOKENS)) for _ in range(NUM_SHORT_CHATS)
         ]
         for chat in chats:
             chat.start()

@@ -259,4 +259,3 @@ def test_metrics_label_every_route(server: LiveServer, http: httpx.Client) -> No
         ("other", 404),
     ]:
         assert f'deltaserve_http_requests_total{{route="{route}",status="{status}"}}' in text
-
