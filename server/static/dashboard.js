@@ -40,8 +40,9 @@ function svgElement(name, attrs, text) {
 }
 
 // One chart: `series` = [{name, points: [[t, y], ...], dots}], x = the last `span`
-// seconds up to `now`, y from 0 to a rounded-up maximum, with three grid lines.
-function drawChart(svg, series, now, span) {
+// seconds up to `now`, y from 0 to a rounded-up maximum, with a grid line at each round
+// step (whole numbers only when `integers`, for row counts).
+function drawChart(svg, series, now, span, integers = false) {
   const width = svg.clientWidth || 300;
   const height = svg.clientHeight || 160;
   const left = 40, right = 8, top = 8, bottom = 18;
@@ -49,13 +50,16 @@ function drawChart(svg, series, now, span) {
   let yMax = 0;
   for (const s of series) for (const [, y] of s.points) yMax = Math.max(yMax, y);
   yMax = niceCeiling(yMax);
+  const mantissa = Math.round(yMax / 10 ** Math.floor(Math.log10(yMax)));
+  let divisions = mantissa === 2 ? 4 : 5;
+  if (integers && yMax < 5) divisions = yMax;
   const x = (t) => left + plotW * (1 - (now - t) / span);
   const y = (v) => top + plotH * (1 - v / yMax);
 
   svg.replaceChildren();
   svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
-  for (let i = 0; i <= 3; i += 1) {
-    const value = (yMax * i) / 3;
+  for (let i = 0; i <= divisions; i += 1) {
+    const value = (yMax * i) / divisions;
     svg.append(svgElement("line", { class: "grid", x1: left, x2: width - right, y1: y(value), y2: y(value) }));
     const label = value >= 100 ? value.toFixed(0) : Number(value.toPrecision(2)).toString();
     svg.append(svgElement("text", { x: left - 4, y: y(value) + 3, "text-anchor": "end" }, label));
@@ -173,7 +177,7 @@ function render(data) {
   drawChart($("chart-rows"), [
     { name: "running", points: zip(history.time, history.running) },
     { name: "queued", points: zip(history.time, history.queued) },
-  ], data.time, span);
+  ], data.time, span, true);
 
   fillRequests(data.requests);
   fillKeyValues("platform", data.platform);
