@@ -35,11 +35,24 @@ class EngineStats:
     prefix_cache_evictions_total: int = 0
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine runs on, fixed when it starts (for the status page)."""
+
+    device: str  # where MLX computes: "cpu", "metal" or "cuda"
+    dtype: str  # compute dtype of the weights, e.g. "float32"
+    mlx_version: str
+    blas: str  # the CPU's matmul library ("" off the CPU)
+    num_ranks: int = 1  # processes of a tensor-parallel group (1: none)
+    prefix_cache_max_bytes: int = 0  # cap on the prefix cache (0: the cache is off)
+
+
 class EngineClient(Protocol):
     """What the server may call. All methods are safe from the asyncio thread."""
 
     max_context: int  # prompt + max_tokens must not exceed this
     eos_token_ids: tuple[int, ...]  # ids that end a generation (resolved by the loader)
+    info: EngineInfo
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Submit and stream deltas until every choice has finished.

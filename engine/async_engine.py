@@ -20,12 +20,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.api import EngineStats, EngineSummary
+from engine.api import EngineInfo, EngineStats, EngineSummary
 from engine.cache.prefix_index import PrefixCacheStats
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.tensor_parallel import start_engine
 from engine.types import GenerationRequest, RequestOutput
+from kernels.blas import openblas_loaded
 from models.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,27 @@ class _Counters:
     finished: dict[str, int] = field(default_factory=dict)
 
 
+def engine_info(engine: LLMEngine) -> EngineInfo:
+    """The platform facts of `engine`, read once before its thread starts."""
+    device = "cpu"
+    if mx.default_device().type == mx.DeviceType.gpu:
+        device = "metal" if mx.metal.is_available() else "cuda"
+    blas = ""
+    if device == "cpu":
+        lib = openblas_loaded()
+        blas = f"OpenBLAS ({lib})" if lib is not None else "MLX's bundled reference BLAS"
+    parallel = engine.loaded.parallel
+    cache = engine.prefix_cache
+    return EngineInfo(
+        device=device,
+        dtype=str(engine.loaded.dtype).removeprefix("mlx.core."),
+        mlx_version=mx.__version__,
+        blas=blas,
+        num_ranks=parallel.size if parallel is not None else 1,
+        prefix_cache_max_bytes=cache.max_bytes if cache is not None else 0,
+    )
+
+
 class AsyncEngine:
     """EngineClient over an LLMEngine running in a background thread."""
 
@@ -54,6 +76,7 @@ class AsyncEngine:
         self.model_path = model_path
         self.max_context = engine.max_context
         self.eos_token_ids = engine.loaded.config.eos_token_ids
+        self.info = engine_info(engine)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}

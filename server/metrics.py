@@ -18,10 +18,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.api import EngineClient
 
-# Routes get their own label; anything else (404 probes, typos) shares one.
-KNOWN_ROUTES = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
-)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
@@ -113,12 +109,16 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Observes TTFT once per request and the inter-token gaps of each choice."""
+    """Observes TTFT once per request and the inter-token gaps of each choice; keeps the
+    request's own figures for its record (server/request_log.py)."""
 
     def __init__(self, metrics: ServerMetrics, start: float) -> None:
         self._metrics = metrics
-        self._start = start
+        self.start = start  # arrival (time.monotonic())
         self._last: dict[int, float] = {}  # choice index -> time of its latest token
+        self._first_at: float | None = None  # the request's first token
+        self._last_at: float | None = None  # its latest token, any choice
+        self._num_after_first = 0  # tokens that came after the first delivery
 
     def on_tokens(self, index: int, num_tokens: int) -> None:
         """Record that choice `index` just received `num_tokens` tokens."""
@@ -126,13 +126,43 @@ class RequestTimer:
             return
         now = time.monotonic()
         if not self._last:
-            self._metrics.ttft.observe(now - self._start)
-        elif index in self._last:
+            self._metrics.ttft.observe(now - self.start)
+            self._first_at = now
+        else:
+            self._num_after_first += num_tokens
+        if index in self._last:
             # A delta may carry several tokens (e.g. after a slow step): spread the gap.
             gap = (now - self._last[index]) / num_tokens
             for _ in range(num_tokens):
                 self._metrics.itl.observe(gap)
         self._last[index] = now
+        self._last_at = now
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Arrival to the first token; None while no token came."""
+        return None if self._first_at is None else self._first_at - self.start
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Generation speed after the first token (prefill and queueing are TTFT's part):
+        tokens since the first delivery over the time since it; None before two."""
+        if self._first_at is None or self._last_at is None or self._last_at <= self._first_at:
+            return None
+        return self._num_after_first / (self._last_at - self._first_at)
+
+
+def route_label(scope: Scope) -> str:
+    """The `route` label of a request: the path template of the route that matched it
+    (`/v1/models/{model_id:path}`, so ids never become labels), "other" when none did
+    (404 probes, typos, CORS preflights that the CORS middleware answers itself).
+
+    Read when the response starts: the router has written the matched route into the
+    scope by then (Starlette's `scope["route"]`), so every route, present or future, gets
+    its own label without a list to keep in step."""
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    return path if isinstance(path, str) and path else "other"
 
 
 class StatusCounterMiddleware:
@@ -150,11 +180,11 @@ class StatusCounterMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        route = scope["path"] if scope["path"] in KNOWN_ROUTES else "other"
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
-                self.metrics.requests.labels(route, str(message["status"])).inc()
+                label = route_label(scope)
+                self.metrics.requests.labels(label, str(message["status"])).inc()
             await send(message)
 
         await self.app(scope, receive, counting_send)

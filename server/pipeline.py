@@ -12,12 +12,14 @@ thin adapter over it.
 What an adapter adds after submission is a Writer: how its protocol frames the events of
 the run (one ChoiceEvent = ordered output pieces of one choice, plus the finish reason on
 its last event), its keep-alive, its in-band error and its final object. Everything
-else — engine refusals, keep-alives, stop strings, aborts on disconnect, usage — is here.
+else — engine refusals, keep-alives, stop strings, aborts on disconnect, usage, the
+request's record and log line once it ends — is here.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
@@ -29,6 +31,8 @@ from engine.types import GenerationRequest, ImageInput, InvalidRequestError, Sam
 from server.errors import APIError
 from server.frontend.choice import ChoiceResult, ChoiceStream
 from server.frontend.grammar import check_constraint, constraint_for, reasoning_end_id
+from server.metrics import RequestTimer
+from server.request_log import RequestRecord
 from server.routes_common import FieldNames, ServerState, request_error, until_disconnect
 from server.routes_generation import ChoiceEvent, RunGroup, TokenCounts, start_runs
 from server.schemas import ResponseFormat
@@ -48,6 +52,8 @@ class Writer(Protocol):
     """A protocol's framing of a run (see the module docstring)."""
 
     keepalive: bytes  # sent while no event has come for the keep-alive interval
+    route: str  # the protocol's name in request records: "chat", "completions", ...
+    response_id: str  # the response's id, as its client sees it
 
     def head(self, counts: TokenCounts) -> list[bytes]:
         """Stream events before the first output (counts: the prompt's, known now)."""
@@ -144,11 +150,34 @@ async def serve(
     arrival: float,
 ) -> Response:
     """Submit `gens` (refusals → 400/429 naming `names`' fields), then stream the run
-    through `writer` or collect it into `writer.body`."""
-    group = await start_runs(state, gens, make_choices, state.metrics.timer(arrival), names)
+    through `writer` or collect it into `writer.body`. However the run ends, its engine
+    requests are closed and the request's record is logged and kept."""
+    timer = state.metrics.timer(arrival)
+    group = await start_runs(state, gens, make_choices, timer, names)
+
+    async def finish() -> None:
+        await group.close()
+        state.requests.add(_record(group, writer, timer))
+
     if stream:
-        return EventStreamResponse(_stream(group, writer), group.close, writer.error)
-    return await until_disconnect(request, _collect(group, writer))
+        return EventStreamResponse(_stream(group, writer), finish, writer.error)
+    return await until_disconnect(request, _collect(group, writer, finish))
+
+
+def _record(group: RunGroup, writer: Writer, timer: RequestTimer) -> RequestRecord:
+    counts = group.counts()
+    return RequestRecord(
+        request_id=writer.response_id,
+        route=writer.route,
+        num_prompt=counts.num_prompt,
+        num_cached=counts.num_cached,
+        num_output=counts.num_output,
+        ttft_s=timer.ttft_s,
+        tokens_per_s=timer.tokens_per_s,
+        finish=group.outcome(),
+        finished_at=time.time(),
+        duration_s=time.monotonic() - timer.start,
+    )
 
 
 async def _stream(group: RunGroup, writer: Writer) -> AsyncIterator[bytes]:
@@ -164,14 +193,16 @@ async def _stream(group: RunGroup, writer: Writer) -> AsyncIterator[bytes]:
         yield chunk
 
 
-async def _collect(group: RunGroup, writer: Writer) -> Response:
+async def _collect(
+    group: RunGroup, writer: Writer, finish: Callable[[], Awaitable[None]]
+) -> Response:
     finish_reasons: dict[int, str] = {}
     try:
         async for event in group.events():
             if event is not None and event.finish_reason is not None:
                 finish_reasons[event.index] = event.finish_reason
     finally:
-        await group.close()
+        await finish()
     choices = [
         FinishedChoice(index, choice.result(), finish_reasons[index])
         for index, choice in group.choices()

@@ -125,11 +125,13 @@ class ChatWriter:
     """chat.completion.chunk events and the chat.completion object (pipeline.Writer)."""
 
     keepalive = KEEPALIVE
+    route = "chat"
 
     def __init__(
         self, request_id: str, model: str, fingerprint: str, body: ChatCompletionRequest
     ) -> None:
         self.request = body
+        self.response_id = request_id
         self.head_fields = {
             "id": request_id,
             "created": int(time.time()),

@@ -21,8 +21,10 @@ from engine.types import InvalidRequestError, SamplingParams
 from server.errors import APIError, as_api_error, error_response, validation_error
 from server.frontend.tokenizer import TextTokenizer
 from server.metrics import ServerMetrics
+from server.request_log import RequestLog
 from server.schemas import SamplingFields
 from server.settings import Settings
+from server.status import StatusHistory
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -45,6 +47,8 @@ class ServerState:
     # Set once shutdown begins (server.app.begin_shutdown): every generation ends with a
     # 503 at its next read instead of holding the shutdown up.
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    requests: RequestLog = field(default_factory=RequestLog)  # finished requests' records
+    history: StatusHistory = field(default_factory=StatusHistory)  # for the status page
 
 
 def server_state(request: Request) -> ServerState:

@@ -104,11 +104,13 @@ class CompletionWriter:
     """text_completion objects, as stream chunks and as the response (pipeline.Writer)."""
 
     keepalive = KEEPALIVE
+    route = "completions"
 
     def __init__(
         self, request_id: str, state: ServerState, body: CompletionRequest, echoes: list[str]
     ) -> None:
         self.request = body
+        self.response_id = request_id
         self.head_fields = {
             "id": request_id,
             "created": int(time.time()),

@@ -18,9 +18,10 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 from engine.types import GenerationRequest, InvalidRequestError, RequestOutput
-from server.errors import APIError
+from server.errors import APIError, as_api_error
 from server.frontend.choice import ChoiceDelta, ChoiceStream
 from server.metrics import RequestTimer
+from server.request_log import CLIENT_GONE
 from server.routes_common import FieldNames, ServerState, request_error
 from server.sse import TICK, Ticker
 
@@ -68,6 +69,8 @@ class GenerationRun:
             state.engine.generate(request), state.settings.server.keepalive, state.stopping
         )
         self._is_open = [True] * request.n  # choices whose end the caller has not seen
+        self.finish_reasons: list[str | None] = [None] * request.n  # as each choice ends
+        self.failure: str | None = None  # why events() failed, once it has
         self._num_output = [0] * request.n
         self._num_cached = 0  # prompt tokens the engine restored from its prefix cache
         self._engine_done = [False] * request.n
@@ -85,22 +88,29 @@ class GenerationRun:
         self._is_accepted = True
 
     async def events(self) -> AsyncIterator[ChoiceEvent | None]:
-        """Yield choice events until every choice finished; None when idle a while."""
+        """Yield choice events until every choice finished; None when idle a while.
+
+        A failure (engine error, shutdown) is kept in `failure` for the request's record,
+        then raised."""
         pending, self._first = self._first, None
-        while any(self._is_open):
-            if pending is not None:
-                output, pending = pending, None
-            else:
-                try:
-                    output = await self._ticker.next()
-                except StopAsyncIteration:
-                    raise APIError(500, "the engine ended the request early") from None
-                if output is TICK:
-                    yield None
-                    continue
-            event = self._on_output(output)  # type: ignore[arg-type]
-            if event is not None:
-                yield event
+        try:
+            while any(self._is_open):
+                if pending is not None:
+                    output, pending = pending, None
+                else:
+                    try:
+                        output = await self._ticker.next()
+                    except StopAsyncIteration:
+                        raise APIError(500, "the engine ended the request early") from None
+                    if output is TICK:
+                        yield None
+                        continue
+                event = self._on_output(output)  # type: ignore[arg-type]
+                if event is not None:
+                    yield event
+        except Exception as exc:
+            self.failure = as_api_error(exc).message
+            raise
         await self.close()
 
     def _on_output(self, out: RequestOutput) -> ChoiceEvent | None:
@@ -124,6 +134,7 @@ class GenerationRun:
         if not any(self._is_open):
             self._abort()  # stop strings ended every choice before the engine did
         reason = choice.finish_reason(out.finish_reason)
+        self.finish_reasons[i] = reason
         return ChoiceEvent(self.index_offset + i, delta, reason, choice.stop_string)
 
     def _abort(self) -> None:
@@ -215,6 +226,17 @@ class RunGroup:
         finally:
             for task in tasks:
                 task.cancel()
+
+    def outcome(self) -> str:
+        """How the group ended, for its record: the failure, CLIENT_GONE when choices
+        were still open (the reader stopped early), or the choices' finish reasons."""
+        failures = [run.failure for run in self.runs if run.failure is not None]
+        if failures:
+            return f"error: {failures[0]}"
+        reasons = [reason for run in self.runs for reason in run.finish_reasons]
+        if None in reasons:
+            return CLIENT_GONE
+        return ",".join(dict.fromkeys(reasons))  # type: ignore[arg-type]
 
     def counts(self) -> TokenCounts:
         """Token counts summed over the runs."""

@@ -162,9 +162,11 @@ class MessagesWriter:
     """
 
     keepalive = sse_event("ping", {"type": "ping"})
+    route = "messages"
 
     def __init__(self, message_id: str, model: str, parallel_tool_calls: bool) -> None:
         self.message_id = message_id
+        self.response_id = message_id
         self.model = model
         self.is_parallel = parallel_tool_calls
         self.num_blocks = 0  # content blocks started so far; the last may be open

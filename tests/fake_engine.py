@@ -30,7 +30,7 @@ from openapi_schema_validator import OAS31Validator
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
-from engine.api import EngineStats
+from engine.api import EngineInfo, EngineStats
 from engine.types import GenerationRequest, RequestOutput, TokenLogprob
 from models.eos import resolve_eos_ids
 from server.frontend.tokenizer import TextTokenizer
@@ -69,6 +69,7 @@ class FakeEngine:
         self.max_context = max_context
         self.eos_token_ids = tokenizer.eos_token_ids
         self.eos_id = tokenizer.eos_token_ids[0]
+        self.info = EngineInfo("cpu", "float32", "0.0-fake", "fake BLAS")
         self.script: Callable[[GenerationRequest], str] = functools.partial(
             default_script, tokenizer
         )

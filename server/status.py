@@ -1,0 +1,154 @@
+"""The status page's data: one JSON snapshot of what the server is doing now and did in
+the last minutes, served by GET /dashboard/data (server/routes_status.py).
+
+It reads the sources that exist already: the EngineStats snapshot the engine thread
+publishes after each step (what /metrics reads: running and queued rows, row-state bytes
+against the budget, prefix-cache counters, the generated-token total), the request log's
+records (server/request_log.py), EngineInfo and the Settings. Its only state of its own
+is StatusHistory, a sample of EngineStats every second over the last minutes, so that the
+page plots throughput from before it was opened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import platform
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from engine.api import EngineClient, EngineStats
+
+if TYPE_CHECKING:  # routes_common holds a StatusHistory in its ServerState
+    from server.routes_common import ServerState
+
+
+@dataclass(frozen=True)
+class Sample:
+    """EngineStats figures at one moment (time: wall clock, time.time())."""
+
+    time: float
+    generated_tokens_total: int
+    num_running: int
+    num_waiting: int
+
+
+class StatusHistory:
+    """EngineStats sampled every `interval_s`, the last `window_s` seconds of them.
+
+    `run` samples in the event loop's thread; `series` reads there too, so no lock.
+    """
+
+    def __init__(self, interval_s: float = 1.0, window_s: float = 300.0) -> None:
+        self.interval_s = interval_s
+        self.window_s = window_s
+        self._samples: deque[Sample] = deque(maxlen=int(window_s / interval_s) + 1)
+
+    def add(self, stats: EngineStats, now: float) -> None:
+        """Keep the figures of `stats`, taken at `now`."""
+        self._samples.append(
+            Sample(now, stats.generated_tokens_total, stats.num_running, stats.num_waiting)
+        )
+
+    async def run(self, engine: EngineClient) -> None:
+        """Sample `engine` until cancelled (the app's lifespan starts and ends it)."""
+        while True:
+            # A dead engine must not end the history; /health reports it.
+            with contextlib.suppress(Exception):
+                self.add(engine.stats(), time.time())
+            await asyncio.sleep(self.interval_s)
+
+    def series(self) -> dict[str, list[float]]:
+        """Per sample after the first: its time, the tokens/s generated since the sample
+        before, and the running and queued rows."""
+        out: dict[str, list[float]] = {"time": [], "tokens_per_s": [], "running": [], "queued": []}
+        samples = list(self._samples)
+        for before, now in zip(samples, samples[1:], strict=False):
+            elapsed = now.time - before.time
+            if elapsed <= 0:
+                continue
+            out["time"].append(now.time)
+            tokens = now.generated_tokens_total - before.generated_tokens_total
+            out["tokens_per_s"].append(tokens / elapsed)
+            out["running"].append(now.num_running)
+            out["queued"].append(now.num_waiting)
+        return out
+
+
+def status_snapshot(state: ServerState, now: float) -> dict[str, Any]:
+    """Everything the status page shows, as one JSON-ready dict."""
+    stats = state.engine.stats()
+    info = state.engine.info
+    records = state.requests.recent()
+    since = now - state.history.window_s
+    lookups = stats.prefix_cache_lookup_tokens_total
+    return {
+        "time": now,
+        "model": state.model_name,
+        "engine": {
+            "alive": stats.is_alive,
+            "running": stats.num_running,
+            "queued": stats.num_waiting,
+            "state_bytes_in_use": stats.state_bytes_in_use,
+            "state_bytes_budget": stats.state_bytes_budget,
+            "mlx_active_bytes": stats.mlx_active_bytes,
+            "mlx_peak_bytes": stats.mlx_peak_bytes,
+        },
+        "totals": {
+            "finished_requests": state.requests.num_finished,
+            "prompt_tokens": stats.prompt_tokens_total,
+            "generated_tokens": stats.generated_tokens_total,
+        },
+        "prefix_cache": {
+            "enabled": info.prefix_cache_max_bytes > 0,
+            "bytes": stats.prefix_cache_bytes,
+            "max_bytes": info.prefix_cache_max_bytes,
+            "lookup_tokens": lookups,
+            "hit_tokens": stats.prefix_cache_hit_tokens_total,
+            "hit_rate": stats.prefix_cache_hit_tokens_total / lookups if lookups else None,
+            "evictions": stats.prefix_cache_evictions_total,
+        },
+        "history": state.history.series(),
+        "ttft": [[r.finished_at, r.ttft_s] for r in reversed(records) if r.finished_at >= since],
+        "requests": [record.as_json() for record in records],
+        "platform": platform_facts(state),
+        "settings": settings_in_force(state),
+    }
+
+
+def platform_facts(state: ServerState) -> dict[str, Any]:
+    """The host and what the engine computes with."""
+    info = state.engine.info
+    return {
+        "host": platform.platform(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "mlx": info.mlx_version,
+        "device": info.device,
+        "dtype": info.dtype,
+        "blas": info.blas or "-",
+        "tensor_parallel_ranks": info.num_ranks,
+        "max_context": state.engine.max_context,
+    }
+
+
+def settings_in_force(state: ServerState) -> dict[str, Any]:
+    """The settings as flat `section.key` pairs (None: the engine picks per platform);
+    the API key itself is never shown, only whether one is set."""
+    flat: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        for item in dataclasses.fields(node):
+            value = getattr(node, item.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{item.name}.")
+            else:
+                flat[prefix + item.name] = list(value) if isinstance(value, tuple) else value
+
+    walk(state.settings, "")
+    flat["server.api_key"] = "set" if state.settings.server.api_key else None
+    return flat
