@@ -74,11 +74,14 @@ def model_lines(loaded, sizes: list[int]) -> list[dict]:
             h = layer.feed_forward(h)
             return [h, *state.layers[idx].state_arrays()]
 
-        for what, fn in (("whole_model", whole), ("deltanet_layer", lambda: one(dn_idx)),
-                         ("attention_layer", lambda: one(at_idx))):  # fmt: skip
-            line = {"what": what, "length": length, **_timed(fn)}
-            out.append(line)
-            print(json.dumps(line), flush=True)
+        for scan in (False, True):  # the DeltaNet recurrence chunked, or as the scan kernel
+            model.set_deltanet_scan(scan)
+            for what, fn in (("whole_model", whole), ("deltanet_layer", lambda: one(dn_idx)),
+                             ("attention_layer", lambda: one(at_idx))):  # fmt: skip
+                line = {"what": what, "length": length, "scan": scan, **_timed(fn)}
+                out.append(line)
+                print(json.dumps(line), flush=True)
+        model.set_deltanet_scan(None)
     return out
 
 
@@ -93,7 +96,7 @@ def engine_lines(path: str, rows: int, sizes: list[int], prompt: int, reps: int)
     config = EngineConfig(max_num_seqs=max(64, rows + 1), max_stall_factor=0)
     engine = LLMEngine(loaded, config)
     rng = random.Random(0)
-    params = SamplingParams(temperature=0.0, max_tokens=100000, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True)
     for i in range(rows):
         ids = tuple(rng.randrange(1000, 50000) for _ in range(rng.randrange(32, 200)))
         engine.add_request(GenerationRequest(f"r{i}", ids, params))

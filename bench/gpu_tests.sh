@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The tests whose kernels only run on a GPU, run where one is the default device (the CPU
+# runs the same files against the kernels' reference paths in CI):
+#   bash bench/gpu_tests.sh [pytest args]
+# On the lent H200: after unpacking MLX and pytest's wheels into /tmp/site (bench/README.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python3 -c 'import mlx.core as mx; assert mx.default_device() != mx.cpu, "no GPU"' || exit 1
+exec python3 -m pytest -q -p no:cacheprovider "$@" \
+    tests/test_kernel_gated_delta_scan.py tests/test_kernel_gated_delta_fused.py \
+    tests/test_kernel_deltanet_decode.py tests/test_kernel_rms_norm.py
