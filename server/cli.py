@@ -138,17 +138,23 @@ def serve(settings: Settings, checkpoint: Path) -> int:
     except SetupMismatchError as e:
         print(f"deltaserve: error: {e}", file=sys.stderr)
         return 2
-    tokenizer = TextTokenizer(engine.model_path, engine.eos_token_ids)
-    log_startup(engine, settings)
-    app = create_app(engine, tokenizer, settings)
-    config = uvicorn.Config(
-        app,
-        host=settings.server.host,
-        port=settings.server.port,
-        log_level=settings.server.log_level,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-    )
-    StreamEndingServer(config, lambda: begin_shutdown(app)).run()
+    # The app's lifespan stops the engine; this `finally` covers the other ways out (a
+    # Ctrl-C while the tokenizer loads, uvicorn failing to start): the engine thread must
+    # be joined before the interpreter finalizes (AsyncEngine.shutdown says why).
+    try:
+        tokenizer = TextTokenizer(engine.model_path, engine.eos_token_ids)
+        log_startup(engine, settings)
+        app = create_app(engine, tokenizer, settings)
+        config = uvicorn.Config(
+            app,
+            host=settings.server.host,
+            port=settings.server.port,
+            log_level=settings.server.log_level,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+        StreamEndingServer(config, lambda: begin_shutdown(app)).run()
+    finally:
+        engine.shutdown()
     return 0
 
 
