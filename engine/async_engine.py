@@ -144,9 +144,10 @@ class AsyncEngine:
         pthread_exit, whose unwinding through that noexcept destructor calls
         std::terminate: "terminate called without an active exception", exit 134 (a
         core dump of a CPU server showed exactly this stack on the exiting engine
-        thread). On the CPU the window is a few ms and ~1 stop in 8 aborted (pipelined,
-        compiled decode); on the H200 every stop did (there that thread's exit also
-        tears down its CUDA command encoder). So the process goes on to exit only once
+        thread). On the CPU the window is a few ms and ~1 stop in 9 aborted (pipelined,
+        compiled decode); on the H200 every stop did (likely a wider window: that
+        thread's exit also synchronizes and destroys its CUDA command encoder, as
+        mlx-cuda 0.32.4's code shows; not traced there). So the process exits only once
         the OS thread is gone: the loop stopped, its MLX work synchronized
         (LLMEngine.close), the Python thread joined, then its thread-local MLX state
         destroyed while the interpreter is still whole."""
