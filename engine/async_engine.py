@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -83,7 +85,10 @@ class AsyncEngine:
         self._open: dict[str, int] = {}  # engine-thread count of unfinished choices
         self._counters = _Counters()
         self._stopping = False
+        self._joined = False  # shutdown() saw the engine's OS thread gone
         self._publish_stats()
+        # Joined by shutdown() (see there); daemon only so that a step stuck past its
+        # timeout cannot hold the process open forever.
         self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
         self._thread.start()
 
@@ -156,9 +161,35 @@ class AsyncEngine:
         )
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort everything in flight, then stop the thread."""
+        """Abort everything in flight, stop the loop, and join the engine thread: the
+        Python thread, then the OS thread under it. Idempotent.
+
+        Why both: MLX keeps per-thread state (the mx.compile cache, the thread's streams
+        and their command encoders) that C++ destroys at OS-thread exit, after the Python
+        thread is over and join() has returned. Destroying a compile-cache entry drops
+        the Python function it traced, so it takes the GIL; if the main thread has begun
+        finalizing the interpreter by then, Python ends the exiting thread in
+        pthread_exit, whose unwinding through that noexcept destructor calls
+        std::terminate: "terminate called without an active exception", exit 134 (a
+        core dump of a CPU server showed exactly this stack on the exiting engine
+        thread). On the CPU the window is a few ms and ~1 stop in 9 aborted (pipelined,
+        compiled decode); on the H200 every stop did (likely a wider window: that
+        thread's exit also synchronizes and destroys its CUDA command encoder, as
+        mlx-cuda 0.32.4's code shows; not traced there). So the process exits only once
+        the OS thread is gone: the loop stopped, its MLX work synchronized
+        (LLMEngine.close), the Python thread joined, then its thread-local MLX state
+        destroyed while the interpreter is still whole."""
+        if self._joined:
+            return
         self._send(("shutdown",))
+        deadline = time.monotonic() + timeout
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("the engine thread did not stop within %g s", timeout)
+            return
+        self._joined = _wait_os_thread_exit(self._thread, deadline - time.monotonic())
+        if not self._joined:
+            log.warning("the engine thread's exit did not finish within %g s", timeout)
 
     def _send(self, command: tuple) -> None:
         self._inbox.put(command)
@@ -235,3 +266,18 @@ class AsyncEngine:
                 if self._open[delta.request_id] == 0:
                     del self._streams[delta.request_id], self._open[delta.request_id]
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+
+
+def _wait_os_thread_exit(thread: threading.Thread, timeout: float) -> bool:
+    """After `thread` joined: wait until its OS thread is gone too (its thread-local
+    destructors ran), sleeping so that they can take the GIL. True once gone, or where
+    that cannot be seen (no /proc/self/task: not Linux)."""
+    task = f"/proc/self/task/{thread.native_id}"
+    if thread.native_id is None or not os.path.isdir("/proc/self/task"):
+        return True
+    deadline = time.monotonic() + max(0.0, timeout)
+    while os.path.exists(task):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True

@@ -314,9 +314,10 @@ class LLMEngine:
 
     def close(self) -> None:
         """At shutdown (after every request ended): what is still queued finishes (the
-        prefix-cache copies flushed after the last read-back: a process that exited with
-        MLX's stream thread still running them aborted once in CI, "terminate called
-        without an active exception"), and the other ranks stop following."""
+        prefix-cache copies flushed after the last read-back), so no MLX work outlives
+        the thread that queued it, and the other ranks stop following. (The server's
+        "terminate called without an active exception" at exit had another cause: see
+        AsyncEngine.shutdown.)"""
         mx.synchronize()
         if self.leader is not None:
             self.leader.stop()

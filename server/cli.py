@@ -165,18 +165,24 @@ def serve(settings: Settings, checkpoint: Path) -> int:
     except SetupMismatchError as e:
         print(f"deltaserve: error: {e}", file=sys.stderr)
         return 2
-    tokenizer = TextTokenizer(engine.model_path, engine.eos_token_ids)
-    host, port = sock.getsockname()[:2]  # port 0 binds a free one: name it
-    log_startup(engine, settings, f"http://{_url_host(host)}:{port}")
-    app = create_app(engine, tokenizer, settings)
-    config = uvicorn.Config(
-        app,
-        host=settings.server.host,
-        port=port,
-        log_level=settings.server.log_level,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-    )
-    StreamEndingServer(config, lambda: begin_shutdown(app)).run(sockets=[sock])
+    # The app's lifespan stops the engine; this `finally` covers the other ways out (a
+    # Ctrl-C while the tokenizer loads, uvicorn failing to start): the engine thread must
+    # be joined before the interpreter finalizes (AsyncEngine.shutdown says why).
+    try:
+        tokenizer = TextTokenizer(engine.model_path, engine.eos_token_ids)
+        host, port = sock.getsockname()[:2]  # port 0 binds a free one: name it
+        log_startup(engine, settings, f"http://{_url_host(host)}:{port}")
+        app = create_app(engine, tokenizer, settings)
+        config = uvicorn.Config(
+            app,
+            host=settings.server.host,
+            port=port,
+            log_level=settings.server.log_level,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+        StreamEndingServer(config, lambda: begin_shutdown(app)).run(sockets=[sock])
+    finally:
+        engine.shutdown()
     return 0
 
 
