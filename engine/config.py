@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 
 DISTRIBUTED_BACKENDS = ("any", "ring", "jaccl", "mpi", "nccl")
 CPU_TOKENS = 512  # the CPU's per-step token budget and chunk size (EngineConfig.for_device)
-GPU_TOKENS = 2048  # a GPU's
+GPU_TOKENS = 2048  # a GPU's where the chunk cost was not measured (tensor parallel)
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,8 @@ class EngineConfig:
     max_num_seqs: int = 32  # rows running at once
     # Per-step token budget (decode rows + prefill chunks) and the longest prefill chunk
     # of one request in one step; 0 = the device's (`for_device`: 512 on the CPU, where a
-    # step's cost is its arithmetic; 2048 on a GPU, where a chunk's cost is mostly fixed)
+    # step's cost is its arithmetic; on a GPU, where a chunk's cost is mostly fixed, sized
+    # from that cost as measured at start: engine/chunk_cost.py)
     max_num_batched_tokens: int = 0
     max_prefill_chunk: int = 0
     max_waiting: int = 256  # queued requests before new ones get 429
@@ -115,11 +116,12 @@ class EngineConfig:
         if self.max_stall_factor and self.max_stall_factor <= 1:
             raise ValueError("max_stall_factor must be > 1 (or 0 / unset: no latency bound)")
 
-    def for_device(self, gpu: bool) -> EngineConfig:
+    def for_device(self, gpu: bool, measured: int = 0) -> EngineConfig:
         """This config with the token budget and chunk size that were left at 0 filled in
-        for the device. On the H200 a prompt chunk of the 0.8B shape cost ~35 ms whatever
-        its size up to 256 tokens and a 512-token chunk 67 ms (bench/README.md), so the
-        CPU's 512 would cut a GPU's prompts into pieces that each pay the fixed cost."""
-        chunk = self.max_prefill_chunk or (GPU_TOKENS if gpu else CPU_TOKENS)
+        for the device: `measured` (engine/chunk_cost.py's budget_tokens, from what a
+        chunk costs on this device), else GPU_TOKENS or CPU_TOKENS. A GPU's chunk costs
+        mostly a fixed part, so the CPU's 512 would cut a GPU's prompts into pieces that
+        each pay it."""
+        chunk = self.max_prefill_chunk or measured or (GPU_TOKENS if gpu else CPU_TOKENS)
         budget = self.max_num_batched_tokens or max(chunk, self.max_num_seqs)
         return replace(self, max_num_batched_tokens=budget, max_prefill_chunk=chunk)

@@ -22,6 +22,7 @@ from engine.cache.budget import MemoryBudget, StateCosts, default_budget_bytes
 from engine.cache.factory import kv_bytes_per_element_pair, kv_prefix_tokens, kv_store_factory
 from engine.cache.prefix_index import PrefixIndex
 from engine.cache.rows import RowStates, decode_bucket
+from engine.chunk_cost import measure_chunk_cost
 from engine.config import EngineConfig
 from engine.constraints import RowConstraints, RowKey
 from engine.decode import CompiledDecode
@@ -77,9 +78,15 @@ class LLMEngine:
         """`clock` times the steps (the scheduler's cost model learns from it). `leader`:
         this is rank 0 of a tensor-parallel group (engine/tensor_parallel.py); each step's
         plan goes to the other ranks first, and steps are not pipelined."""
-        self.config = (config or EngineConfig()).for_device(not on_cpu())
         self.loaded = loaded
         self.leader = leader
+        # On a GPU, what a prompt chunk costs (engine/chunk_cost.py); not with tensor
+        # parallelism, where a forward needs every rank
+        self.chunk_cost = None
+        if not on_cpu() and leader is None and loaded.parallel is None:
+            self.chunk_cost = measure_chunk_cost(loaded)
+        measured = self.chunk_cost.budget_tokens() if self.chunk_cost is not None else 0
+        self.config = (config or EngineConfig()).for_device(not on_cpu(), measured)
         pipeline = self.config.pipeline_steps
         self.pipeline = (not on_cpu() if pipeline is None else pipeline) and leader is None
         cfg = loaded.config
@@ -96,7 +103,7 @@ class LLMEngine:
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.prefix_cache = self._prefix_index()
         self.scheduler = Scheduler(
-            self.config, self.budget, self.max_context, clock, self.prefix_cache
+            self.config, self.budget, self.max_context, clock, self.prefix_cache, self.chunk_cost
         )
         # An eager DeltaNet prefill keeps a snapshot's state mid-chunk at the cost of one
         # more core call; compiled, the snapshot ends the chunk (the compiled call stays one)
@@ -181,6 +188,12 @@ class LLMEngine:
 
     def _log_budget(self) -> None:
         row = self.budget.row_bytes(self.max_context)
+        if self.chunk_cost is not None:
+            log.info(
+                "a prompt chunk costs %.1f ms + %.3f ms a token here (measured at start)",
+                1e3 * self.chunk_cost.fixed_seconds,
+                1e3 * self.chunk_cost.token_seconds,
+            )
         log.info(
             "steps: up to %d tokens, prompt chunks up to %d tokens, %d rows",
             self.config.max_num_batched_tokens,

@@ -26,7 +26,7 @@ from engine.media import PromptMedia, VisionPrice
 from engine.plan import SchedulerOutput
 from engine.prefill_plan import MIN_PREFILL_TOKENS, PrefillPlanning
 from engine.request import Request, Status, choices_of
-from engine.step_cost import StepCostModel, StepTimer
+from engine.step_cost import ChunkCost, StepCostModel, StepTimer
 from engine.types import GenerationRequest, InvalidRequestError, RequestOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,10 @@ class Scheduler(PrefillPlanning):
         max_context: int,
         clock: Callable[[], float] = time.perf_counter,
         prefix: PrefixIndex | None = None,
+        chunk_cost: ChunkCost | None = None,
     ) -> None:
-        """prefix: the prefix cache's index (None: no prefix cache)."""
+        """prefix: the prefix cache's index (None: no prefix cache). chunk_cost: what a
+        prompt chunk costs on this device, measured at start (None: not measured)."""
         self.config = config
         self.budget = budget
         self.max_context = max_context
@@ -60,7 +62,7 @@ class Scheduler(PrefillPlanning):
         self._pending: dict[str, int] = {}  # row -> index in the last step's samples
         self._num_steps = 0
         self._pending_step = -1  # the step whose samples `_pending` refers to
-        self.step_cost = StepCostModel()
+        self.step_cost = StepCostModel(chunk_cost)
         self._clock = clock
         self._timer = StepTimer()
         self._price = VisionPrice()  # what tower blocks cost in this step's plan

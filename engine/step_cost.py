@@ -99,6 +99,7 @@ OUTLIER = 1.5  # decode-only samples above this x their row count's median are i
 MAX_AGE = 30.0  # seconds: older prompt-token and tower samples are forgotten
 GROWTH = 2  # the allowance is at most this x the largest prefill sample in the window
 PROBE_TOKENS = 16  # prompt tokens (in the window) before they get a cost of their own
+UNBOUNDED = 1 << 30  # an allowance the token budget alone limits
 # Smallest prompt chunk a step with decode rows runs (engine/prefill_plan.py's
 # MIN_PREFILL_TOKENS); an allowance below it means the bound cannot be met as priced.
 MIN_CHUNK = 16
@@ -108,6 +109,30 @@ ROWS_NEAR = 0.25  # a decode-only sample within this share of D rows (at least 1
 # bound runs over it as often as decode steps run over their mean (CPU, 0.8B: decode steps
 # 0.83-1.09 s around 0.95; a 448x448 image's steps at the full share gave 1.98-2.09x).
 HEADROOM = 0.85
+
+
+# A default step's token part costs this many times a chunk's fixed part: the fixed cost
+# is at most a fifth of a full step's
+TOKENS_PER_FIXED = 4
+MIN_BUDGET, MAX_BUDGET, ROUND = 512, 8192, 256
+
+
+@dataclass(frozen=True)
+class ChunkCost:
+    """A prompt chunk's forward: `fixed_seconds` + `token_seconds` x its tokens, as
+    measured when the engine started (engine/chunk_cost.py; None on the CPU)."""
+
+    fixed_seconds: float
+    token_seconds: float
+
+    def seconds(self, tokens: int) -> float:
+        return self.fixed_seconds + self.token_seconds * tokens
+
+    def budget_tokens(self) -> int:
+        """The per-step token budget where the tokens cost TOKENS_PER_FIXED x the fixed
+        part (a multiple of ROUND within [MIN_BUDGET, MAX_BUDGET])."""
+        tokens = TOKENS_PER_FIXED * self.fixed_seconds / self.token_seconds
+        return int(min(max(tokens // ROUND * ROUND, MIN_BUDGET), MAX_BUDGET))
 
 
 @dataclass(frozen=True)
@@ -123,7 +148,10 @@ class StepSample:
 class StepCostModel:
     """Online fit of step time = a + b * decode_rows + c * prefill_tokens + v * vision."""
 
-    def __init__(self) -> None:
+    def __init__(self, chunk_cost: ChunkCost | None = None) -> None:
+        """chunk_cost: a prompt chunk's forward as measured at start (engine/chunk_cost.py);
+        where it alone breaks the bound, steps take all the prefill they are allowed."""
+        self.chunk_cost = chunk_cost
         self._decode: deque[StepSample] = deque(maxlen=WINDOW)
         self._prefill: deque[StepSample] = deque(maxlen=WINDOW)  # prompt tokens only
         self._vision: deque[StepSample] = deque(maxlen=WINDOW)  # with tower work
@@ -263,12 +291,21 @@ class StepCostModel:
         """Prefill tokens (tower work counted at vision_scale) that keep a step with
         `num_decode` rows within `max_stall_factor` x a decode-only step, less HEADROOM's
         margin and `spent` seconds the rows already waited since their last token (a
-        prefill-only step run ahead of them); None while the model has too few samples."""
+        prefill-only step run ahead of them); None while the model has too few samples.
+        Where no chunk can meet the bound: UNBOUNDED if the measured ChunkCost says so,
+        else chunks that repay their fixed cost (`_amortized`); `unattainable` says which."""
+        self.unattainable = None
         if not self.is_ready:
             return None
+        bound = self.stall_seconds(num_decode, max_stall_factor)
+        prior = self.chunk_cost
+        if prior is not None and prior.seconds(MIN_CHUNK) > bound:
+            # Measured: the fixed part alone breaks the bound, so no chunk size meets it;
+            # the fewest, largest chunks pay it least often (no slow start: not a probe)
+            self.unattainable = (prior.fixed_seconds, prior.token_seconds)
+            return UNBOUNDED
         if not self.prices_tokens:
             return 0
-        bound = self.stall_seconds(num_decode, max_stall_factor)
         extra = max(bound - spent, 0.0)
         fit = int(extra / self.token_seconds() + 1e-6)  # not 139 for 139.99999
         # Slow start: at most GROWTH x the largest prefill seen next to decode rows. A
@@ -277,7 +314,6 @@ class StepCostModel:
         scale = self.vision_scale()
         seen = max(s.num_prefill + scale * s.num_vision for s in (*self._prefill, *self._vision))
         cap = int(GROWTH * seen + 1e-6)
-        self.unattainable = None
         if bound / self.token_seconds() < MIN_CHUNK:  # no chunk meets it, `spent` or not
             fit = self._amortized(bound, cap)
         return min(fit, cap)

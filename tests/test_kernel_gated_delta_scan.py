@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from kernels.gated_delta import gated_delta, gated_delta_chunked, gated_delta_reference
+from kernels.gated_delta import gated_delta, gated_delta_reference
 from kernels.gated_delta_scan import gated_delta_scan
 from tests.test_kernel_gated_delta import assert_close, left_pad_mask, make_inputs
 
@@ -58,12 +58,13 @@ def test_masked_steps_keep_state_exactly() -> None:
     assert mx.abs(y[0]).max().item() == 0.0
 
 
-def test_dispatcher_flag_agrees_with_chunked() -> None:
-    """gated_delta(scan=True) gives the chunked form's result within tolerance on every
-    backend (on the CPU the flag is ignored: the same chunked call)."""
+def test_dispatcher_flag_matches_reference() -> None:
+    """gated_delta(scan=True) matches the per-step loop on every backend (on the CPU the
+    flag is ignored: the chunked call). Not compared with the chunked form on CUDA, whose
+    float32 matmuls run at reduced precision there (1.2e-4 off, measured on an H200)."""
     x = make_inputs(2, 40, 2, 4, 32, seed=11)
     mask = left_pad_mask(40, [0, 9])
-    assert_close(gated_delta(*x, mask, scan=True), gated_delta_chunked(*x, mask))
+    assert_close(gated_delta(*x, mask, scan=True), gated_delta_reference(*x, mask))
 
 
 def test_bad_shapes_raise() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.step_cost import MAX_AGE, StepCostModel, StepTimer
+from engine.step_cost import MAX_AGE, UNBOUNDED, ChunkCost, StepCostModel, StepTimer
 
 
 def test_step_timer_drops_the_first_pipelined_steps_after_lockstep() -> None:
@@ -212,3 +212,29 @@ def test_expensive_tokens_without_a_fixed_cost_keep_the_minimum_chunk() -> None:
     fixed, token = model.prefill_line()
     assert fixed == pytest.approx(0.0, abs=1e-9) and token == pytest.approx(1e-3)
     assert model.prefill_allowance(8, 2.0) == 16
+
+
+def test_a_measured_fixed_cost_past_the_bound_lifts_the_allowance() -> None:
+    """With the chunk cost measured at start (ChunkCost) and its fixed part alone past the
+    bound, steps next to the decode rows take the whole token budget at once (no probe,
+    no slow start); where the bound leaves room for it, the usual fit applies."""
+    cost = ChunkCost(fixed_seconds=0.010, token_seconds=3e-5)
+    model = StepCostModel(cost)
+    for _ in range(5):
+        model.observe(8, 0, 0.006)
+    assert model.prefill_allowance(8, 2.0) == UNBOUNDED  # 10 ms fixed > 0.85 * 6 ms
+    assert model.unattainable == (0.010, 3e-5)
+    slow = StepCostModel(cost)
+    for _ in range(5):
+        slow.observe(64, 0, 0.030)  # a decode step of 30 ms leaves 25.5 ms
+    slow.observe(64, 100, 0.033)
+    assert slow.prefill_allowance(64, 2.0) == 200  # the fit, under slow start
+    assert slow.unattainable is None
+
+
+def test_budget_tokens_from_a_measured_chunk_cost() -> None:
+    """The default token budget makes a step's tokens cost 4x its fixed part, in steps of
+    256 tokens within [512, 8192]."""
+    assert ChunkCost(0.010, 3e-5).budget_tokens() == 1280
+    assert ChunkCost(0.001, 1e-4).budget_tokens() == 512
+    assert ChunkCost(0.100, 1e-6).budget_tokens() == 8192

@@ -1,0 +1,48 @@
+"""What a prompt chunk costs on this device, measured once when the engine starts.
+
+On a GPU a prompt chunk's forward costs mostly its kernel launches, whatever its length
+(bench/mixed_step.py: the 0.8B shape on an H200 took ~11 ms for 16 tokens and ~18 ms for
+256), so a scheduler that pays that fixed cost for a handful of tokens at a time wastes
+the device. Two forwards of a scratch row (64 and 1,024 tokens, each after a warm-up
+that also compiles their shapes) give the line t(P) = fixed + token * P
+(engine/step_cost.py's ChunkCost). The engine sizes its default token budget from it
+(`ChunkCost.budget_tokens`), and the step-cost model uses it where no chunk can meet the
+stall bound (StepCostModel.prefill_allowance). The CPU is not measured: there a chunk
+costs its arithmetic, and the online model prices it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+
+from engine.cache.batch import BatchState
+from engine.step_cost import ChunkCost
+from models.build import LoadedModel
+from models.state import ForwardGroup, text_positions
+
+LENGTHS = (64, 1024)  # the two chunk lengths measured
+
+
+def measure_chunk_cost(loaded: LoadedModel) -> ChunkCost:
+    """Time one fresh row's prefill forward (and its last position's logits) at each of
+    LENGTHS, the second of two runs each; the state is thrown away."""
+    model, seconds = loaded.model, []
+    for length in LENGTHS:
+        tokens = mx.full((1, length), 100, mx.int32)
+        positions = text_positions([0], length)
+        for _ in range(2):
+            state = BatchState.empty(loaded.config)
+            group = ForwardGroup(tokens, positions, state.layers, outputs="last")
+            mx.synchronize()
+            start = time.perf_counter()
+            hidden = model([group])[0]
+            arrays = [a for layer in state.layers for a in layer.state_arrays()]
+            mx.eval(model.logits(hidden[:, -1]), *arrays)
+            mx.synchronize()
+            took = time.perf_counter() - start
+        seconds.append(took)
+    (short, long), (t_short, t_long) = LENGTHS, seconds
+    token = max((t_long - t_short) / (long - short), 1e-7)
+    return ChunkCost(max(t_short - token * short, 0.0), token)

@@ -1,0 +1,30 @@
+"""engine/chunk_cost.py: the start-up measurement of what a prompt chunk costs (run by
+the engine on a GPU; here on the CPU's tiny checkpoint, for its contract)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from engine.chunk_cost import measure_chunk_cost
+from engine.engine import LLMEngine
+from models.build import load_model
+from models.testing import cached_checkpoint
+
+
+def test_measures_a_line() -> None:
+    """A non-negative fixed part, a positive per-token part, a budget within bounds."""
+    loaded = load_model(str(cached_checkpoint("tiny")))
+    cost = measure_chunk_cost(loaded)
+    assert cost.fixed_seconds >= 0 and cost.token_seconds > 0
+    assert 512 <= cost.budget_tokens() <= 8192
+
+
+def test_engine_measures_only_on_a_gpu() -> None:
+    """The CPU engine keeps its 512-token defaults and no measured cost."""
+    engine = LLMEngine(load_model(str(cached_checkpoint("tiny"))))
+    if mx.default_device() == mx.cpu:
+        assert engine.chunk_cost is None
+        assert engine.config.max_num_batched_tokens == engine.config.max_prefill_chunk == 512
+    else:
+        assert engine.chunk_cost is not None
+        assert engine.config.max_prefill_chunk == engine.chunk_cost.budget_tokens()
