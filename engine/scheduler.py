@@ -26,7 +26,7 @@ from engine.media import PromptMedia, VisionPrice
 from engine.plan import SchedulerOutput
 from engine.prefill_plan import MIN_PREFILL_TOKENS, PrefillPlanning
 from engine.request import Request, Status, choices_of
-from engine.step_cost import ChunkCost, StepCostModel, StepTimer
+from engine.step_cost import UNBOUNDED, ChunkCost, StepCostModel, StepTimer
 from engine.types import GenerationRequest, InvalidRequestError, RequestOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -180,6 +180,9 @@ class Scheduler(PrefillPlanning):
         allowance = self.step_cost.prefill_allowance(len(self.decoding), factor, spent)
         if allowance is None:
             return budget  # costs not learned yet
+        if allowance == UNBOUNDED:  # no chunk meets the bound (measured): nothing to size
+            self._log_promise(budget, factor)
+            return budget
         if not self.step_cost.knows_decode(len(self.decoding)):
             return 0  # decode-only steps measure this batch size (StepCostModel)
         self._price = VisionPrice(scale, self.step_cost.vision_limit())
@@ -190,6 +193,8 @@ class Scheduler(PrefillPlanning):
     def _log_promise(self, allowance: int, factor: float) -> None:
         """Say once (and again when it changes) that the stall bound cannot be met here,
         and what the steps with prompt work cost instead."""
+        if not (self.prefilling or self.waiting):
+            return  # no prompt to advance: nothing is promised this step
         line, last = self.step_cost.unattainable, self._promise
         if line is None:
             if last is not None:

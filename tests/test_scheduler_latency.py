@@ -14,7 +14,7 @@ from engine.engine import LLMEngine
 from engine.media import PromptMedia
 from engine.plan import SchedulerOutput
 from engine.scheduler import MIN_PREFILL_TOKENS, Scheduler
-from engine.step_cost import HEADROOM, MAX_AGE
+from engine.step_cost import HEADROOM, MAX_AGE, ChunkCost
 from engine.types import GenerationRequest, ImageInput, SamplingParams
 from models.build import load_model
 from models.testing import cached_checkpoint
@@ -385,3 +385,24 @@ def test_stale_token_cost_is_not_used_after_the_load_changed() -> None:
     assert sum(c.length for c in outs[0].prefill) == MIN_PREFILL_TOKENS  # a probe again
     for out in outs:
         assert cost.seconds(out) <= 2 * cost.decode_only(len(out.decode_row_ids)) + 1e-12
+
+
+def test_a_measured_fixed_chunk_cost_past_the_bound_takes_the_budget(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """On a machine whose prompt chunks cost a fixed 30 ms (a GPU's launches) next to
+    14 ms decode steps, no chunk meets the 2x bound: with that cost measured at start
+    (ChunkCost) every step next to the rows takes the whole token budget, from the
+    first (no probe, no 16-token chunks), and the log says what is promised instead."""
+    cost = FakeCost(per_token=0.00001)
+    cfg = EngineConfig(max_num_seqs=16, max_num_batched_tokens=BUDGET, max_prefill_chunk=512)
+    measured = ChunkCost(fixed_seconds=0.030, token_seconds=0.00001)
+    s = Scheduler(cfg, MemoryBudget(10**9, StateCosts(10, 100)), 20000, cost, None, measured)
+    _decoding(s, cost)
+    s.add(_req("long", 3000), EOS)
+    with caplog.at_level("INFO", logger="engine.scheduler"):
+        outs = _prefill_until_done(s, cost, "long/0")
+    assert [out.num_tokens - len(out.decode_row_ids) for out in outs[:5]] == [BUDGET - 4] * 5
+    assert all(len(out.decode_row_ids) == 4 for out in outs)
+    said = [r.getMessage() for r in caplog.records if "cannot be met" in r.getMessage()]
+    assert len(said) == 1 and "a fixed 30.0 ms" in said[0] and f"up to {BUDGET - 4}" in said[0]
