@@ -32,29 +32,14 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from kernels.gated_delta import gated_delta_reference
-from kernels.gated_delta_fused import _backend
+from kernels.gated_delta_fused import _CUDA_HEADER, _backend
 
 __all__ = ["gated_delta_scan", "scan_supported"]
 
-# As kernels/gated_delta_fused.py: LANES lanes per state row, float4s interleaved so a
+# As kernels/gated_delta_fused.py (whose row_sum it shares): LANES lanes per state row, float4s interleaved so a
 # warp's loads read whole rows; BLOCK / LANES rows per block; grid B * Hv * Dv / ROWS.
 _LANES = 8
 _BLOCK = 128
-
-_CUDA_HEADER = """
-namespace deltaserve_scan {
-
-template <int LANES>
-__device__ __forceinline__ float row_sum(float x) {
-#pragma unroll
-  for (int o = LANES / 2; o > 0; o /= 2) {
-    x += __shfl_xor_sync(0xffffffffu, x, o);
-  }
-  return x;
-}
-
-}  // namespace deltaserve_scan
-"""
 
 # Template constants: Dk, Dv, Hk, Hv, LANES, BLOCK; Tq, Tk, Tv, Tg, Tb (input dtypes:
 # MLX caches compiled kernels by name + template arguments). __SKIP__ is `!mask[bt]` or
@@ -111,9 +96,9 @@ _CUDA_SOURCE = """
       sq += s[i].x * qq.x + s[i].y * qq.y + s[i].z * qq.z + s[i].w * qq.w;
       kq += kk[i].x * qq.x + kk[i].y * qq.y + kk[i].z * qq.z + kk[i].w * qq.w;
     }
-    sk = deltaserve_scan::row_sum<LANES>(sk);
-    sq = deltaserve_scan::row_sum<LANES>(sq);
-    kq = deltaserve_scan::row_sum<LANES>(kq);
+    sk = deltaserve_gdn::row_sum<LANES>(sk);
+    sq = deltaserve_gdn::row_sum<LANES>(sq);
+    kq = deltaserve_gdn::row_sum<LANES>(kq);
     const float a = expf(static_cast<float>(g[gh]));
     const float vr = static_cast<float>(v[gh * Dv + row]);
     const float delta = static_cast<float>(beta[gh]) * (vr - a * sk);
