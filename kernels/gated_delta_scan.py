@@ -36,8 +36,9 @@ from kernels.gated_delta_fused import _CUDA_HEADER, _backend
 
 __all__ = ["gated_delta_scan", "scan_supported"]
 
-# As kernels/gated_delta_fused.py (whose row_sum it shares): LANES lanes per state row, float4s interleaved so a
-# warp's loads read whole rows; BLOCK / LANES rows per block; grid B * Hv * Dv / ROWS.
+# As kernels/gated_delta_fused.py (whose row_sum header it shares): LANES lanes per state
+# row, float4s interleaved so a warp's loads read whole rows; BLOCK / LANES rows per
+# block; grid B * Hv * Dv / ROWS.
 _LANES = 8
 _BLOCK = 128
 
