@@ -44,11 +44,11 @@ class EngineConfig:
     """Scheduling and memory policy of the engine."""
 
     max_num_seqs: int = 32  # rows running at once
-    # Per-step token budget (decode rows + prefill chunks) and the longest prefill chunk
-    # of one request in one step; 0 = the device's (`for_device`: 512 on the CPU, where a
-    # step's cost is its arithmetic; on a GPU, where a chunk's cost is mostly fixed, sized
-    # from that cost as measured at start: engine/chunk_cost.py)
+    # Per-step token budget (decode rows + prefill chunks); 0 = 512 on the CPU, on a GPU
+    # sized from what a prompt chunk costs, measured at start (engine/chunk_cost.py)
     max_num_batched_tokens: int = 0
+    # Longest prefill chunk of one request in one step; 0 = 512 on the CPU, on a GPU sized
+    # from what a prompt chunk costs, measured at start
     max_prefill_chunk: int = 0
     max_waiting: int = 256  # queued requests before new ones get 429
     memory_budget_bytes: int = 0  # row state (KV + DeltaNet); 0 = derive from free memory

@@ -47,7 +47,7 @@ def test_help_shows_config_file_values_as_defaults(
     text = _help(capsys, "--config", str(config))
     assert f"(default: 7 from {config}, built-in 32; env DELTASERVE_MAX_NUM_SEQS)" in text
     assert f"(default: 4 from {config}, built-in 8; env DELTASERVE_KV_BITS)" in text
-    assert "(default: 512; env DELTASERVE_MAX_PREFILL_CHUNK)" in text  # not in the file
+    assert "(default: 0; env DELTASERVE_MAX_PREFILL_CHUNK)" in text  # not in the file
 
 
 def test_help_shows_env_over_file(
