@@ -2,7 +2,8 @@
 
 Pure Python (no mx.array): the scheduler asks it how many prefill tokens fit next to the
 decode rows without stalling them by more than a set factor, and what a vision-tower
-block costs in those tokens.
+block costs in those tokens. The runs that shaped each rule below are in bench/README.md,
+"Why the step-cost model is shaped as it is".
 
 The model: a step with D decode rows, P prefill tokens and V token equivalents of
 vision-tower work (PromptMedia.block_tokens: a block's FLOPs over a token's) takes
@@ -15,35 +16,27 @@ fitted online from the engine's own steps, three kinds of sample kept apart:
   WINDOW samples, recent ones weighing more (each older sample by DECAY), after dropping
   outliers above OUTLIER x the median of the samples with the same D (a GC pause, a
   first-use compile, an image decoded on the same cores). With no spread in D it is
-  the weighted mean (b = 0); b is never negative. A cut at 3x kept steps at 2x (the one
-  as an image arrived, measured on the CPU: 1.77 s among ~0.83 s), and as the newest,
-  with the most weight, it lifted the line 12% and with it the allowance; the median is
-  per D so that a window of mostly small batches does not cut the large ones.
+  the weighted mean (b = 0); b is never negative. The cut is tight because a slow newest
+  sample, weighing most, lifts the line and the allowance with it; it is per D so that a
+  window of mostly small batches does not cut the large ones.
 - steps with decode rows and prompt tokens but no tower work give `c`: each one's
   residual over the decode line, per prefill token; c is the weighted median of those
   (weights: tokens x recency), so one slow step does not shrink the allowance for long.
   The residual absorbs per-group overheads and the attention cost of long contexts at
   the sizes the scheduler actually runs, and moves with them as a prompt's context grows.
   Only the samples of the last MAX_AGE seconds count: older ones were measured at
-  another load and, refitted against today's decode line, at decode batch sizes it may
-  never have seen (measured, CPU: 8 streams' own 16-token chunks at 4-7 rows, read
-  two minutes later against a flat 8-row line, priced a token at 0.017 s where the
-  image's tokens then cost 0.024-0.032 s, and its chunks ran at 2.0-2.2x). Below
-  PROBE_TOKENS tokens in the window c is not fitted from prompt tokens alone: a residual
-  over 4 tokens is the decode step's noise (replaying a logged CPU run, a 4-token chunk
-  faster than the line priced tokens at the floor and tower work at 12-39x a token);
-  prompt-token and tower samples then share one cost, units alike.
+  another load and, refitted against today's decode line, at batch sizes it may never
+  have seen. Below PROBE_TOKENS tokens in the window c is not fitted from prompt tokens
+  alone (a residual over a few tokens is the decode step's noise): prompt-token and
+  tower samples then share one cost, units alike.
 - steps with tower work give `v`: their residuals over the decode line less their
   tokens' c * P, summed, over their token equivalents summed (recency-weighted). Not a
-  median: tower steps are few, and a block's residual is small next to a step's noise
-  on a shared CPU, so one lucky step made the median of per-step ratios say "blocks
-  are nearly free" (measured: scale 0.08 after two steps, then a 4-block step at 3.4x);
-  a sum errs the safe way, to a higher price, when one step is slow. `vision_scale` =
-  v / c is what the scheduler multiplies block_tokens by. A block's FLOPs are not its
-  cost: a block is a few large matmuls over all of an image's patches plus a softmax
-  over their pairs, while the small chunks next to decode rows pay for reading the
-  weights. One c for both let the more frequent kind set the other's price, and steps
-  overshot the bound (issue 10: 2.39x where 2x was asked, 448x448 image, CPU).
+  median: tower steps are few and a block's residual is small next to a step's noise, so
+  one lucky step could make blocks look free; a sum errs the safe way, to a higher price.
+  `vision_scale` = v / c is what the scheduler multiplies block_tokens by. A block's FLOPs
+  are not its cost (a few large matmuls over all of an image's patches, while the small
+  chunks next to decode rows pay for reading the weights), so each kind has its own price
+  rather than the more frequent one setting the other's.
 
 Tower samples age out like prompt-token samples; decode-only samples do not (while a
 long prompt prefills next to decode rows no decode-only step comes, and the line is
@@ -54,14 +47,8 @@ decode-only steps until one is measured: one in lockstep (the CPU default, see
 EngineConfig.pipeline_steps), four when pipelined (the first two after a lockstep step
 are not samples, see StepTimer, and the next plan comes before the third is read back).
 Where steps are pipelined a measuring step is not forced into lockstep: the bound is
-against pipelined decode steps, and a lockstep step among pipelined ones also waits for
-the step in flight (CPU server: 0.14 against 0.07 s at 32 rows); measured so, the line
-rose and chunks ran at up to 3.8x. Without measuring, rows that
-joined while a prompt was prefilling (each through its own chunk, so no decode-only step
-came) were priced at the old batch's line: measured on the CPU, 32 rows at ~0.11 s a
-step against a line learned at 1 row (~0.04 s), so every chunk's residual looked like
-~4 ms a token and a 2,000-token prompt ran at the 16-token minimum for 125 steps (27 s
-to its first token, 2.2 s for a prompt of that length once the line knew 32 rows).
+against pipelined decode steps, and a lockstep step among them also waits for the step
+in flight, so it would overstate the line.
 
 A sample's age is from its step's completion to the newest step's (the scheduler's
 clock). Samples are kept raw and refitted against the current decode line.
@@ -106,8 +93,7 @@ MIN_CHUNK = 16
 ROWS_NEAR = 0.25  # a decode-only sample within this share of D rows (at least 1) knows D
 # Of the time a step may add over a decode step, the share the prefill is sized to. The
 # bound is on the p99 gap, the model predicts a step's mean: a step sized to exactly the
-# bound runs over it as often as decode steps run over their mean (CPU, 0.8B: decode steps
-# 0.83-1.09 s around 0.95; a 448x448 image's steps at the full share gave 1.98-2.09x).
+# bound runs over it as often as decode steps run over their mean.
 HEADROOM = 0.85
 
 
@@ -470,8 +456,7 @@ class StepTimer:
         completed) is settled; a pipelined one only once it and the step before it were
         both planned while their predecessors ran. The first two pipelined steps after
         a lockstep one are not samples of what such a step costs: the first also holds
-        the next plan's graph building, and the second still ran slow (CPU server, 3 to
-        32 rows: 0.17 / 0.11 / 0.09 s, then ~0.07 s steps)."""
+        the next plan's graph building, and the second still runs slow."""
         started = self._started.pop(step, done)
         seconds = done - max(started, self._last_done)
         overlapped = started < self._last_done

@@ -279,10 +279,8 @@ def _chunk_size_for(length: int, chunk_size: int, any_size: bool) -> int:
     """The chunk length C for an input of L tokens: with any_size (the inverse takes any
     C) the fewest chunks of at most chunk_size, of equal length (the last one padded by
     less than one token per chunk), else the next power of two >= L up to chunk_size.
-    Padding is what a short input costs here: on the CPU (small shape, one layer) the
-    DeltaNet core of the 41- to 60-token prompt chunks that run next to decode rows
-    (engine/step_cost.py) took 3.5-4.3 ms at C = L against 4.5-4.9 ms at C = 64, and of
-    70 / 100 / 130 tokens 5.7 / 6.8 / 9.8 ms against 8.5 / 8.5 / 12.4 ms."""
+    Padding is what a short input costs here, as for the small prompt chunks that run
+    next to decode rows (bench/README.md, b5379f3: 5-33% of the DeltaNet core's time)."""
     if any_size:
         chunks = -(-length // chunk_size)
         return -(-length // chunks)

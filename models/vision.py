@@ -1,4 +1,5 @@
-"""Qwen3.5 vision tower (HF `model.visual`) in MLX, and the splice of its features.
+"""Qwen3.5 vision tower (HF `model.visual`) in MLX (engine/vision_inputs.py splices its
+features into the prompt).
 
 patches [N, C*T*P*P] in the image processor's order (per image: frames, then 2x2 merge
 blocks row-major, then a block's 4 patches; each patch flattened as (C, T, P, P)) ->
@@ -317,21 +318,6 @@ class VisionTower(nn.Module):
         angles = angles.reshape(-1, 2 * quarter)  # [N, D/2]: row angles, then col angles
         angles = mx.concatenate([angles, angles], axis=-1)[:, None, None, :]
         return mx.cos(angles), mx.sin(angles)
-
-
-def splice_images(
-    embeds: mx.array, token_ids: Sequence[int] | np.ndarray, features: mx.array, image_token_id: int
-) -> mx.array:
-    """embeds [L, H] with the rows of image-pad tokens replaced, in order, by features
-    [n, H] (n = number of `image_token_id` in token_ids; ValueError otherwise)."""
-    rows = np.flatnonzero(np.asarray(token_ids) == image_token_id)
-    if len(rows) != features.shape[0]:
-        raise ValueError(f"{len(rows)} image tokens for {features.shape[0]} feature rows")
-    if len(rows) == 0:
-        return embeds
-    out = mx.array(embeds)
-    out[mx.array(rows)] = features.astype(embeds.dtype)
-    return out
 
 
 # --------------------------------------------------------------------------- loading

@@ -22,3 +22,18 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 # --- end of OpenBLAS bootstrap ---
+
+from native_libs import require_gemv_shim, require_openblas  # noqa: E402
+
+
+@pytest.fixture
+def openblas_required() -> None:
+    """Skips where OpenBLAS does not apply, else fails without it (tests/native_libs.py)."""
+    require_openblas()
+
+
+@pytest.fixture
+def gemv_shim_required() -> None:
+    """The same for kernels/gemv_shim.c, whose compile error fails (tests/native_libs.py)."""
+    require_openblas()
+    require_gemv_shim()

@@ -20,10 +20,12 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
+import pytest
 import uvicorn
 import yaml
 from openapi_schema_validator import OAS31Validator
@@ -33,7 +35,9 @@ from referencing.jsonschema import DRAFT202012
 from engine.api import EngineInfo, EngineStats
 from engine.types import GenerationRequest, RequestOutput, TokenLogprob
 from models.eos import resolve_eos_ids
+from server.app import create_app
 from server.frontend.tokenizer import TextTokenizer
+from server.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC_PATH = Path("/work/shared/reference/openai-openapi.yaml")
@@ -223,6 +227,30 @@ class LiveServer:
         self.server.should_exit = True
         assert self._thread is not None
         self._thread.join(10)
+
+
+def live_fake_server(settings: Settings, headers: dict[str, str] | None = None) -> tuple:
+    """A test module's fixtures for the real app over a FakeEngine: `engine` and `server`
+    (uvicorn), one each per module, and `http`, a client per test (`headers` on every
+    request) after the engine was reset. Bind them by those names:
+    `engine, server, http = live_fake_server(SETTINGS)`."""
+
+    @pytest.fixture(scope="module")
+    def engine() -> FakeEngine:
+        return FakeEngine(real_tokenizer(), max_context=1024)
+
+    @pytest.fixture(scope="module")
+    def server(engine: FakeEngine) -> Iterator[LiveServer]:
+        with LiveServer(create_app(engine, real_tokenizer(), settings)) as live:
+            yield live
+
+    @pytest.fixture
+    def http(server: LiveServer, engine: FakeEngine) -> Iterator[httpx.Client]:
+        engine.reset()
+        with httpx.Client(base_url=server.url, timeout=30, headers=headers) as client:
+            yield client
+
+    return engine, server, http
 
 
 @functools.lru_cache(maxsize=1)

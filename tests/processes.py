@@ -1,9 +1,9 @@
-"""Server processes for tests: a free port, waiting until /health answers, and the
-environment of processes that form an mx.distributed ring group on loopback (what
-`mlx.launch --backend ring -n N` sets: a hostfile and each process's rank), without the
-launcher process, which busy-polls the ranks' output (half a core on this 2-core
-machine) and kills the others when one dies (the fault tests need to see that happen
-on their own)."""
+"""Server processes for tests: a free port, `deltaserve serve` on the tiny checkpoint,
+waiting until /health answers, and the environment of processes that form an
+mx.distributed ring group on loopback (what `mlx.launch --backend ring -n N` sets: a
+hostfile and each process's rank), without the launcher process, which busy-polls the
+ranks' output (half a core on this 2-core machine) and kills the others when one dies
+(the fault tests need to see that happen on their own)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,17 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+from models.testing import cached_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -46,3 +52,30 @@ def wait_healthy(url: str, procs: Sequence[tuple[subprocess.Popen, Path]]) -> No
                 return
         except httpx.TransportError:
             time.sleep(0.2)
+
+
+@contextmanager
+def serve_tiny(log: Path, *args: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`deltaserve serve` on the tiny checkpoint and a free port, with `args` added and its
+    stderr in `log`: yields (process, url) once /health answers; stops it after
+    (SIGTERM, SIGKILL after 15 s) if it still runs."""
+    port = free_port()
+    command = [sys.executable, "-m", "server.cli", "serve", "--config", "/dev/null"]
+    command += ["--model", str(cached_checkpoint("tiny")), "--port", str(port), *args]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, [(proc, log)])
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

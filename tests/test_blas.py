@@ -8,14 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import native_libs
 import pytest
 
 from kernels import blas
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-needs_openblas = pytest.mark.skipif(
-    blas.openblas_path() is None, reason=f"OpenBLAS not installed ({blas.INSTALL_HINT})"
-)
+# Skips only where OpenBLAS does not apply; with CI=true a missing OpenBLAS fails.
+needs_openblas = pytest.mark.usefixtures("openblas_required")
 
 
 def _fresh_env() -> dict[str, str]:
@@ -57,12 +57,24 @@ def test_missing_lib_warns_with_install_hint(monkeypatch: pytest.MonkeyPatch) ->
     assert plan.warning is not None and blas.INSTALL_HINT in plan.warning
 
 
+def test_missing_openblas_fails_on_ci(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With CI=true a missing OpenBLAS fails the tests that need it; off CI they skip."""
+    monkeypatch.setattr(blas, "openblas_path", lambda: None)
+    monkeypatch.setattr(blas, "_uses_gpu_backend", lambda: False)
+    monkeypatch.setattr(native_libs.sys, "platform", "linux")
+    monkeypatch.setattr(native_libs, "ON_CI", True)
+    with pytest.raises(AssertionError, match="CI=true and no OpenBLAS"):
+        native_libs.require_openblas()
+    monkeypatch.setattr(native_libs, "ON_CI", False)
+    assert "OpenBLAS not installed" in (native_libs.openblas_does_not_apply() or "")
+
+
 @needs_openblas
 def test_this_pytest_runs_with_openblas() -> None:
     """conftest re-exec'd pytest, so OpenBLAS is really mapped into this process."""
     if os.environ.get(blas.ENV_OPT_OUT) == "1":
         pytest.skip(f"{blas.ENV_OPT_OUT}=1")
-    assert blas.openblas_loaded() is not None
+    assert blas.openblas_loaded() is not None, "OpenBLAS is installed but not preloaded"
     assert "OpenBLAS preloaded" in blas.blas_summary(128)
 
 

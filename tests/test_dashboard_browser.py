@@ -10,8 +10,6 @@ PATH saves the page's screenshot there (README's docs/dashboard.png was made so)
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,10 +18,8 @@ import httpx
 import pytest
 from playwright.sync_api import Page, sync_playwright
 
-from models.testing import cached_checkpoint
-from tests.processes import free_port, wait_healthy
+from tests.processes import serve_tiny
 
-REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = Path("/usr/bin/chromium")
 API_KEY = "dashboard-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -34,27 +30,9 @@ SHORT_TOKENS = 12
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """A `deltaserve serve` process with an API key; yields (url, its stderr log)."""
-    port = free_port()
-    command = [sys.executable, "-m", "server.cli", "serve", "--config", "/dev/null"]
-    command += ["--model", str(cached_checkpoint("tiny")), "--port", str(port)]
-    command += ["--api-key", API_KEY, "--served-model-name", "tiny"]
     log = tmp_path_factory.mktemp("dashboard") / "stderr.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    with log.open("w") as stderr:
-        proc = subprocess.Popen(
-            command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, [(proc, log)])
+    with serve_tiny(log, "--api-key", API_KEY, "--served-model-name", "tiny") as (_, url):
         yield url, log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _chat(url: str, max_tokens: int) -> None:

@@ -2,24 +2,26 @@
 
 The shim is preloaded into this pytest process by conftest (kernels/blas.py), so every
 MLX matmul below whose M or N is 1 goes through it; numpy in float64 is the reference.
+Where the shim should build (a Linux CPU process with OpenBLAS and a C compiler) and does
+not, these tests fail; they skip only where it does not apply (conftest's
+`gemv_shim_required`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from native_libs import require_gemv_shim
 
 from kernels import blas, gemv_shim
 
-needs_shim = pytest.mark.skipif(
-    not gemv_shim.shim_loaded(), reason="gemv shim not preloaded (no OpenBLAS or no C compiler)"
-)
+needs_shim = pytest.mark.usefixtures("gemv_shim_required")
+needs_openblas = pytest.mark.usefixtures("openblas_required")
 
 
 def _check(out: mx.array, ref: np.ndarray) -> None:
@@ -30,16 +32,25 @@ def _arrays(rng: np.random.Generator, *shapes: tuple[int, ...]) -> list[np.ndarr
     return [rng.standard_normal(s).astype(np.float32) for s in shapes]
 
 
-@pytest.mark.skipif(blas.openblas_path() is None, reason="OpenBLAS not installed")
-def test_pytest_runs_with_the_shim_when_it_builds() -> None:
-    """Where a compiler builds the shim, conftest preloaded it (and the summary says so)."""
-    if os.environ.get(blas.ENV_OPT_OUT) == "1" or os.environ.get(gemv_shim.ENV_OPT_OUT) == "1":
-        pytest.skip("opted out")
-    path, why = gemv_shim.shim_path()
-    if path is None:
-        pytest.skip(why or "no shim")
-    assert gemv_shim.shim_loaded()
+@needs_shim
+def test_pytest_runs_with_the_shim_where_it_applies() -> None:
+    """Where the shim applies it built and conftest preloaded it (the summary says so)."""
     assert "as sgemv: on" in blas.blas_summary(64)
+
+
+def test_a_compile_error_fails_the_shim_tests(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A shim that does not compile fails the tests that need it, with the compiler's
+    message; it does not turn them into skips (they skip only where the shim does not
+    apply, and then so does this)."""
+    broken = tmp_path / "gemv_shim.c"
+    broken.write_text("this is not C;\n")
+    monkeypatch.setattr(gemv_shim, "SOURCE", broken)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(gemv_shim.ENV_PATH, raising=False)
+    with pytest.raises(AssertionError, match="failed on kernels/gemv_shim.c"):
+        require_gemv_shim()
 
 
 @needs_shim
@@ -134,12 +145,10 @@ def _plan_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delitem(sys.modules, "mlx.core")  # plan as a process does before mlx loads
 
 
-@pytest.mark.skipif(blas.openblas_path() is None, reason="OpenBLAS not installed")
+@needs_shim
 def test_plan_preloads_the_shim_first(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The re-exec puts the built shim ahead of OpenBLAS (its cblas_sgemm must win)."""
     _plan_env(monkeypatch, tmp_path)
-    if gemv_shim._compiler() is None:
-        pytest.skip("no C compiler")
     plan = blas.plan_openblas(["python"])
     assert plan.env is not None and plan.warning is None
     first, second = plan.env["LD_PRELOAD"].split()[:2]
@@ -147,7 +156,7 @@ def test_plan_preloads_the_shim_first(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert second == str(blas.openblas_path())
 
 
-@pytest.mark.skipif(blas.openblas_path() is None, reason="OpenBLAS not installed")
+@needs_openblas
 def test_no_compiler_warns_and_keeps_openblas(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -1,4 +1,5 @@
-"""The vision tower, 3-D positions and image splicing against transformers' Qwen3.5.
+"""The vision tower, 3-D positions and image splicing (the runner's, engine/vision_inputs.py)
+against transformers' Qwen3.5.
 
 transformers reads the tiny HF checkpoint (tower: depth 1, width 32, 2 heads, 8x8
 position table) into Qwen3_5ForConditionalGeneration in float32 on CPU; pixel patches
@@ -19,12 +20,17 @@ import pytest
 from parity_utils import encode, rel_error
 
 from engine.cache.batch import BatchState
+from engine.media import prepare_media
+from engine.plan import PrefillChunk, VisionWork
+from engine.request import Request, choices_of
+from engine.types import GenerationRequest, ImageInput, SamplingParams
+from engine.vision_inputs import VisionInputs
 from models.build import LoadedModel, load_model
 from models.loader import load_checkpoint
 from models.rope_index import decode_positions, mrope_positions
 from models.state import ForwardGroup
 from models.testing import cached_checkpoint
-from models.vision import VisionConfig, load_vision, splice_images
+from models.vision import VisionConfig, load_vision
 
 # Relative error bounds, max|ours - ref| / max|ref|. Tower features measured 9e-7 (float32
 # summation order); logits with images as in test_parity_transformers (~1e-5 measured).
@@ -221,19 +227,51 @@ def test_mrope_positions_reject_mismatched_images() -> None:
         mrope_positions(ids, [(1, 4, 4), (1, 4, 4)], IMAGE, 2)  # one run, two images
 
 
+def image_inputs(patches: np.ndarray, grids: list[Grid]) -> tuple[ImageInput, ...]:
+    """The prompt's images as the server hands them to the engine."""
+    counts = [t * h * w for t, h, w in grids]
+    parts = np.split(patches, np.cumsum(counts)[:-1])
+    return tuple(
+        ImageInput(p, g, n // 4, f"img{i}")
+        for i, (p, g, n) in enumerate(zip(parts, grids, counts, strict=True))
+    )
+
+
+def image_row(ours: LoadedModel, ids: list[int], images: tuple[ImageInput, ...]) -> Request:
+    """The scheduler's row of an image prompt, its PromptMedia prepared as the engine does."""
+    gen = GenerationRequest("image", tuple(ids), SamplingParams(max_tokens=1), images=images)
+    media = prepare_media(gen, ours.config, ours.vision_config)
+    return choices_of(gen, frozenset(), media, len(ids) + 1)[0]
+
+
+def spliced_embeds(
+    ours: LoadedModel, ids: list[int], patches: np.ndarray, grids: list[Grid], bounds: list
+) -> list[mx.array]:
+    """[1, hi - lo, H] input embeddings of each chunk [lo, hi) of an image prompt, the
+    tower's features spliced in by the runner's VisionInputs."""
+    rows = {"image": image_row(ours, ids, image_inputs(patches, grids))}
+    inputs = VisionInputs(ours.model, ours.vision, ours.dtype)
+    work = tuple(VisionWork(i, 0, len(ours.vision.blocks)) for i in range(len(grids)))
+    inputs.encode([PrefillChunk("image", 0, 0, vision=work)], rows)
+    return [
+        inputs.embeds(mx.array([ids[lo:hi]]), [PrefillChunk("image", lo, hi - lo)], [0], rows)
+        for lo, hi in bounds
+    ]
+
+
 def prefill_with_images(
     ours: LoadedModel, ids: list[int], patches: np.ndarray, grids: list[Grid], cut: int = 0
 ) -> tuple[mx.array, BatchState, int]:
     """Logits [L, V] of an image prompt through our model (in two chunks split at `cut`
     when > 0), the row's state after it and its rope delta."""
-    features = ours.vision(mx.array(patches), grids)
-    embeds = splice_images(ours.model.embed_tokens(mx.array(ids)), ids, features, IMAGE)
+    bounds = [(0, cut), (cut, len(ids))] if cut else [(0, len(ids))]
+    embeds = spliced_embeds(ours, ids, patches, grids, bounds)
     positions, delta = mrope_positions(ids, grids, IMAGE, 2)
     state, logits = BatchState.empty(ours.config), []
-    for lo, hi in [(0, cut), (cut, len(ids))] if cut else [(0, len(ids))]:
+    for (lo, hi), chunk_embeds in zip(bounds, embeds, strict=True):
         group = ForwardGroup(
             tokens=None, positions=mx.array(positions[:, None, lo:hi]), states=state.layers,
-            embeds=embeds[None, lo:hi],
+            embeds=chunk_embeds,
         )  # fmt: skip
         (hidden,) = ours.model([group])
         logits.append(ours.model.logits(hidden)[0])
@@ -305,7 +343,6 @@ def test_engine_greedy_with_images_matches_transformers(
 
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
-    from engine.types import GenerationRequest, ImageInput, SamplingParams
 
     patches, grids = pixels([(64, 96), (160, 64)])
     ids = image_prompt("titit", grids)
@@ -313,12 +350,7 @@ def test_engine_greedy_with_images_matches_transformers(
         out = reference.generate(
             **reference_inputs(ids, patches, grids), max_new_tokens=GREEDY_TOKENS
         )
-    counts = [t * h * w for t, h, w in grids]
-    bounds = np.cumsum(counts)[:-1]
-    images = tuple(
-        ImageInput(p, g, n // 4, f"img{i}")
-        for i, (p, g, n) in enumerate(zip(np.split(patches, bounds), grids, counts, strict=True))
-    )
+    images = image_inputs(patches, grids)
     config = EngineConfig(max_num_batched_tokens=32, max_prefill_chunk=16, prefix_cache=False)
     engine = LLMEngine(ours, config)
     params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
@@ -330,12 +362,41 @@ def test_engine_greedy_with_images_matches_transformers(
     assert tokens == out[0, len(ids) :].tolist()
 
 
-def test_splice_replaces_image_rows_in_order() -> None:
-    ids = [5, IMAGE, IMAGE, 7, IMAGE]
-    embeds = mx.zeros((5, 3))
-    features = mx.arange(9, dtype=mx.float32).reshape(3, 3) + 1
-    out = splice_images(embeds, ids, features, IMAGE)
-    assert mx.array_equal(out[mx.array([1, 2, 4])], features).item()
-    assert mx.array_equal(out[mx.array([0, 3])], mx.zeros((2, 3))).item()
-    with pytest.raises(ValueError):
-        splice_images(embeds, ids, features[:2], IMAGE)
+class FixedTower:
+    """A one-block stand-in for VisionTower that returns the features it was given."""
+
+    blocks = [None]
+
+    def __init__(self, features: mx.array) -> None:
+        self.features = features
+
+    def __call__(self, patches: mx.array, grids: list[Grid]) -> mx.array:
+        return self.features
+
+
+def test_runner_splices_features_over_image_tokens_in_order(ours: LoadedModel) -> None:
+    """VisionInputs.embeds puts image i's feature rows, in order, over its image tokens:
+    in a chunk that ends inside an image, and in the chunk after it, padded in a group
+    beside a text row; every other column keeps its token embedding."""
+    ids = [5, IMAGE, IMAGE, 7, IMAGE, IMAGE, IMAGE, 9]  # images of 2 and 3 tokens
+    grids = [(1, 2, 4), (1, 2, 6)]
+    patches = np.zeros((sum(t * h * w for t, h, w in grids), 4), dtype=np.float32)
+    features = mx.arange(5 * 128, dtype=mx.float32).reshape(5, 128) + 1
+    rows = {"image": image_row(ours, ids, image_inputs(patches, grids))}
+    text = GenerationRequest("text", (3, 4, 6, 8, 10), SamplingParams(max_tokens=1))
+    rows["text"] = choices_of(text, frozenset(), None, 6)[0]
+    inputs = VisionInputs(ours.model, FixedTower(features), mx.float32)
+    work = (VisionWork(0, 0, 1), VisionWork(1, 0, 1))
+    inputs.encode([PrefillChunk("image", 0, 0, vision=work)], rows)
+    embed = ours.model.embed_tokens
+
+    first = inputs.embeds(mx.array([ids[:5]]), [PrefillChunk("image", 0, 5)], [0], rows)[0]
+    assert mx.array_equal(first[mx.array([1, 2, 4])], features[:3]).item()
+    assert mx.array_equal(first[mx.array([0, 3])], embed(mx.array([5, 7]))).item()
+
+    tokens = mx.array([[0, 0, IMAGE, IMAGE, 9], [3, 4, 6, 8, 10]])  # the first padded by 2
+    group = [PrefillChunk("image", 5, 3), PrefillChunk("text", 0, 5)]
+    out = inputs.embeds(tokens, group, [2, 0], rows)
+    assert mx.array_equal(out[0, 2:4], features[3:]).item()
+    assert mx.array_equal(out[0, mx.array([0, 1, 4])], embed(tokens[0, mx.array([0, 1, 4])])).item()
+    assert mx.array_equal(out[1], embed(tokens[1])).item()

@@ -5,12 +5,11 @@ from settings, /health, /metrics, CORS and shutdown. Live uvicorn + FakeEngine."
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from fake_engine import FakeEngine, LiveServer, parse_sse, real_tokenizer
+from fake_engine import FakeEngine, LiveServer, live_fake_server, parse_sse, real_tokenizer
 
 from server.app import create_app
 from server.settings import ModelSettings, SamplingDefaults, ServerSettings, Settings
@@ -34,22 +33,7 @@ SETTINGS = Settings(
 )
 
 
-@pytest.fixture(scope="module")
-def engine() -> FakeEngine:
-    return FakeEngine(real_tokenizer(), max_context=1024)
-
-
-@pytest.fixture(scope="module")
-def server(engine: FakeEngine) -> Iterator[LiveServer]:
-    with LiveServer(create_app(engine, real_tokenizer(), SETTINGS)) as live:
-        yield live
-
-
-@pytest.fixture
-def http(server: LiveServer, engine: FakeEngine) -> Iterator[httpx.Client]:
-    engine.reset()
-    with httpx.Client(base_url=server.url, timeout=30) as client:
-        yield client
+engine, server, http = live_fake_server(SETTINGS)
 
 
 def chat(http: httpx.Client, **fields: Any) -> dict[str, Any]:

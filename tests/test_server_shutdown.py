@@ -6,10 +6,8 @@ process exits 0."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,33 +16,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from models.testing import cached_checkpoint
-from tests.processes import free_port, wait_healthy
+from tests.processes import serve_tiny
 
-REPO = Path(__file__).resolve().parent.parent
 NUM_STREAMS = 2
 
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str, Path]]:
     """A `deltaserve serve` subprocess on a free port; yields (process, url, stderr file)."""
-    port = free_port()
-    command = [sys.executable, "-m", "server.cli", "serve", "--config", "/dev/null"]
-    command += ["--model", str(cached_checkpoint("tiny")), "--port", str(port)]
     stderr_path = tmp_path / "stderr.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    with stderr_path.open("w") as stderr:
-        proc = subprocess.Popen(
-            command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, [(proc, stderr_path)])
+    with serve_tiny(stderr_path) as (proc, url):
         yield proc, url, stderr_path
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 # No "model": the served name is derived from the path, and may be left out.

@@ -8,14 +8,12 @@ import base64
 import logging
 import re
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
-from fake_engine import FakeEngine, LiveServer, real_tokenizer
+from fake_engine import FakeEngine, LiveServer, live_fake_server
 
 from engine.api import EngineStats
-from server.app import create_app
 from server.request_log import CLIENT_GONE, RequestLog, RequestRecord
 from server.settings import ModelSettings, ServerSettings, Settings
 from server.status import StatusHistory
@@ -30,22 +28,7 @@ SETTINGS = Settings(
 )
 
 
-@pytest.fixture(scope="module")
-def engine() -> FakeEngine:
-    return FakeEngine(real_tokenizer(), max_context=1024)
-
-
-@pytest.fixture(scope="module")
-def server(engine: FakeEngine) -> Iterator[LiveServer]:
-    with LiveServer(create_app(engine, real_tokenizer(), SETTINGS)) as live:
-        yield live
-
-
-@pytest.fixture
-def http(server: LiveServer, engine: FakeEngine) -> Iterator[httpx.Client]:
-    engine.reset()
-    with httpx.Client(base_url=server.url, timeout=30, headers=AUTH) as client:
-        yield client
+engine, server, http = live_fake_server(SETTINGS, headers=AUTH)
 
 
 def records(server: LiveServer) -> list[RequestRecord]:
