@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 from fake_engine import FakeEngine, LiveServer, real_tokenizer, spec_errors
+from image_samples import data_url, encoded, picture
 
 from server.app import create_app
 from server.errors import APIError
@@ -301,3 +302,24 @@ def test_bad_requests_are_400s_naming_the_field(
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error"
     assert error["param"].startswith(param) and words in error["message"], error
+
+
+def test_input_image_renders_as_chat_image_url(http: httpx.Client, engine: FakeEngine) -> None:
+    """An input_image part reaches the engine as chat's image_url part does (same prompt,
+    same image); a bad one is a 400 naming the part."""
+    url = data_url(encoded(picture(64, 64)))
+    parts = [{"type": "input_text", "text": "Look"}, {"type": "input_image", "image_url": url}]
+    assert create(http, input=[{"role": "user", "content": parts}]).status_code == 200
+    chat_parts = [
+        {"type": "text", "text": "Look"},
+        {"type": "image_url", "image_url": {"url": url}},
+    ]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": chat_parts}]}
+    assert http.post("/v1/chat/completions", json=chat).status_code == 200
+    ours, theirs = engine.requests[-2:]
+    assert ours.prompt_ids == theirs.prompt_ids and ours.images[0].digest == theirs.images[0].digest
+    parts[1]["image_url"] = "data:image/png;base64,bm90IGFuIGltYWdl"
+    bad = create(http, input=[{"role": "user", "content": parts}])
+    assert (
+        bad.status_code == 400 and bad.json()["error"]["param"] == "input[0].content[1].image_url"
+    )
