@@ -26,11 +26,13 @@ from server import (
     routes_completions,
     routes_messages,
     routes_models,
+    routes_responses,
     routes_status,
 )
 from server.errors import APIError, install_error_handlers
 from server.frontend.tokenizer import TextTokenizer
 from server.metrics import ServerMetrics, StatusCounterMiddleware
+from server.response_store import ResponseStore
 from server.routes_common import ServerState
 from server.settings import Settings
 
@@ -120,13 +122,14 @@ def create_app(engine: EngineClient, tokenizer: TextTokenizer, settings: Setting
         metrics=metrics,
         model_name=settings.model.name,
         fingerprint=fingerprint(settings),
+        responses=ResponseStore.from_settings(settings.responses),
     )
     install_error_handlers(app)
 
     # /v1 and /dashboard need the key; /health, /metrics and /docs stay open (probes,
     # scrapers, and an API description that holds no data).
     v1 = APIRouter(dependencies=[Depends(require_api_key)])
-    for module in (routes_chat, routes_completions, routes_messages):
+    for module in (routes_chat, routes_completions, routes_messages, routes_responses):
         v1.include_router(module.router)
     v1.include_router(routes_models.models_router)
     app.include_router(v1)

@@ -22,6 +22,7 @@ from server.errors import APIError, as_api_error, error_response, validation_err
 from server.frontend.tokenizer import TextTokenizer
 from server.metrics import ServerMetrics
 from server.request_log import RequestLog
+from server.response_store import ResponseStore
 from server.schemas import SamplingFields
 from server.settings import Settings
 from server.status import StatusHistory
@@ -43,6 +44,7 @@ class ServerState:
     metrics: ServerMetrics
     model_name: str
     fingerprint: str  # system_fingerprint: changes when the engine config does
+    responses: ResponseStore  # stored /v1/responses (previous_response_id, GET)
     created: int = field(default_factory=lambda: int(time.time()))
     # Set once shutdown begins (server.app.begin_shutdown): every generation ends with a
     # 503 at its next read instead of holding the shutdown up.

@@ -237,18 +237,26 @@ class ChatCompletionRequest(GenerationFields):
         return value
 
     def template_kwargs(self) -> dict[str, Any] | None:
-        """chat_template_kwargs, with reasoning_effort as Qwen's enable_thinking: "none"
-        turns thinking off, any other effort on. An explicit enable_thinking wins."""
-        kwargs = self.chat_template_kwargs
-        if self.reasoning_effort is None or "enable_thinking" in (kwargs or {}):
-            return kwargs
-        return {**(kwargs or {}), "enable_thinking": self.reasoning_effort != "none"}
+        """chat_template_kwargs with reasoning_effort applied (see thinking_kwargs)."""
+        return thinking_kwargs(self.chat_template_kwargs, self.reasoning_effort)
 
     @property
     def max_new_tokens(self) -> int | None:
         """max_completion_tokens (the new name) over max_tokens (deprecated)."""
         new_name = self.max_completion_tokens
         return new_name if new_name is not None else self.max_tokens
+
+
+def thinking_kwargs(
+    kwargs: dict[str, Any] | None, effort: ReasoningEffort | None
+) -> dict[str, Any] | None:
+    """Template kwargs with a reasoning effort as Qwen's enable_thinking: "none" turns
+    thinking off, any other effort on, no effort leaves the model's default (it thinks).
+    An explicit enable_thinking in `kwargs` wins. Chat's reasoning_effort and the
+    Responses API's reasoning.effort both map here."""
+    if effort is None or "enable_thinking" in (kwargs or {}):
+        return kwargs
+    return {**(kwargs or {}), "enable_thinking": effort != "none"}
 
 
 TokenIds = list[Annotated[int, Field(ge=0)]]

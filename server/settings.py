@@ -129,6 +129,19 @@ class ImageSettings:
 
 
 @dataclass(frozen=True)
+class ResponseStoreSettings:
+    """/v1/responses kept in memory (store: true) for previous_response_id and GET; the
+    least recently used go first once either bound is reached."""
+
+    max_stored: int = 1000  # responses kept; 0 = none (previous_response_id is then a 404)
+    max_stored_bytes: int = 64 * 2**20  # their JSON size, each with its whole input
+
+    def __post_init__(self) -> None:
+        if self.max_stored < 0 or self.max_stored_bytes < 0:
+            raise ConfigError("responses.max_stored and max_stored_bytes must be >= 0")
+
+
+@dataclass(frozen=True)
 class Settings:
     """Everything `deltaserve serve` is configured with, one section per layer."""
 
@@ -137,6 +150,7 @@ class Settings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     images: ImageSettings = field(default_factory=ImageSettings)
+    responses: ResponseStoreSettings = field(default_factory=ResponseStoreSettings)
 
 
 # Flags that are not simply --<field-name>: short ones for the common keys, and a prefix
@@ -146,7 +160,12 @@ FLAG_NAMES = {
     "model.served_name": "served-model-name",
     "engine.kv_cache.kind": "kv-cache",
 }
-SECTION_PREFIXES = {"engine.kv_cache": "kv-", "sampling": "default-", "images": "image-"}
+SECTION_PREFIXES = {
+    "engine.kv_cache": "kv-",
+    "sampling": "default-",
+    "images": "image-",
+    "responses": "responses-",
+}
 # A key's description is its field's trailing comment. KVCacheConfig (engine/config.py)
 # documents its fields in the class docstring instead, and max_context's comment only
 # gives the meaning of 0, so those are described here.

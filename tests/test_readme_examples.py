@@ -100,6 +100,9 @@ def workdir(tmp_path: Path) -> Path:
 
 def _text(body: dict[str, Any]) -> str:
     """The answer text of a non-streamed OpenAI or Anthropic response (else fail)."""
+    if body.get("object") == "response":  # /v1/responses: its message items' text
+        messages = [item for item in body["output"] if item["type"] == "message"]
+        return "".join(part.get("text", "") for m in messages for part in m["content"])
     if "choices" in body:
         return "".join(
             c.get("message", {}).get("content") or c.get("text") or "" for c in body["choices"]
