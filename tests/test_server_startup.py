@@ -169,3 +169,34 @@ def test_summary_lines_read_as_a_cap() -> None:
     assert "(0 MiB reserved now)" in text
     assert "room for 1,337 chats of 4,096 tokens or 23 of the full 262,144-token context" in text
     assert "32 run at once" in text and "prefix cache: off" in text
+
+
+def test_connections_on_the_bound_socket_send_without_nagle_delay() -> None:
+    """The socket bound before loading is a TCP socket to asyncio, so each accepted
+    connection gets TCP_NODELAY (a stream's small SSE writes are not held back for the
+    client's delayed ACK, ~40 ms each)."""
+    import asyncio
+
+    from server.cli import bind_socket
+    from server.settings import ServerSettings
+
+    async def accepted_nodelay() -> int:
+        seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sock = writer.get_extra_info("socket")
+            seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        listener = bind_socket(ServerSettings(host="127.0.0.1", port=0))
+        server = await asyncio.start_server(on_connect, sock=listener)
+        port = listener.getsockname()[1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            return await asyncio.wait_for(seen, 5)
+        finally:
+            writer.close()
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(accepted_nodelay()) != 0
