@@ -5,7 +5,7 @@
 # the server (DESIGN.md §5).
 import pytest
 
-from kernels.blas import blas_summary, plan_openblas
+from deltaserve.kernels.blas import blas_summary, plan_openblas
 
 _BLAS_PLAN = plan_openblas()
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from playwright.sync_api import Page, sync_playwright
 
-from models.testing import cached_checkpoint
+from deltaserve.models.testing import cached_checkpoint
 from tests.processes import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,7 +35,7 @@ SHORT_TOKENS = 12
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """A `deltaserve serve` process with an API key; yields (url, its stderr log)."""
     port = free_port()
-    command = [sys.executable, "-m", "server.cli", "serve", "--config", "/dev/null"]
+    command = [sys.executable, "-m", "deltaserve.server.cli", "serve", "--config", "/dev/null"]
     command += ["--model", str(cached_checkpoint("tiny")), "--port", str(port)]
     command += ["--api-key", API_KEY, "--served-model-name", "tiny"]
     log = tmp_path_factory.mktemp("dashboard") / "stderr.log"

@@ -14,7 +14,7 @@ from importlib.metadata import packages_distributions
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("server", "engine", "models", "kernels")
+LAYERS = ("server", "engine", "models", "kernels")  # folders, installed as deltaserve.<layer>
 # Imported only inside functions that tests call, never on a serving path.
 TEST_ONLY = {"mlx_lm": "models/testing/checkpoint.py converts test checkpoints with it"}
 
@@ -47,10 +47,10 @@ def test_every_runtime_import_is_declared() -> None:
     """Modules imported under server/ engine/ models/ kernels/ that are neither ours nor
     the standard library map to a distribution listed in [project].dependencies."""
     modules = set()
-    for package in PACKAGES:
-        for path in (REPO / package).rglob("*.py"):
+    for layer in LAYERS:
+        for path in (REPO / layer).rglob("*.py"):
             modules |= _imported_top_modules(path)
-    third_party = modules - set(sys.stdlib_module_names) - set(PACKAGES) - {"__future__"}
+    third_party = modules - set(sys.stdlib_module_names) - {"deltaserve", "__future__"}
     dists = packages_distributions()
     declared = _declared_runtime()
     undeclared = {}
@@ -68,10 +68,7 @@ def test_every_runtime_dependency_has_a_lower_bound() -> None:
     assert not unbounded, unbounded
 
 
-def test_no_distribution_shadows_our_top_level_packages() -> None:
-    """No installed distribution other than ours provides server/ engine/ models/ kernels/
-    as top-level modules (transformers 5.25 pulled in Hugging Face's `kernels`, which
-    clashes with ours: pyproject.toml caps transformers below it)."""
-    owners = packages_distributions()
-    clashes = {p: owners[p] for p in PACKAGES if set(owners.get(p, ())) - {"deltaserve"}}
-    assert not clashes, f"distributions that install our top-level module names: {clashes}"
+def test_no_distribution_shadows_deltaserve() -> None:
+    """No installed distribution other than ours provides a top-level `deltaserve`."""
+    owners = set(packages_distributions().get("deltaserve", ())) - {"deltaserve"}
+    assert not owners, f"distributions that install a top-level deltaserve: {owners}"

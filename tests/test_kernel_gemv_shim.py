@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import blas, gemv_shim
+from deltaserve.kernels import blas, gemv_shim
 
 needs_shim = pytest.mark.skipif(
     not gemv_shim.shim_loaded(), reason="gemv shim not preloaded (no OpenBLAS or no C compiler)"

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from models.testing import cached_checkpoint
+from deltaserve.models.testing import cached_checkpoint
 from tests.processes import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parent.parent
@@ -29,7 +29,7 @@ NUM_STREAMS = 2
 def server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str, Path]]:
     """A `deltaserve serve` subprocess on a free port; yields (process, url, stderr file)."""
     port = free_port()
-    command = [sys.executable, "-m", "server.cli", "serve", "--config", "/dev/null"]
+    command = [sys.executable, "-m", "deltaserve.server.cli", "serve", "--config", "/dev/null"]
     command += ["--model", str(cached_checkpoint("tiny")), "--port", str(port)]
     stderr_path = tmp_path / "stderr.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}

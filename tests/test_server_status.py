@@ -14,11 +14,11 @@ import httpx
 import pytest
 from fake_engine import FakeEngine, LiveServer, real_tokenizer
 
-from engine.api import EngineStats
-from server.app import create_app
-from server.request_log import CLIENT_GONE, RequestLog, RequestRecord
-from server.settings import ModelSettings, ServerSettings, Settings
-from server.status import StatusHistory
+from deltaserve.engine.api import EngineStats
+from deltaserve.server.app import create_app
+from deltaserve.server.request_log import CLIENT_GONE, RequestLog, RequestRecord
+from deltaserve.server.settings import ModelSettings, ServerSettings, Settings
+from deltaserve.server.status import StatusHistory
 
 MODEL = "qwen-test"
 API_KEY = "status-test-key"
