@@ -56,7 +56,7 @@ def test_growing_buffers_reuse_freed_memory() -> None:
 
 def test_keep_freed_memory_turns_mlx_cache_off() -> None:
     code = (
-        "import mlx.core as mx\nfrom kernels import host_memory\n"
+        "import mlx.core as mx\nfrom deltaserve.kernels import host_memory\n"
         "assert host_memory.keep_freed_memory() and host_memory.keep_freed_memory()\n"
         "print(mx.set_cache_limit(0))"
     )
