@@ -1,4 +1,5 @@
-"""Every third-party module the product imports is a declared runtime dependency.
+"""Every third-party module the product imports is a declared runtime dependency, and
+other distributions' modules install beside ours.
 
 The server once imported jinja2 without declaring it: the test extra pulled it in, so CI
 stayed green while `scripts/setup` (runtime dependencies only) crashed on a fresh clone.
@@ -7,7 +8,10 @@ stayed green while `scripts/setup` (runtime dependencies only) crashed on a fres
 from __future__ import annotations
 
 import ast
+import json
+import os
 import re
+import subprocess
 import sys
 import tomllib
 from importlib.metadata import packages_distributions
@@ -72,3 +76,31 @@ def test_no_distribution_shadows_deltaserve() -> None:
     """No installed distribution other than ours provides a top-level `deltaserve`."""
     owners = set(packages_distributions().get("deltaserve", ())) - {"deltaserve"}
     assert not owners, f"distributions that install a top-level deltaserve: {owners}"
+
+
+# Run from a temporary directory, as a user's program runs: no checkout on sys.path.
+_BOTH_KERNELS = """
+import json, kernels, deltaserve.kernels, deltaserve.kernels.gated_delta
+print(json.dumps([kernels.__file__, hasattr(kernels, "get_kernel"), deltaserve.kernels.__file__]))
+"""
+
+
+def test_hugging_face_kernels_installs_beside_ours(tmp_path: Path) -> None:
+    """Hugging Face's `kernels` distribution (transformers >= 5.25 requires it; the test
+    extra installs it) and deltaserve.kernels import side by side in one process, as two
+    different modules (ours once installed as top-level `kernels` and clashed with it)."""
+    owners = packages_distributions()
+    assert owners.get("kernels") == ["kernels"], owners.get("kernels")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run(
+        [sys.executable, "-c", _BOTH_KERNELS],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    theirs, is_hugging_faces, ours = json.loads(result.stdout)
+    assert is_hugging_faces, theirs
+    assert Path(ours).resolve() != Path(theirs).resolve()
