@@ -26,10 +26,10 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kernels.blas import ensure_openblas
+from deltaserve.kernels.blas import ensure_openblas
 
 if TYPE_CHECKING:  # imported in run(), after ensure_openblas
-    from engine.engine import LLMEngine
+    from deltaserve.engine.engine import LLMEngine
 
 
 def _prompt(rng: random.Random, n: int) -> tuple[int, ...]:
@@ -54,11 +54,11 @@ def _prefill(engine: LLMEngine, request_id: str, pick: Callable[[int], int], tim
 
 def run(args: argparse.Namespace) -> list[dict]:
     from bench.server_vs_mlxlm import _f32_copy
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.types import GenerationRequest, SamplingParams
-    from models.build import load_model
-    from models.testing import cached_checkpoint
+    from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.engine import LLMEngine
+    from deltaserve.engine.types import GenerationRequest, SamplingParams
+    from deltaserve.models.build import load_model
+    from deltaserve.models.testing import cached_checkpoint
 
     loaded = load_model(_f32_copy(cached_checkpoint(args.checkpoint)))
     config = EngineConfig(max_stall_factor=0, max_num_seqs=args.rows + 1)

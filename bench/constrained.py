@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from statistics import mean, median
 
-from kernels.blas import blas_summary, ensure_openblas
+from deltaserve.kernels.blas import blas_summary, ensure_openblas
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "json_schema_suite.json"
 EOS = (248046, 248044)
@@ -52,7 +52,7 @@ def _schemas() -> list[dict]:
 
 
 def _allowed(row, vocab: int) -> list[int]:
-    from engine.token_mask import allowed_ids
+    from deltaserve.engine.token_mask import allowed_ids
 
     return [int(t) for t in allowed_ids(row, vocab)]
 
@@ -218,10 +218,10 @@ def bench_step(
     drifts); the ratio is of the median step times."""
     import mlx.core as mx
 
-    from engine.config import EngineConfig
-    from engine.constraint import Constraint
-    from engine.engine import LLMEngine
-    from models.build import load_model
+    from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.constraint import Constraint
+    from deltaserve.engine.engine import LLMEngine
+    from deltaserve.models.build import load_model
 
     loaded = load_model(path)
     config = EngineConfig(max_num_seqs=rows, max_num_batched_tokens=max(512, rows * 16))
@@ -253,7 +253,7 @@ def bench_step(
 def _steady_steps(engine, rows: int, steps: int, temperature: float, spec) -> dict:
     """Mean wall time of the steps where all `rows` decode and nothing prefills, and of
     the mask computation inside them."""
-    from engine.types import GenerationRequest, SamplingParams
+    from deltaserve.engine.types import GenerationRequest, SamplingParams
 
     rng = random.Random(0)
     for i in range(rows):
@@ -299,7 +299,7 @@ def _apply_ms(rows: int, vocab: int) -> float:
     import mlx.core as mx
     import numpy as np
 
-    from engine.token_mask import apply_token_mask
+    from deltaserve.engine.token_mask import apply_token_mask
 
     logits = mx.random.normal((rows, vocab))
     bits = np.random.default_rng(0).integers(-(2**31), 2**31, (rows, (vocab + 31) // 32))
@@ -312,7 +312,9 @@ def main() -> None:
     ensure_openblas()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("mode", choices=["engines", "step"])
-    ap.add_argument("--checkpoint", default="small", help="a models.testing checkpoint name")
+    ap.add_argument(
+        "--checkpoint", default="small", help="a deltaserve.models.testing checkpoint name"
+    )
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--steps", type=int, default=24, help="decode steps per run (step mode)")
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -321,7 +323,7 @@ def main() -> None:
         "--cache-limit-mb", type=int, default=None, help="override the engine's MLX cache limit"
     )
     args = ap.parse_args()
-    from models.testing import cached_checkpoint
+    from deltaserve.models.testing import cached_checkpoint
 
     path = cached_checkpoint(args.checkpoint)
     load = os.getloadavg()[0]

@@ -53,17 +53,19 @@ def count_primitives(arrays: list[mx.array]) -> Counter:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--shape", default="small", help="models.testing shape name or a path")
+    ap.add_argument(
+        "--shape", default="small", help="deltaserve.models.testing shape name or a path"
+    )
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--no-compile", action="store_true", help="the uncompiled decode step")
     args = ap.parse_args()
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.types import GenerationRequest, SamplingParams
-    from models.build import load_model
-    from models.testing import cached_checkpoint
+    from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.engine import LLMEngine
+    from deltaserve.engine.types import GenerationRequest, SamplingParams
+    from deltaserve.models.build import load_model
+    from deltaserve.models.testing import cached_checkpoint
 
     path = args.shape if "/" in args.shape else str(cached_checkpoint(args.shape))
     loaded = load_model(path, getattr(mx, args.dtype))

@@ -14,7 +14,7 @@ import json
 import random
 import time
 
-from kernels.blas import blas_summary, ensure_openblas
+from deltaserve.kernels.blas import blas_summary, ensure_openblas
 
 
 def _prompts(count: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
@@ -31,9 +31,9 @@ class Ours:
     name = "deltaserve"
 
     def __init__(self, path: str, budget: int, chunk: int, pack: bool = True, **kw) -> None:
-        from engine.config import EngineConfig
-        from engine.engine import LLMEngine
-        from models.build import load_model
+        from deltaserve.engine.config import EngineConfig
+        from deltaserve.engine.engine import LLMEngine
+        from deltaserve.models.build import load_model
 
         self.loaded = load_model(path)
         self.config = EngineConfig(
@@ -46,7 +46,7 @@ class Ours:
         self.make = lambda: LLMEngine(self.loaded, self.config)
 
     def run(self, prompts: list[list[int]], gens: list[int], on_token) -> None:
-        from engine.types import GenerationRequest, SamplingParams
+        from deltaserve.engine.types import GenerationRequest, SamplingParams
 
         engine = self.make()
         for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
@@ -61,7 +61,7 @@ class Ours:
                     on_token(int(d.request_id), now)
 
     def add_late(self, prompt: list[int], gen: int) -> None:
-        from engine.types import GenerationRequest, SamplingParams
+        from deltaserve.engine.types import GenerationRequest, SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
         self.engine.add_request(GenerationRequest("late", tuple(prompt), params))
@@ -204,7 +204,7 @@ def main() -> None:
     ap.add_argument("--no-pack", action="store_true", help="ours: MLP per group, not packed")
     ap.add_argument("--only", choices=["deltaserve", "mlx_lm"], default=None)
     args = ap.parse_args()
-    from models.testing import cached_checkpoint
+    from deltaserve.models.testing import cached_checkpoint
 
     path = args.checkpoint if "/" in args.checkpoint else str(cached_checkpoint(args.checkpoint))
     print(json.dumps({"blas": blas_summary(), "checkpoint": args.checkpoint}))

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kernels.gated_delta import (  # noqa: E402
+from deltaserve.kernels.gated_delta import (  # noqa: E402
     gated_delta_chunked,
     gated_delta_reference,
     gated_delta_step,

@@ -2,7 +2,7 @@
 
 Run:  python -m bench.gated_delta_step [--batch 1 8 64] [--reps 50]
 Paths: "ops" = the reference's plain MLX ops (one step, eager), "compiled" =
-kernels.gated_delta.gated_delta_step (the compiled ops path decode uses today), "fast" =
+deltaserve.kernels.gated_delta.gated_delta_step (the compiled ops path decode uses today), "fast" =
 mx.fast.gated_delta_update (inputs prepared outside the timed region), "fused" =
 gated_delta_step_fused (the CUDA/Metal kernel; on CPU it is the compiled path again).
 
@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from kernels.gated_delta import gated_delta_reference, gated_delta_step
-from kernels.gated_delta_fused import gated_delta_step_fused
+from deltaserve.kernels.gated_delta import gated_delta_reference, gated_delta_step
+from deltaserve.kernels.gated_delta_fused import gated_delta_step_fused
 
 HBM_BYTES_PER_S = 4.3e12
 CHAIN = 50

@@ -33,7 +33,7 @@ def step_weight_bytes(loaded, batch: int) -> float:
     top-k picks each touch, E (1 - (1 - k/E)^B) (uniform routing, as random weights give)."""
     import mlx.nn as nn
 
-    from models.layers import SparseMoE
+    from deltaserve.models.layers import SparseMoE
 
     total = loaded.weight_bytes()
     for layer in loaded.model.layers:
@@ -51,8 +51,8 @@ def check_compiled(ours: Ours, prompt_len: int) -> dict:
     import dataclasses
 
     from bench.engine_throughput import _prompts
-    from engine.engine import LLMEngine
-    from engine.types import SamplingParams
+    from deltaserve.engine.engine import LLMEngine
+    from deltaserve.engine.types import SamplingParams
 
     prompts = _prompts(8, prompt_len // 2, prompt_len, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -69,7 +69,9 @@ def check_compiled(ours: Ours, prompt_len: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument(
-        "--shape", default="0.8B", help="a models.testing shape/checkpoint name or a path"
+        "--shape",
+        default="0.8B",
+        help="a deltaserve.models.testing shape/checkpoint name or a path",
     )
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--prompt", type=int, default=128)
@@ -83,7 +85,7 @@ def main() -> None:
     args = ap.parse_args()
     import mlx.core as mx
 
-    from models.testing import cached_checkpoint
+    from deltaserve.models.testing import cached_checkpoint
 
     start = time.perf_counter()
     path = args.shape if "/" in args.shape else str(cached_checkpoint(args.shape))

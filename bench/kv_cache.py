@@ -23,18 +23,18 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kernels.blas import blas_summary, ensure_openblas
+from deltaserve.kernels.blas import blas_summary, ensure_openblas
 
 if __name__ == "__main__":
     ensure_openblas()  # must run before mlx.core is imported
 
 import mlx.core as mx  # noqa: E402
 
-from engine.config import KVCacheConfig  # noqa: E402
+from deltaserve.engine.config import KVCacheConfig  # noqa: E402
 
 if TYPE_CHECKING:
-    from engine.engine import LLMEngine
-    from models.build import LoadedModel
+    from deltaserve.engine.engine import LLMEngine
+    from deltaserve.models.build import LoadedModel
 
 KINDS: dict[str, KVCacheConfig] = {
     "fp": KVCacheConfig(),
@@ -56,10 +56,10 @@ def _emit(row: dict) -> None:
 
 
 def memory_rows(rows: int = 32, tokens: int = 4096) -> None:
-    from engine.cache.budget import StateCosts
-    from engine.cache.factory import kv_bytes_per_element_pair, kv_prefix_tokens
-    from models.config import TextConfig
-    from models.testing.config import SHAPES, text_config
+    from deltaserve.engine.cache.budget import StateCosts
+    from deltaserve.engine.cache.factory import kv_bytes_per_element_pair, kv_prefix_tokens
+    from deltaserve.models.config import TextConfig
+    from deltaserve.models.testing.config import SHAPES, text_config
 
     for shape in ("0.8B", "9B"):
         cfg = TextConfig.from_dict(text_config(SHAPES[shape]))
@@ -81,7 +81,7 @@ def memory_rows(rows: int = 32, tokens: int = 4096) -> None:
 
 def _check_formula() -> None:
     """A real store at head_dim 256 / 4 KV heads holds exactly the formula's bytes."""
-    from engine.cache.factory import kv_bytes_per_element_pair, kv_store_factory
+    from deltaserve.engine.cache.factory import kv_bytes_per_element_pair, kv_store_factory
 
     for name, kv in KINDS.items():
         store = kv_store_factory(kv)()
@@ -98,9 +98,9 @@ def _prefilled_engine(
     loaded: LoadedModel, kv: KVCacheConfig, batch: int, prompt_len: int, budget: int
 ) -> LLMEngine:
     """An engine whose `batch` rows have all prefilled and decoded twice (off the clock)."""
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.types import GenerationRequest, SamplingParams
+    from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.engine import LLMEngine
+    from deltaserve.engine.types import GenerationRequest, SamplingParams
 
     config = EngineConfig(
         max_num_seqs=max(batch, 1), max_num_batched_tokens=2048, max_prefill_chunk=512,
@@ -128,8 +128,8 @@ def _tok_s(engine: LLMEngine, steps: int) -> float:
 def decode_rows(prompt_len: int, steps: int, rounds: int = 5) -> None:
     """Kinds are timed in interleaved rounds (best round kept): the host is shared and
     noisy, and a slow spell should hit every kind alike."""
-    from models.build import load_model
-    from models.testing import cached_checkpoint
+    from deltaserve.models.build import load_model
+    from deltaserve.models.testing import cached_checkpoint
 
     loaded = load_model(str(cached_checkpoint("small")))
     for batch in (1, 32):
@@ -162,14 +162,14 @@ def _ms(fn: Callable[[], mx.array], reps: int = 5) -> float:
 
 def _kernel_paths(q: mx.array, k: mx.array, v: mx.array, mask: str | None) -> dict:
     """One closure per attention path over the same q/k/v (affine 8-bit g64, TQ K8V3)."""
-    from kernels.quant_attention import (
+    from deltaserve.kernels.quant_attention import (
         affine_attention,
         fold_queries,
         masked_softmax,
         unfold_output,
     )
-    from kernels.turboquant import turboquant_quantize
-    from kernels.turboquant_attention import (
+    from deltaserve.kernels.turboquant import turboquant_quantize
+    from deltaserve.kernels.turboquant_attention import (
         turboquant_attention,
         turboquant_attention_dequantized,
     )

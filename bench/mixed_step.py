@@ -42,8 +42,8 @@ def _timed(fn, reps: int = 7, warmup: int = 2) -> dict:
 
 def model_lines(loaded, sizes: list[int]) -> list[dict]:
     """A fresh [1, L] group: whole model, one DeltaNet layer, one attention layer."""
-    from engine.cache.batch import BatchState
-    from models.state import ForwardGroup, text_positions
+    from deltaserve.engine.cache.batch import BatchState
+    from deltaserve.models.state import ForwardGroup, text_positions
 
     model = loaded.model
     dn_idx = next(i for i, layer in enumerate(model.layers) if not layer.is_full_attention)
@@ -64,7 +64,7 @@ def model_lines(loaded, sizes: list[int]) -> list[dict]:
         mx.eval(x)
 
         def one(idx: int, x=x, tokens=tokens, positions=positions) -> list[mx.array]:
-            from models.qwen35 import _GroupContext
+            from deltaserve.models.qwen35 import _GroupContext
 
             state = BatchState.empty(loaded.config)
             group = ForwardGroup(tokens, positions, state.layers)
@@ -87,10 +87,10 @@ def model_lines(loaded, sizes: list[int]) -> list[dict]:
 
 def engine_lines(path: str, rows: int, sizes: list[int], prompt: int, reps: int) -> list[dict]:
     """Alternate decode-only and mixed steps while a `prompt`-token prompt prefills."""
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.types import GenerationRequest, SamplingParams
-    from models.build import load_model
+    from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.engine import LLMEngine
+    from deltaserve.engine.types import GenerationRequest, SamplingParams
+    from deltaserve.models.build import load_model
 
     loaded = load_model(path)
     config = EngineConfig(max_num_seqs=max(64, rows + 1), max_stall_factor=0)
@@ -154,15 +154,17 @@ def engine_lines(path: str, rows: int, sizes: list[int], prompt: int, reps: int)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--shape", default="0.8B", help="models.testing shape name or a path")
+    ap.add_argument(
+        "--shape", default="0.8B", help="deltaserve.models.testing shape name or a path"
+    )
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--skip-model", action="store_true")
     args = ap.parse_args()
-    from models.build import load_model
-    from models.testing import cached_checkpoint
+    from deltaserve.models.build import load_model
+    from deltaserve.models.testing import cached_checkpoint
 
     path = args.shape if "/" in args.shape else str(cached_checkpoint(args.shape))
     print(json.dumps({"shape": args.shape, "device": str(mx.default_device())}), flush=True)

@@ -5,9 +5,9 @@
 Prints JSON lines:
 - "moe": layer 0's sparse MoE block alone on random tokens [B, H] (--moe-batches), per call
   (each call evaluated and the device synchronised) and per call of a 16-call chain
-  (GPU-bound): ours with rows always / never sorted by expert (models.layers.SORT_MIN_ROWS
-  0 / 2^30), eager and compiled, and mlx-lm's block on the same weights; plus its parts
-  (router, experts, shared expert).
+  (GPU-bound): ours with rows always / never sorted by expert
+  (deltaserve.models.layers.SORT_MIN_ROWS 0 / 2^30), eager and compiled, and mlx-lm's block
+  on the same weights; plus its parts (router, experts, shared expert).
 - "decode": steady-state engine steps (ours, pipelined as in bench.gpu) and mlx-lm
   decode steps (model + cache, eager, argmax) at B rows after a prompt of --prompt tokens,
   ms per step (median); ours with SORT_MIN_ROWS at 0 (always sort) and 64 (mlx-lm's).
@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-import models.layers as layers
+import deltaserve.models.layers as layers
 
 NEVER = 1 << 30  # SORT_MIN_ROWS that never sorts
 OUT: list[str] = []  # the --out file, appended to line by line (a killed run keeps them)
@@ -178,7 +178,7 @@ def moe_batch(ours, theirs, x: mx.array, indices: mx.array, kernels: bool) -> No
 def ours_decode(path_loaded, batch: int, prompt: int, steps: int, kernels: bool, label: str):
     """Steady-state engine steps of `batch` rows (every row decoding)."""
     from bench.engine_throughput import _prompts
-    from engine.types import GenerationRequest, SamplingParams
+    from deltaserve.engine.types import GenerationRequest, SamplingParams
 
     ours = path_loaded
     engine = ours.make()
@@ -266,7 +266,7 @@ def main() -> None:
     import mlx_lm
 
     from bench.engine_throughput import Ours
-    from models.testing import cached_checkpoint
+    from deltaserve.models.testing import cached_checkpoint
 
     if args.out:
         OUT.append(args.out)

@@ -36,7 +36,7 @@ def _median_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 2) -> flo
 
 
 def _set_compiled(model, enabled: bool | None) -> None:
-    from models.deltanet import GatedDeltaNet
+    from deltaserve.models.deltanet import GatedDeltaNet
 
     for layer in model.layers:
         mixer = getattr(layer, "linear_attn", None)
@@ -48,8 +48,8 @@ def kernel_lines(loaded, rows: int, length: int) -> list[dict]:
     """The chunked recurrence alone and one layer's core, eager vs compiled."""
     from functools import partial
 
-    from kernels.gated_delta import gated_delta_chunked
-    from models.deltanet import GatedDeltaNet, deltanet_core
+    from deltaserve.kernels.gated_delta import gated_delta_chunked
+    from deltaserve.models.deltanet import GatedDeltaNet, deltanet_core
 
     layer = next(
         x.linear_attn for x in loaded.model.layers if isinstance(x.linear_attn, GatedDeltaNet)
@@ -87,8 +87,8 @@ def kernel_lines(loaded, rows: int, length: int) -> list[dict]:
 def forward_lines(loaded, shapes: list[tuple[int, int]]) -> list[dict]:
     """Fresh cohorts of `shapes` [(rows, length), ...] through the whole model in one
     forward (as the runner builds a step), compiled prefill off and on."""
-    from engine.cache.batch import BatchState
-    from models.state import ForwardGroup, text_positions
+    from deltaserve.engine.cache.batch import BatchState
+    from deltaserve.models.state import ForwardGroup, text_positions
 
     inputs = [
         (mx.random.randint(100, 200000, (r, n)).astype(mx.int32), text_positions([0] * r, n))
@@ -147,7 +147,7 @@ class _TimedModel:
 def engine_step_lines(path: str, batch: int, prompt: int, gen: int, compiled: bool) -> dict:
     """Per-step (prefill tokens, decode rows, ms) of one batch run, each step synchronised."""
     from bench.engine_throughput import Ours, _prompts
-    from engine.types import GenerationRequest, SamplingParams
+    from deltaserve.engine.types import GenerationRequest, SamplingParams
 
     ours = Ours(path, 2048, 512, pack=False)
     _set_compiled(ours.loaded.model, compiled)
@@ -199,7 +199,9 @@ def engine_step_lines(path: str, batch: int, prompt: int, gen: int, compiled: bo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--shape", default="0.8B", help="models.testing shape name or a path")
+    ap.add_argument(
+        "--shape", default="0.8B", help="deltaserve.models.testing shape name or a path"
+    )
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--length", type=int, default=128)
     ap.add_argument("--batch", type=int, default=64, help="engine run: prompts at once")
@@ -209,8 +211,8 @@ def main() -> None:
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from models.build import load_model
-    from models.testing import cached_checkpoint
+    from deltaserve.models.build import load_model
+    from deltaserve.models.testing import cached_checkpoint
 
     path = args.shape if "/" in args.shape else str(cached_checkpoint(args.shape))
     loaded = load_model(path)

@@ -36,7 +36,7 @@ from bench.server_vs_mlxlm import (
     _wait_ready,
     served_name,
 )
-from models.testing import cached_checkpoint
+from deltaserve.models.testing import cached_checkpoint
 
 NO_THINKING = {"enable_thinking": False}
 

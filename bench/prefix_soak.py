@@ -19,7 +19,7 @@ import json
 import random
 import time
 
-from kernels.blas import ensure_openblas
+from deltaserve.kernels.blas import ensure_openblas
 
 
 def _workload(args: argparse.Namespace) -> list[tuple[list[int], int, int]]:
@@ -40,11 +40,11 @@ def _workload(args: argparse.Namespace) -> list[tuple[list[int], int, int]]:
 def soak(args: argparse.Namespace) -> dict:
     # imported here, after ensure_openblas (it restarts the process before mlx loads)
     from bench.server_vs_mlxlm import _f32_copy
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.types import GenerationRequest, SamplingParams
-    from models.build import load_model
-    from models.testing import cached_checkpoint
+    from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.engine import LLMEngine
+    from deltaserve.engine.types import GenerationRequest, SamplingParams
+    from deltaserve.models.build import load_model
+    from deltaserve.models.testing import cached_checkpoint
 
     # bf16 on the CPU never reaches BLAS: 100 requests took 312 s (2.3 s a step)
     loaded = load_model(_f32_copy(cached_checkpoint(args.checkpoint)))

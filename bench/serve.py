@@ -70,7 +70,7 @@ def _checkpoint(name: str, dtype: str) -> tuple[Path, bool]:
     float32 copy (mlx-lm computes in the checkpoint's dtype, we in float32 on the CPU)."""
     import mlx.core as mx
 
-    from models.testing import cached_checkpoint
+    from deltaserve.models.testing import cached_checkpoint
 
     src = Path(name) if "/" in name or Path(name).is_dir() else cached_checkpoint(name)
     on_cpu = mx.default_device().type == mx.DeviceType.cpu
@@ -110,7 +110,7 @@ def _request_fields(kind: str, model: Path, peer_eos_bias: bool) -> dict:
 
 def _commands(model: Path, args: argparse.Namespace) -> dict[str, list[str]]:
     """Both servers' command lines, each on a free port."""
-    from engine.config import EngineConfig
+    from deltaserve.engine.config import EngineConfig
 
     rows = max(args.clients)
     ours_rows = rows if rows > EngineConfig.max_num_seqs else None
@@ -300,7 +300,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--checkpoint", default="small", help="models.testing name, or a path")
+    ap.add_argument(
+        "--checkpoint", default="small", help="deltaserve.models.testing name, or a path"
+    )
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)

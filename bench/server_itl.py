@@ -39,7 +39,7 @@ from bench.server_vs_mlxlm import (
     _wait_ready,
     served_name,
 )
-from models.testing import cached_checkpoint
+from deltaserve.models.testing import cached_checkpoint
 
 
 def _image_url(size: str, seed: int) -> str:

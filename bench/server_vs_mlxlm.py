@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from kernels.blas import openblas_path
+from deltaserve.kernels.blas import openblas_path
 
 WORDS = [
     "alpha",
@@ -85,7 +85,7 @@ def server_command(
     default; ours gets `--max-num-seqs` unless None, then `extra` after its own
     arguments; mlx_lm.server gets `extra` too."""
     if kind == "deltaserve":
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model)]
+        cmd = [sys.executable, "-m", "deltaserve.server.cli", "serve", "--model", str(model)]
         cmd += ["--port", str(port)]
         if max_num_seqs is not None:
             cmd += ["--max-num-seqs", str(max_num_seqs)]
@@ -295,7 +295,7 @@ def main() -> None:
     ap.add_argument("--only", choices=["deltaserve", "mlx_lm"], default=None)
     ap.add_argument("--logdir", default="/tmp")
     args = ap.parse_args()
-    from models.testing import cached_checkpoint
+    from deltaserve.models.testing import cached_checkpoint
 
     src = Path(args.checkpoint) if "/" in args.checkpoint else cached_checkpoint(args.checkpoint)
     model = _f32_copy(src)

@@ -12,20 +12,20 @@ import argparse
 import json
 import time
 
-from kernels.blas import blas_summary, ensure_openblas
+from deltaserve.kernels.blas import blas_summary, ensure_openblas
 
 
 def _checkpoint(name: str) -> str:
-    from models.testing import cached_checkpoint
+    from deltaserve.models.testing import cached_checkpoint
 
     return name if "/" in name else str(cached_checkpoint(name))
 
 
 def bench_ours(path: str, prompt: list[int], gen: int) -> dict:
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.types import GenerationRequest, SamplingParams
-    from models.build import load_model
+    from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.engine import LLMEngine
+    from deltaserve.engine.types import GenerationRequest, SamplingParams
+    from deltaserve.models.build import load_model
 
     engine = LLMEngine(
         load_model(path), EngineConfig(max_num_batched_tokens=2048, max_prefill_chunk=2048)

@@ -72,7 +72,7 @@ def free_port() -> int:
 
 
 def serve_command(model: str, port: int, extra: Sequence[str] = ()) -> list[str]:
-    command = [sys.executable, "-m", "server.cli", "serve", "--config", "/dev/null"]
+    command = [sys.executable, "-m", "deltaserve.server.cli", "serve", "--config", "/dev/null"]
     return [*command, "--model", model, "--port", str(port), *extra]
 
 

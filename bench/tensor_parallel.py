@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from kernels.blas import ensure_openblas
+from deltaserve.kernels.blas import ensure_openblas
 
 
 class _Engine:
@@ -29,7 +29,7 @@ class _Engine:
 
     name = "deltaserve"
 
-    def __init__(self, engine, margins: bool) -> None:  # engine.engine.LLMEngine
+    def __init__(self, engine, margins: bool) -> None:  # deltaserve.engine.engine.LLMEngine
         self.engine = engine
         self.margins = margins  # record each token's top-1 minus top-2 logprob
         self.tokens: dict[int, list[int]] = {}
@@ -38,7 +38,7 @@ class _Engine:
     def run(self, prompts: list[list[int]], gens: list[int], on_token) -> None:
         import time
 
-        from engine.types import GenerationRequest, SamplingParams
+        from deltaserve.engine.types import GenerationRequest, SamplingParams
 
         self.tokens = {i: [] for i in range(len(prompts))}
         self.gaps = {i: [] for i in range(len(prompts))}
@@ -87,7 +87,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True, help="figures and tokens (JSON)")
     parser.add_argument("--reference", type=Path, help="another run's --out to compare with")
     parser.add_argument("--backend", default="any", help="mx.distributed backend to join")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: models.build's")
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], help="default: deltaserve.models.build's"
+    )
     parser.add_argument("--no-pipeline", action="store_true", help="one process, unpipelined")
     parser.add_argument("--margins", action="store_true", help="top-2 logprob gaps (slower)")
     args = parser.parse_args()
@@ -95,9 +97,9 @@ def main() -> int:
     import mlx.core as mx
 
     from bench.engine_throughput import throughput
-    from engine.config import EngineConfig
-    from engine.tensor_parallel import follow, join_group, start_engine
-    from models.testing import cached_checkpoint
+    from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.tensor_parallel import follow, join_group, start_engine
+    from deltaserve.models.testing import cached_checkpoint
 
     path = args.checkpoint if Path(args.checkpoint).is_dir() else cached_checkpoint(args.checkpoint)
     parallel = join_group(args.backend)

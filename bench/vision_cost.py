@@ -35,8 +35,8 @@ import mlx.nn as nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from models.testing.config import SHAPES, hf_config  # noqa: E402
-from models.vision import VisionConfig, VisionTower  # noqa: E402
+from deltaserve.models.testing.config import SHAPES, hf_config  # noqa: E402
+from deltaserve.models.vision import VisionConfig, VisionTower  # noqa: E402
 
 
 def time_ms(fn: Callable[[], mx.array], reps: int, warmup: int) -> dict:

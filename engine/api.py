@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.types import GenerationRequest, RequestOutput
+from deltaserve.engine.types import GenerationRequest, RequestOutput
 
 
 @dataclass(frozen=True)

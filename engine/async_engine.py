@@ -22,14 +22,14 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.api import EngineInfo, EngineStats, EngineSummary
-from engine.cache.prefix_index import PrefixCacheStats
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.tensor_parallel import start_engine
-from engine.types import GenerationRequest, RequestOutput
-from kernels.blas import openblas_loaded
-from models.parallel import TensorParallel
+from deltaserve.engine.api import EngineInfo, EngineStats, EngineSummary
+from deltaserve.engine.cache.prefix_index import PrefixCacheStats
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.tensor_parallel import start_engine
+from deltaserve.engine.types import GenerationRequest, RequestOutput
+from deltaserve.kernels.blas import openblas_loaded
+from deltaserve.models.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 

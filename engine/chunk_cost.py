@@ -17,10 +17,10 @@ import time
 
 import mlx.core as mx
 
-from engine.cache.batch import BatchState
-from engine.step_cost import ChunkCost
-from models.build import LoadedModel
-from models.state import ForwardGroup, text_positions
+from deltaserve.engine.cache.batch import BatchState
+from deltaserve.engine.step_cost import ChunkCost
+from deltaserve.models.build import LoadedModel
+from deltaserve.models.state import ForwardGroup, text_positions
 
 LENGTHS = (64, 1024)  # the two chunk lengths measured
 RUNS = 3  # timed runs of each, after one that compiles its shapes

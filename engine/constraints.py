@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import llguidance as llg
 import numpy as np
 
-from engine.constraint import Constraint
-from engine.grammar import CompiledGrammar, GrammarCompiler
-from engine.types import SamplingParams
+from deltaserve.engine.constraint import Constraint
+from deltaserve.engine.grammar import CompiledGrammar, GrammarCompiler
+from deltaserve.engine.types import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from engine.cache.batch import BatchState
-from engine.cache.kv import KVStore
-from engine.cache.ssm import SSMState
-from models.qwen35 import Qwen35Model
-from models.state import ForwardGroup
+from deltaserve.engine.cache.batch import BatchState
+from deltaserve.engine.cache.kv import KVStore
+from deltaserve.engine.cache.ssm import SSMState
+from deltaserve.models.qwen35 import Qwen35Model
+from deltaserve.models.state import ForwardGroup
 
 
 class _KVView:

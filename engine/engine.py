@@ -16,31 +16,35 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from engine.api import EngineSummary
-from engine.cache.batch import BatchState
-from engine.cache.budget import MemoryBudget, StateCosts, default_budget_bytes
-from engine.cache.factory import kv_bytes_per_element_pair, kv_prefix_tokens, kv_store_factory
-from engine.cache.prefix_index import PrefixIndex
-from engine.cache.rows import RowStates, decode_bucket
-from engine.chunk_cost import measure_chunk_cost
-from engine.config import EngineConfig
-from engine.constraints import RowConstraints, RowKey
-from engine.decode import CompiledDecode
-from engine.grammar import GrammarCompiler, grammar_compiler
-from engine.media import prepare_media
-from engine.plan import SchedulerOutput
-from engine.request import Request
-from engine.runner import ModelRunner
-from engine.sampler import SampledBatch, Sampler, SamplingRow
-from engine.scheduler import Scheduler
-from engine.types import GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
-from engine.vision_inputs import VisionInputs
-from kernels.host_memory import keep_freed_memory
-from models.build import LoadedModel, on_cpu
-from models.deltanet import compile_prefill_default
+from deltaserve.engine.api import EngineSummary
+from deltaserve.engine.cache.batch import BatchState
+from deltaserve.engine.cache.budget import MemoryBudget, StateCosts, default_budget_bytes
+from deltaserve.engine.cache.factory import (
+    kv_bytes_per_element_pair,
+    kv_prefix_tokens,
+    kv_store_factory,
+)
+from deltaserve.engine.cache.prefix_index import PrefixIndex
+from deltaserve.engine.cache.rows import RowStates, decode_bucket
+from deltaserve.engine.chunk_cost import measure_chunk_cost
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.constraints import RowConstraints, RowKey
+from deltaserve.engine.decode import CompiledDecode
+from deltaserve.engine.grammar import GrammarCompiler, grammar_compiler
+from deltaserve.engine.media import prepare_media
+from deltaserve.engine.plan import SchedulerOutput
+from deltaserve.engine.request import Request
+from deltaserve.engine.runner import ModelRunner
+from deltaserve.engine.sampler import SampledBatch, Sampler, SamplingRow
+from deltaserve.engine.scheduler import Scheduler
+from deltaserve.engine.types import GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
+from deltaserve.engine.vision_inputs import VisionInputs
+from deltaserve.kernels.host_memory import keep_freed_memory
+from deltaserve.models.build import LoadedModel, on_cpu
+from deltaserve.models.deltanet import compile_prefill_default
 
 if TYPE_CHECKING:  # tensor_parallel.py builds engines
-    from engine.tensor_parallel import Leader
+    from deltaserve.engine.tensor_parallel import Leader
 
 log = logging.getLogger(__name__)
 TYPICAL_CHAT_TOKENS = 4096  # prompt + answer of a typical chat turn (the start-up summary)
@@ -219,7 +223,7 @@ class LLMEngine:
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The process's grammar compiler for this model, registered for the server
-        (engine.grammar.find_compiler), which compiles off this thread; a compile past
+        (deltaserve.engine.grammar.find_compiler), which compiles off this thread; a compile past
         config.grammar_timeout_s is refused."""
         cfg = self.loaded.config
         eos = tuple(cfg.eos_token_ids)

@@ -38,9 +38,9 @@ from pathlib import Path
 
 import llguidance as llg
 
-from engine.constraint import PARAM, Constraint
-from engine.tool_grammar import tool_call_lark
-from engine.types import InvalidRequestError
+from deltaserve.engine.constraint import PARAM, Constraint
+from deltaserve.engine.tool_grammar import tool_call_lark
+from deltaserve.engine.types import InvalidRequestError
 
 log = logging.getLogger(__name__)
 

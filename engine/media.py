@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.plan import VisionWork
-from engine.types import GenerationRequest, ImageInput, InvalidRequestError
-from models.config import TextConfig
-from models.rope_index import image_runs, mrope_positions
-from models.vision import VisionConfig
+from deltaserve.engine.plan import VisionWork
+from deltaserve.engine.types import GenerationRequest, ImageInput, InvalidRequestError
+from deltaserve.models.config import TextConfig
+from deltaserve.models.rope_index import image_runs, mrope_positions
+from deltaserve.models.vision import VisionConfig
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.cache.prefix_index import CacheDrop, CacheSave
+from deltaserve.engine.cache.prefix_index import CacheDrop, CacheSave
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import replace
 
-from engine.cache.budget import MemoryBudget
-from engine.cache.prefix_index import CacheSave, PrefixIndex
-from engine.config import EngineConfig
-from engine.media import VisionPrice, VisionProgress
-from engine.plan import PrefillChunk, VisionWork
-from engine.request import Request, Status
-from engine.step_cost import MIN_CHUNK, StepCostModel
+from deltaserve.engine.cache.budget import MemoryBudget
+from deltaserve.engine.cache.prefix_index import CacheSave, PrefixIndex
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.media import VisionPrice, VisionProgress
+from deltaserve.engine.plan import PrefillChunk, VisionWork
+from deltaserve.engine.request import Request, Status
+from deltaserve.engine.step_cost import MIN_CHUNK, StepCostModel
 
 # Smallest prefill a step with decode rows gets (so prefill always progresses), and the
 # smallest slice the prefill allowance is split into (so it is not spread over tiny groups).

@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from engine.media import PromptMedia, VisionProgress
-from engine.types import (
+from deltaserve.engine.media import PromptMedia, VisionProgress
+from deltaserve.engine.types import (
     GenerationRequest,
     InvalidRequestError,
     RequestOutput,

@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.cache.rows import RowStates
-from engine.decode import CompiledDecode
-from engine.plan import PrefillChunk, SchedulerOutput
-from engine.request import Request
-from engine.vision_inputs import VisionInputs
-from models.qwen35 import Qwen35Model
-from models.state import ForwardGroup, text_positions
+from deltaserve.engine.cache.rows import RowStates
+from deltaserve.engine.decode import CompiledDecode
+from deltaserve.engine.plan import PrefillChunk, SchedulerOutput
+from deltaserve.engine.request import Request
+from deltaserve.engine.vision_inputs import VisionInputs
+from deltaserve.models.qwen35 import Qwen35Model
+from deltaserve.models.state import ForwardGroup, text_positions
 
 
 @dataclass

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from engine.noise import gumbel_noise, row_key
-from engine.token_mask import apply_token_mask
-from engine.types import SamplingParams, TokenLogprob
-from kernels.argmax import argmax_rows
+from deltaserve.engine.noise import gumbel_noise, row_key
+from deltaserve.engine.token_mask import apply_token_mask
+from deltaserve.engine.types import SamplingParams, TokenLogprob
+from deltaserve.kernels.argmax import argmax_rows
 
 _CACHE_SIZE = {"plans": 8, "prompts": 512}
 # Row groups, each drawn one way; a batch's tokens come out group by group.

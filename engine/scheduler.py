@@ -18,16 +18,21 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from engine.api import QueueFullError
-from engine.cache.budget import MemoryBudget
-from engine.cache.prefix_index import CacheSave, PrefixIndex
-from engine.config import EngineConfig
-from engine.media import PromptMedia, VisionPrice
-from engine.plan import SchedulerOutput
-from engine.prefill_plan import MIN_PREFILL_TOKENS, PrefillPlanning
-from engine.request import Request, Status, choices_of
-from engine.step_cost import UNBOUNDED, ChunkCost, StepCostModel, StepTimer
-from engine.types import GenerationRequest, InvalidRequestError, RequestOutput, TokenLogprob
+from deltaserve.engine.api import QueueFullError
+from deltaserve.engine.cache.budget import MemoryBudget
+from deltaserve.engine.cache.prefix_index import CacheSave, PrefixIndex
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.media import PromptMedia, VisionPrice
+from deltaserve.engine.plan import SchedulerOutput
+from deltaserve.engine.prefill_plan import MIN_PREFILL_TOKENS, PrefillPlanning
+from deltaserve.engine.request import Request, Status, choices_of
+from deltaserve.engine.step_cost import UNBOUNDED, ChunkCost, StepCostModel, StepTimer
+from deltaserve.engine.types import (
+    GenerationRequest,
+    InvalidRequestError,
+    RequestOutput,
+    TokenLogprob,
+)
 
 log = logging.getLogger(__name__)
 

@@ -40,13 +40,13 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.media import PromptMedia
-from engine.plan import SchedulerOutput
-from models.build import load_model
-from models.hub import resolve_checkpoint
-from models.parallel import TensorParallel
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.media import PromptMedia
+from deltaserve.engine.plan import SchedulerOutput
+from deltaserve.models.build import load_model
+from deltaserve.models.hub import resolve_checkpoint
+from deltaserve.models.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ def start_engine(
     parallel: TensorParallel | None = None,
     dtype: mx.Dtype | None = None,
 ) -> LLMEngine:
-    """Load `model` (in `dtype`, None: models.build's default) and build its engine. In a
+    """Load `model` (in `dtype`, None: deltaserve.models.build's default) and build its engine. In a
     group, every rank calls this at once: it checks that all start alike, loads this
     rank's slices, and gives rank 0 its Leader."""
     if parallel is None:

@@ -27,8 +27,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from engine.constraint import PARAM, ToolSpec
-from engine.types import InvalidRequestError
+from deltaserve.engine.constraint import PARAM, ToolSpec
+from deltaserve.engine.types import InvalidRequestError
 
 PARAM_CLOSE = "\n</parameter>\n"
 # Tags that end a value in the server's parser (VALUE_ENDS there): never inside one.

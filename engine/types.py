@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:  # engine/constraint.py imports InvalidRequestError from here
-    from engine.constraint import Constraint
+    from deltaserve.engine.constraint import Constraint
 
 MAX_TOP_LOGPROBS = 20
 

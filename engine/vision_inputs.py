@@ -15,10 +15,10 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from engine.plan import PrefillChunk, VisionWork
-from engine.request import Request
-from models.qwen35 import Qwen35Model
-from models.vision import VisionPass, VisionTower
+from deltaserve.engine.plan import PrefillChunk, VisionWork
+from deltaserve.engine.request import Request
+from deltaserve.models.qwen35 import Qwen35Model
+from deltaserve.models.vision import VisionPass, VisionTower
 
 
 class VisionInputs:

@@ -3,14 +3,14 @@
 On Metal/CUDA: mx.fast.scaled_dot_product_attention. On CPU its softmax runs MLX's exp at
 ~25 ns per score (a 64-token chunk against 4K cached tokens spends most of its attention
 time there), so the CPU path is two BLAS matmuls around a softmax built on
-kernels.fastmath.exp2. Reference: mx.fast.scaled_dot_product_attention itself.
+deltaserve.kernels.fastmath.exp2. Reference: mx.fast.scaled_dot_product_attention itself.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels import fastmath
+from deltaserve.kernels import fastmath
 
 _LOG2E = 1.4426950408889634  # log2(e): e^x = 2^(x log2 e)
 

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels import gemv_shim
+from deltaserve.kernels import gemv_shim
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@
 with C = 2*Hk*Dk + Hv*Dv. In order, per row: causal conv over the K-1 tail and the new
 token + SiLU; L2-normalised q (scaled by Dk**-0.5) and k; beta = sigmoid(b);
 g = -exp(a_log) * softplus(a + dt_bias); the gated delta rule on the state; then
-norm_w * rmsnorm(y) * silu(z). It is `models.deltanet.deltanet_core` at L = 1 without a
+norm_w * rmsnorm(y) * silu(z). It is `deltaserve.models.deltanet.deltanet_core` at L = 1 without a
 mask, which on the GPU ran as ~15 kernels per layer (concat, conv, three for each L2 norm,
 gates, copies of non-contiguous slices, the state update, three for the gated norm): a
 decode step there costs about its kernel launches (bench/decode_graph.py), so the 18-24
@@ -36,11 +36,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from kernels import fastmath
-from kernels.deltanet_decode_metal import METAL_HEADER, METAL_SOURCE, conv_stage
-from kernels.gated_delta import gated_delta_step
-from kernels.gated_delta_fused import _backend
-from kernels.rms_norm import float_bits
+from deltaserve.kernels import fastmath
+from deltaserve.kernels.deltanet_decode_metal import METAL_HEADER, METAL_SOURCE, conv_stage
+from deltaserve.kernels.gated_delta import gated_delta_step
+from deltaserve.kernels.gated_delta_fused import _backend
+from deltaserve.kernels.rms_norm import float_bits
 
 __all__ = ["DecodeDims", "deltanet_decode", "deltanet_decode_ops", "supported"]
 

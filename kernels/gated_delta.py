@@ -393,13 +393,13 @@ def gated_delta(
     """
     if scan and v.shape[1] > 1 and mx.default_device() != mx.cpu and mx.cuda.is_available():
         # Imported here as the fused step below: that module builds on the reference above.
-        from kernels.gated_delta_scan import gated_delta_scan, scan_supported
+        from deltaserve.kernels.gated_delta_scan import gated_delta_scan, scan_supported
 
         if scan_supported(k, v):
             return gated_delta_scan(q, k, v, g, beta, state, mask)
     if v.shape[1] == 1:
         # Imported here: the fused module builds on gated_delta_step (its CPU path).
-        from kernels.gated_delta_fused import gated_delta_step_fused
+        from deltaserve.kernels.gated_delta_fused import gated_delta_step_fused
 
         return gated_delta_step_fused(q, k, v, g, beta, state, mask)
     if _use_metal_fast(k, v, mask):

@@ -1,6 +1,6 @@
 """Gated-DeltaNet over a block of L tokens as one kernel: a sequential scan per state row.
 
-Same contract as `kernels.gated_delta.gated_delta` for L >= 1:
+Same contract as `deltaserve.kernels.gated_delta.gated_delta` for L >= 1:
     q, k  [B, L, Hk, Dk]   L2-normalised; q already scaled by Dk**-0.5
     v     [B, L, Hv, Dv]   y comes back in v.dtype
     g     [B, L, Hv]       log-decay;  beta [B, L, Hv]
@@ -31,8 +31,8 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from kernels.gated_delta import gated_delta_reference
-from kernels.gated_delta_fused import _CUDA_HEADER, _backend
+from deltaserve.kernels.gated_delta import gated_delta_reference
+from deltaserve.kernels.gated_delta_fused import _CUDA_HEADER, _backend
 
 __all__ = ["gated_delta_scan", "scan_supported"]
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels.attention import attention
+from deltaserve.kernels.attention import attention
 
 __all__ = [
     "DEQUANT_ROWS",

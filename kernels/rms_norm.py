@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from kernels.gated_delta_fused import _backend
+from deltaserve.kernels.gated_delta_fused import _backend
 
 __all__ = ["float_bits", "rms_norm", "rms_norm_ops"]
 

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels.quant_attention import (
+from deltaserve.kernels.quant_attention import (
     Mask,
     dense_attention_reference,
     fold_queries,
     masked_softmax,
     unfold_output,
 )
-from kernels.turboquant import lookup_centroids, rotate, turboquant_dequantize, unrotate
+from deltaserve.kernels.turboquant import lookup_centroids, rotate, turboquant_dequantize, unrotate
 
 __all__ = [
     "turboquant_attention",

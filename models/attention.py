@@ -5,11 +5,11 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels import fastmath
-from models.config import TextConfig
-from models.fused import fuse_into
-from models.layers import MRoPE, RMSNorm
-from models.state import AttentionState
+from deltaserve.kernels import fastmath
+from deltaserve.models.config import TextConfig
+from deltaserve.models.fused import fuse_into
+from deltaserve.models.layers import MRoPE, RMSNorm
+from deltaserve.models.state import AttentionState
 
 
 class GatedAttention(nn.Module):

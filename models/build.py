@@ -9,13 +9,13 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from models.config import TextConfig
-from models.hub import resolve_checkpoint
-from models.layers import EXPERT_PROJECTIONS, SparseMoE
-from models.loader import Checkpoint, CheckpointError, biases_name, load_checkpoint
-from models.parallel import TensorParallel, shard_config, shard_weights
-from models.qwen35 import Qwen35Model
-from models.vision import VisionConfig, VisionTower, load_vision
+from deltaserve.models.config import TextConfig
+from deltaserve.models.hub import resolve_checkpoint
+from deltaserve.models.layers import EXPERT_PROJECTIONS, SparseMoE
+from deltaserve.models.loader import Checkpoint, CheckpointError, biases_name, load_checkpoint
+from deltaserve.models.parallel import TensorParallel, shard_config, shard_weights
+from deltaserve.models.qwen35 import Qwen35Model
+from deltaserve.models.vision import VisionConfig, VisionTower, load_vision
 
 
 def on_cpu() -> bool:

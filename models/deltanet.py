@@ -23,13 +23,13 @@ from functools import cache, partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels import deltanet_decode as dn_decode
-from kernels import fastmath
-from kernels.gated_delta import gated_delta
-from models.config import TextConfig
-from models.fused import fuse_into
-from models.layers import GatedRMSNorm, gated_rms_norm
-from models.state import RecurrentState
+from deltaserve.kernels import deltanet_decode as dn_decode
+from deltaserve.kernels import fastmath
+from deltaserve.kernels.gated_delta import gated_delta
+from deltaserve.models.config import TextConfig
+from deltaserve.models.fused import fuse_into
+from deltaserve.models.layers import GatedRMSNorm, gated_rms_norm
+from deltaserve.models.state import RecurrentState
 
 
 def _l2_normalize(x: mx.array, eps: float = 1e-6) -> mx.array:

@@ -7,9 +7,9 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels import fastmath, moe_experts
-from kernels.rms_norm import rms_norm
-from models.fused import fuse_into
+from deltaserve.kernels import fastmath, moe_experts
+from deltaserve.kernels.rms_norm import rms_norm
+from deltaserve.models.fused import fuse_into
 
 
 class RMSNorm(nn.Module):

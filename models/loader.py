@@ -23,8 +23,8 @@ from pathlib import Path
 import mlx.core as mx
 from tqdm import tqdm
 
-from models.eos import resolve_eos_ids
-from models.hub import CheckpointNotFoundError, resolve_checkpoint
+from deltaserve.models.eos import resolve_eos_ids
+from deltaserve.models.hub import CheckpointNotFoundError, resolve_checkpoint
 
 logger = logging.getLogger(__name__)
 

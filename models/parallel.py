@@ -28,7 +28,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 
-from models.config import TextConfig
+from deltaserve.models.config import TextConfig
 
 
 class ShardError(ValueError):

@@ -14,12 +14,12 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from models.attention import GatedAttention
-from models.config import TextConfig
-from models.deltanet import GatedDeltaNet
-from models.layers import MLP, MRoPE, RMSNorm, SparseMoE
-from models.parallel import TensorParallel
-from models.state import ForwardGroup
+from deltaserve.models.attention import GatedAttention
+from deltaserve.models.config import TextConfig
+from deltaserve.models.deltanet import GatedDeltaNet
+from deltaserve.models.layers import MLP, MRoPE, RMSNorm, SparseMoE
+from deltaserve.models.parallel import TensorParallel
+from deltaserve.models.state import ForwardGroup
 
 
 class DecoderLayer(nn.Module):

@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from models.vision_plan import FramePlan, Grid
+from deltaserve.models.vision_plan import FramePlan, Grid
 
 logger = logging.getLogger(__name__)
 _LOG2E = 1.0 / math.log(2.0)

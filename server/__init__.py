@@ -21,3 +21,6 @@ Map of the package:
 - frontend/:          tokenizer, chat template, detokenization, stops, reasoning, tools.
 - cli:                `deltaserve serve`.
 """
+
+if __name__ != "deltaserve.server":  # one name per module (deltaserve/__init__.py)
+    raise ImportError(f"{__name__}: this folder imports as deltaserve.server only")

@@ -20,8 +20,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi_offline import FastAPIOffline
 
-from engine.api import EngineClient
-from server import (
+from deltaserve.engine.api import EngineClient
+from deltaserve.server import (
     routes_chat,
     routes_completions,
     routes_messages,
@@ -29,12 +29,12 @@ from server import (
     routes_responses,
     routes_status,
 )
-from server.errors import APIError, install_error_handlers
-from server.frontend.tokenizer import TextTokenizer
-from server.metrics import ServerMetrics, StatusCounterMiddleware
-from server.response_store import ResponseStore
-from server.routes_common import ServerState
-from server.settings import Settings
+from deltaserve.server.errors import APIError, install_error_handlers
+from deltaserve.server.frontend.tokenizer import TextTokenizer
+from deltaserve.server.metrics import ServerMetrics, StatusCounterMiddleware
+from deltaserve.server.response_store import ResponseStore
+from deltaserve.server.routes_common import ServerState
+from deltaserve.server.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,8 @@ def begin_shutdown(app: FastAPI) -> None:
     """End every generation in flight now, each with a 503 "shutting down" error.
 
     Streams get an error event then [DONE]; waiting responses get a 503. Called when the
-    HTTP server starts shutting down, so it never waits on token streams (see server.cli).
+    HTTP server starts shutting down, so it never waits on token streams (see
+    deltaserve.server.cli).
     """
     app.state.deltaserve.stopping.set()
 

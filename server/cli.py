@@ -9,7 +9,7 @@ bound.
 
 Ctrl-C (SIGINT) or SIGTERM: uvicorn stops accepting, every open generation ends at once
 with a 503 "shutting down" error (streams: an error event, then [DONE]; see
-server.app.begin_shutdown), the app's lifespan calls engine.shutdown(), and the process
+deltaserve.server.app.begin_shutdown), the app's lifespan calls engine.shutdown(), and the process
 exits 0. GRACEFUL_SHUTDOWN_S only bounds requests that are not generating yet.
 """
 
@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from kernels.blas import ensure_openblas
-from server.flags import Shown, add_arguments, effective_defaults
-from server.settings import ConfigError, ServerSettings, Settings, load_settings
-from server.startup import (
+from deltaserve.kernels.blas import ensure_openblas
+from deltaserve.server.flags import Shown, add_arguments, effective_defaults
+from deltaserve.server.settings import ConfigError, ServerSettings, Settings, load_settings
+from deltaserve.server.startup import (
     ModelNotFound,
     log_startup,
     missing_model_message,
@@ -43,8 +43,8 @@ from server.startup import (
 )
 
 if TYPE_CHECKING:  # imported in serve(): mlx loads only after the checks above
-    from engine.async_engine import AsyncEngine
-    from engine.tensor_parallel import TensorParallel
+    from deltaserve.engine.async_engine import AsyncEngine
+    from deltaserve.engine.tensor_parallel import TensorParallel
 
 GRACEFUL_SHUTDOWN_S = 1
 logger = logging.getLogger("deltaserve")
@@ -115,7 +115,7 @@ def locate_model(path_or_id: str) -> Path:
     """The local checkpoint directory (hub ids are downloaded), or ModelNotFound."""
     # The cli is the composition root, so it may reach models/ directly; hub.py imports
     # neither mlx nor the engine, which keeps this check fast.
-    from models.hub import CheckpointNotFoundError, resolve_checkpoint
+    from deltaserve.models.hub import CheckpointNotFoundError, resolve_checkpoint
 
     if not path_or_id:
         raise ModelNotFound(missing_model_message("", None))
@@ -143,9 +143,14 @@ def serve(settings: Settings, checkpoint: Path) -> int:
     Started by `mlx.launch` on several processes: tensor parallel. Rank 0 serves HTTP and
     schedules; the other ranks follow its steps (engine/tensor_parallel.py) and exit
     when it stops. Returns the exit status (2: the ranks were started differently)."""
-    from engine.tensor_parallel import SetupMismatchError, follow, join_group, start_engine
-    from server.app import begin_shutdown, create_app
-    from server.frontend.tokenizer import TextTokenizer
+    from deltaserve.engine.tensor_parallel import (
+        SetupMismatchError,
+        follow,
+        join_group,
+        start_engine,
+    )
+    from deltaserve.server.app import begin_shutdown, create_app
+    from deltaserve.server.frontend.tokenizer import TextTokenizer
 
     parallel = join_group(settings.engine.distributed_backend)
     try:
@@ -188,7 +193,7 @@ def serve(settings: Settings, checkpoint: Path) -> int:
 
 def _load(settings: Settings, checkpoint: Path, parallel: TensorParallel | None) -> AsyncEngine:
     """Start the engine, saying what it loads and how long that took."""
-    from engine.async_engine import AsyncEngine
+    from deltaserve.engine.async_engine import AsyncEngine
 
     on_disk = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
     logger.info("loading %s (%s of weights on disk) ...", settings.model.path, size(on_disk))

@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.api import QueueFullError
-from engine.types import InvalidRequestError
+from deltaserve.engine.api import QueueFullError
+from deltaserve.engine.types import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

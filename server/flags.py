@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from types import NoneType, UnionType
 from typing import Any
 
-from server.settings import (
+from deltaserve.server.settings import (
     CONFIG_KEYS,
     ConfigError,
     ConfigKey,

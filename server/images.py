@@ -24,10 +24,10 @@ from urllib.parse import SplitResult, unquote, unquote_to_bytes, urlsplit
 import httpx
 from PIL import Image, ImageOps
 
-from engine.types import ImageInput
-from models.image_processor import ImageProcessorConfig, preprocess
-from server.frontend.messages import ImageRef, PromptError
-from server.settings import ImageSettings
+from deltaserve.engine.types import ImageInput
+from deltaserve.models.image_processor import ImageProcessorConfig, preprocess
+from deltaserve.server.frontend.messages import ImageRef, PromptError
+from deltaserve.server.settings import ImageSettings
 
 FORMATS = {"PNG": "PNG", "JPEG": "JPEG", "WEBP": "WebP", "GIF": "GIF"}  # Pillow name -> ours
 

@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from server.responses import _Out
-from server.schemas import MAX_STOP_STRINGS, PositiveInt, SamplingFields, _In
+from deltaserve.server.responses import _Out
+from deltaserve.server.schemas import MAX_STOP_STRINGS, PositiveInt, SamplingFields, _In
 
 
 class TextBlockIn(_In):

@@ -27,16 +27,21 @@ from fastapi import Request, Response
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from engine.types import GenerationRequest, ImageInput, InvalidRequestError, SamplingParams
-from server.errors import APIError
-from server.frontend.choice import ChoiceResult, ChoiceStream
-from server.frontend.grammar import check_constraint, constraint_for, reasoning_end_id
-from server.metrics import RequestTimer
-from server.request_log import RequestRecord
-from server.routes_common import FieldNames, ServerState, request_error, until_disconnect
-from server.routes_generation import ChoiceEvent, RunGroup, TokenCounts, start_runs
-from server.schemas import ResponseFormat
-from server.sse import EventStreamResponse
+from deltaserve.engine.types import (
+    GenerationRequest,
+    ImageInput,
+    InvalidRequestError,
+    SamplingParams,
+)
+from deltaserve.server.errors import APIError
+from deltaserve.server.frontend.choice import ChoiceResult, ChoiceStream
+from deltaserve.server.frontend.grammar import check_constraint, constraint_for, reasoning_end_id
+from deltaserve.server.metrics import RequestTimer
+from deltaserve.server.request_log import RequestRecord
+from deltaserve.server.routes_common import FieldNames, ServerState, request_error, until_disconnect
+from deltaserve.server.routes_generation import ChoiceEvent, RunGroup, TokenCounts, start_runs
+from deltaserve.server.schemas import ResponseFormat
+from deltaserve.server.sse import EventStreamResponse
 
 
 @dataclass(frozen=True)

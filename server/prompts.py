@@ -16,13 +16,13 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from engine.types import ImageInput
-from server.frontend.messages import ImageRef, PromptError, image_refs
-from server.frontend.tokenizer import TextTokenizer
-from server.images import load_images, processor_config
-from server.pipeline import OutputSpec
-from server.routes_common import ServerState
-from server.settings import ImageSettings
+from deltaserve.engine.types import ImageInput
+from deltaserve.server.frontend.messages import ImageRef, PromptError, image_refs
+from deltaserve.server.frontend.tokenizer import TextTokenizer
+from deltaserve.server.images import load_images, processor_config
+from deltaserve.server.pipeline import OutputSpec
+from deltaserve.server.routes_common import ServerState
+from deltaserve.server.settings import ImageSettings
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from server.errors import APIError
-from server.settings import ResponseStoreSettings
+from deltaserve.server.errors import APIError
+from deltaserve.server.settings import ResponseStoreSettings
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import BaseModel, model_serializer
 
 if TYPE_CHECKING:
-    from server.routes_generation import TokenCounts
+    from deltaserve.server.routes_generation import TokenCounts
 
 
 class _Out(BaseModel):

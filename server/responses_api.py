@@ -15,8 +15,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
-from server.responses import _Out
-from server.schemas import ReasoningEffort, SamplingFields, _In
+from deltaserve.server.responses import _Out
+from deltaserve.server.schemas import ReasoningEffort, SamplingFields, _In
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"

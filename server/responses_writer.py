@@ -27,11 +27,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from server.errors import APIError
-from server.frontend.pieces import Piece, Text, ToolCallStart
-from server.frontend.responses_input import new_item_id
-from server.pipeline import FinishedChoice
-from server.responses_api import (
+from deltaserve.server.errors import APIError
+from deltaserve.server.frontend.pieces import Piece, Text, ToolCallStart
+from deltaserve.server.frontend.responses_input import new_item_id
+from deltaserve.server.pipeline import FinishedChoice
+from deltaserve.server.responses_api import (
     FunctionCallOut,
     IncompleteDetails,
     InputTokensDetails,
@@ -44,8 +44,8 @@ from server.responses_api import (
     ResponseOut,
     ResponseUsage,
 )
-from server.routes_generation import ChoiceEvent, TokenCounts
-from server.sse import KEEPALIVE, sse_event
+from deltaserve.server.routes_generation import ChoiceEvent, TokenCounts
+from deltaserve.server.sse import KEEPALIVE, sse_event
 
 TextItem = MessageOut | ReasoningOut
 

@@ -20,11 +20,17 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from server.errors import APIError
-from server.frontend.choice import ChoiceStream, LogprobEntry, ToolCallChunk
-from server.pipeline import FinishedChoice, OutputSpec, generation_request, output_constraint, serve
-from server.prompts import render_prompt, template_tools
-from server.responses import (
+from deltaserve.server.errors import APIError
+from deltaserve.server.frontend.choice import ChoiceStream, LogprobEntry, ToolCallChunk
+from deltaserve.server.pipeline import (
+    FinishedChoice,
+    OutputSpec,
+    generation_request,
+    output_constraint,
+    serve,
+)
+from deltaserve.server.prompts import render_prompt, template_tools
+from deltaserve.server.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -41,16 +47,16 @@ from server.responses import (
     Usage,
     openai_usage,
 )
-from server.routes_common import (
+from deltaserve.server.routes_common import (
     check_model,
     json_body,
     new_id,
     sampling_params,
     server_state,
 )
-from server.routes_generation import ChoiceEvent, TokenCounts
-from server.schemas import ChatCompletionRequest, NamedToolChoice
-from server.sse import DONE, KEEPALIVE, openai_error_event, sse_data
+from deltaserve.server.routes_generation import ChoiceEvent, TokenCounts
+from deltaserve.server.schemas import ChatCompletionRequest, NamedToolChoice
+from deltaserve.server.sse import DONE, KEEPALIVE, openai_error_event, sse_data
 
 router = APIRouter()
 # Engine field names -> this endpoint's request fields, for 400 messages.

@@ -16,16 +16,16 @@ from typing import TypeVar
 from fastapi import Request, Response
 from pydantic import BaseModel, ValidationError
 
-from engine.api import EngineClient
-from engine.types import InvalidRequestError, SamplingParams
-from server.errors import APIError, as_api_error, error_response, validation_error
-from server.frontend.tokenizer import TextTokenizer
-from server.metrics import ServerMetrics
-from server.request_log import RequestLog
-from server.response_store import ResponseStore
-from server.schemas import SamplingFields
-from server.settings import Settings
-from server.status import StatusHistory
+from deltaserve.engine.api import EngineClient
+from deltaserve.engine.types import InvalidRequestError, SamplingParams
+from deltaserve.server.errors import APIError, as_api_error, error_response, validation_error
+from deltaserve.server.frontend.tokenizer import TextTokenizer
+from deltaserve.server.metrics import ServerMetrics
+from deltaserve.server.request_log import RequestLog
+from deltaserve.server.response_store import ResponseStore
+from deltaserve.server.schemas import SamplingFields
+from deltaserve.server.settings import Settings
+from deltaserve.server.status import StatusHistory
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -46,7 +46,7 @@ class ServerState:
     fingerprint: str  # system_fingerprint: changes when the engine config does
     responses: ResponseStore  # stored /v1/responses (previous_response_id, GET)
     created: int = field(default_factory=lambda: int(time.time()))
-    # Set once shutdown begins (server.app.begin_shutdown): every generation ends with a
+    # Set once shutdown begins (deltaserve.server.app.begin_shutdown): every generation ends with a
     # 503 at its next read instead of holding the shutdown up.
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     requests: RequestLog = field(default_factory=RequestLog)  # finished requests' records

@@ -15,19 +15,19 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from engine.types import SamplingParams
-from server.errors import APIError
-from server.frontend.choice import ChoiceStream, LogprobEntry
-from server.frontend.tokenizer import TextTokenizer
-from server.pipeline import FinishedChoice, generation_request, serve
-from server.responses import (
+from deltaserve.engine.types import SamplingParams
+from deltaserve.server.errors import APIError
+from deltaserve.server.frontend.choice import ChoiceStream, LogprobEntry
+from deltaserve.server.frontend.tokenizer import TextTokenizer
+from deltaserve.server.pipeline import FinishedChoice, generation_request, serve
+from deltaserve.server.responses import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
     Usage,
     openai_usage,
 )
-from server.routes_common import (
+from deltaserve.server.routes_common import (
     ServerState,
     check_model,
     json_body,
@@ -35,9 +35,9 @@ from server.routes_common import (
     sampling_params,
     server_state,
 )
-from server.routes_generation import ChoiceEvent, TokenCounts
-from server.schemas import CompletionRequest
-from server.sse import DONE, KEEPALIVE, openai_error_event, sse_data
+from deltaserve.server.routes_generation import ChoiceEvent, TokenCounts
+from deltaserve.server.schemas import CompletionRequest
+from deltaserve.server.sse import DONE, KEEPALIVE, openai_error_event, sse_data
 
 router = APIRouter()
 # Engine field names -> this endpoint's request fields, for 400 messages.

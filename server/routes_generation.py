@@ -17,13 +17,13 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
-from engine.types import GenerationRequest, InvalidRequestError, RequestOutput
-from server.errors import APIError, as_api_error
-from server.frontend.choice import ChoiceDelta, ChoiceStream
-from server.metrics import RequestTimer
-from server.request_log import CLIENT_GONE
-from server.routes_common import FieldNames, ServerState, request_error
-from server.sse import TICK, Ticker
+from deltaserve.engine.types import GenerationRequest, InvalidRequestError, RequestOutput
+from deltaserve.server.errors import APIError, as_api_error
+from deltaserve.server.frontend.choice import ChoiceDelta, ChoiceStream
+from deltaserve.server.metrics import RequestTimer
+from deltaserve.server.request_log import CLIENT_GONE
+from deltaserve.server.routes_common import FieldNames, ServerState, request_error
+from deltaserve.server.sse import TICK, Ticker
 
 
 @dataclass(frozen=True)

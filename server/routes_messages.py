@@ -24,11 +24,11 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from server.errors import APIError
-from server.frontend.anthropic import system_message, to_openai_messages, to_openai_tools
-from server.frontend.choice import ChoiceStream
-from server.frontend.pieces import Piece, Text, ToolCallStart
-from server.messages_api import (
+from deltaserve.server.errors import APIError
+from deltaserve.server.frontend.anthropic import system_message, to_openai_messages, to_openai_tools
+from deltaserve.server.frontend.choice import ChoiceStream
+from deltaserve.server.frontend.pieces import Piece, Text, ToolCallStart
+from deltaserve.server.messages_api import (
     ContentBlockOut,
     CountTokensRequest,
     MessageOut,
@@ -40,7 +40,7 @@ from server.messages_api import (
     TokenCountOut,
     ToolUseBlockOut,
 )
-from server.pipeline import (
+from deltaserve.server.pipeline import (
     FinishedChoice,
     OutputSpec,
     ToolChoice,
@@ -48,10 +48,16 @@ from server.pipeline import (
     output_constraint,
     serve,
 )
-from server.prompts import RenderedPrompt, render_prompt, template_tools
-from server.routes_common import ServerState, check_model, json_body, sampling_params, server_state
-from server.routes_generation import ChoiceEvent, TokenCounts
-from server.sse import sse_event
+from deltaserve.server.prompts import RenderedPrompt, render_prompt, template_tools
+from deltaserve.server.routes_common import (
+    ServerState,
+    check_model,
+    json_body,
+    sampling_params,
+    server_state,
+)
+from deltaserve.server.routes_generation import ChoiceEvent, TokenCounts
+from deltaserve.server.sse import sse_event
 
 router = APIRouter()
 # Engine field names -> this endpoint's request fields, for 400 messages.

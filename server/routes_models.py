@@ -6,8 +6,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import generate_latest
 
-from server.responses import ModelCard, ModelList
-from server.routes_common import check_model, server_state
+from deltaserve.server.responses import ModelCard, ModelList
+from deltaserve.server.routes_common import check_model, server_state
 
 models_router = APIRouter()
 probes_router = APIRouter()

@@ -28,20 +28,26 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 
-from server.frontend.choice import ChoiceStream
-from server.frontend.responses_input import chat_messages, chat_tools, item_resources
-from server.pipeline import OutputSpec, generation_request, output_constraint, serve
-from server.prompts import render_prompt, template_tools
-from server.responses_api import (
+from deltaserve.server.frontend.choice import ChoiceStream
+from deltaserve.server.frontend.responses_input import chat_messages, chat_tools, item_resources
+from deltaserve.server.pipeline import OutputSpec, generation_request, output_constraint, serve
+from deltaserve.server.prompts import render_prompt, template_tools
+from deltaserve.server.responses_api import (
     CreateResponseRequest,
     DeletedResponse,
     NamedFunctionIn,
     ResponseItemList,
     ResponseOut,
 )
-from server.responses_writer import ResponsesWriter
-from server.routes_common import ServerState, check_model, json_body, sampling_params, server_state
-from server.schemas import ResponseFormat, thinking_kwargs
+from deltaserve.server.responses_writer import ResponsesWriter
+from deltaserve.server.routes_common import (
+    ServerState,
+    check_model,
+    json_body,
+    sampling_params,
+    server_state,
+)
+from deltaserve.server.schemas import ResponseFormat, thinking_kwargs
 
 router = APIRouter()
 # Engine field names -> this endpoint's request fields, for 400 messages.

@@ -13,12 +13,12 @@ from importlib import resources
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from server.routes_common import server_state
-from server.status import status_snapshot
+from deltaserve.server.routes_common import server_state
+from deltaserve.server.status import status_snapshot
 
 router = APIRouter()
 
-_STATIC = resources.files("server") / "static"
+_STATIC = resources.files("deltaserve.server") / "static"
 _ASSETS = {
     "dashboard.js": "text/javascript; charset=utf-8",
     "dashboard.css": "text/css; charset=utf-8",

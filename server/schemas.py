@@ -5,7 +5,7 @@ Requests: unknown fields are ignored, null means "use the default", types are st
 (a string is not a number), and the checks that only make sense at the HTTP edge live
 here (tool schemas, tool_choice vs tools, stop list size, and OpenAI's documented ranges
 of numeric fields, e.g. temperature in [0, 2], so a value the API does not allow is a 400
-naming the field before any work). engine.types.SamplingParams checks its own, wider,
+naming the field before any work). deltaserve.engine.types.SamplingParams checks its own, wider,
 ranges again when the route builds it (the engine serves other callers too).
 """
 
@@ -175,7 +175,7 @@ class GenerationFields(SamplingFields):
     model: str | None = None
     max_tokens: PositiveInt | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    n: PositiveInt = 1  # at most engine.types' limit, checked there
+    n: PositiveInt = 1  # at most deltaserve.engine.types' limit, checked there
     stream: bool = False
     stream_options: StreamOptions | None = None
 

@@ -11,7 +11,7 @@ The YAML file is `--config PATH`, else `$DELTASERVE_CONFIG`, else ./config.yaml 
 exists. Every key has exactly one flag and one env var, both derived from the field
 (`FLAG_NAMES` lists the few renamed ones); the env var is the flag upper-cased with a
 DELTASERVE_ prefix (--kv-bits -> DELTASERVE_KV_BITS). Each layer gets its own section
-only: the engine receives `settings.engine`, an `engine.config.EngineConfig`. The flags
+only: the engine receives `settings.engine`, an `deltaserve.engine.config.EngineConfig`. The flags
 themselves (help text, metavars, choices) are built in server/flags.py.
 """
 
@@ -34,8 +34,8 @@ from typing import Any
 
 import yaml
 
-from engine.config import DISTRIBUTED_BACKENDS, EngineConfig
-from engine.types import InvalidRequestError, SamplingParams
+from deltaserve.engine.config import DISTRIBUTED_BACKENDS, EngineConfig
+from deltaserve.engine.types import InvalidRequestError, SamplingParams
 
 ENV_PREFIX = "DELTASERVE_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")

@@ -28,7 +28,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from server.errors import APIError, as_api_error
+from deltaserve.server.errors import APIError, as_api_error
 
 T = TypeVar("T")
 

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engine.api import EngineSummary
-from engine.config import KVCacheConfig
-from kernels.blas import blas_summary
-from server.settings import Settings
+from deltaserve.engine.api import EngineSummary
+from deltaserve.engine.config import KVCacheConfig
+from deltaserve.kernels.blas import blas_summary
+from deltaserve.server.settings import Settings
 
 logger = logging.getLogger("deltaserve")
 

@@ -21,10 +21,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.api import EngineClient, EngineStats
+from deltaserve.engine.api import EngineClient, EngineStats
 
 if TYPE_CHECKING:  # routes_common holds a StatusHistory in its ServerState
-    from server.routes_common import ServerState
+    from deltaserve.server.routes_common import ServerState
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Support for the server tests: a scripted EngineClient, the real tokenizer, a live
 uvicorn in a thread, and response validation against the OpenAI OpenAPI spec.
 
-FakeEngine behaves like engine.async_engine.AsyncEngine at the boundary: `generate()` is
+FakeEngine behaves like deltaserve.engine.async_engine.AsyncEngine at the boundary: `generate()` is
 an async generator that refuses (InvalidRequestError / QueueFullError) on its first
 read, then streams one token per choice per step; closing it aborts. It emits the token
 ids of a scripted text via the real Qwen3.5 tokenizer, then EOS, honouring max_tokens,
@@ -32,12 +32,12 @@ from openapi_schema_validator import OAS31Validator
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
-from engine.api import EngineInfo, EngineStats
-from engine.types import GenerationRequest, RequestOutput, TokenLogprob
-from models.eos import resolve_eos_ids
-from server.app import create_app
-from server.frontend.tokenizer import TextTokenizer
-from server.settings import Settings
+from deltaserve.engine.api import EngineInfo, EngineStats
+from deltaserve.engine.types import GenerationRequest, RequestOutput, TokenLogprob
+from deltaserve.models.eos import resolve_eos_ids
+from deltaserve.server.app import create_app
+from deltaserve.server.frontend.tokenizer import TextTokenizer
+from deltaserve.server.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC_PATH = Path("/work/shared/reference/openai-openapi.yaml")
@@ -48,7 +48,7 @@ PLAIN_SCRIPT = " Paris is the capital of France."
 @functools.lru_cache(maxsize=1)
 def real_tokenizer() -> TextTokenizer:
     """The real Qwen3.5 tokenizer (rebuilt offline), cached on disk under .cache/."""
-    from models.testing.tokenizer import write_tokenizer
+    from deltaserve.models.testing.tokenizer import write_tokenizer
 
     target = REPO / ".cache" / "test-tokenizer-qwen35"
     if not (target / "tokenizer.json").is_file():

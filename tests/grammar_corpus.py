@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import regex
 
-from engine.constraint import Constraint
-from engine.constraints import RowConstraints
-from engine.grammar import GrammarCompiler, grammar_compiler
-from engine.token_mask import allowed_ids
-from engine.types import SamplingParams
-from models.testing import cached_checkpoint
-from models.testing.tokenizer import EOS_TOKEN_IDS
+from deltaserve.engine.constraint import Constraint
+from deltaserve.engine.constraints import RowConstraints
+from deltaserve.engine.grammar import GrammarCompiler, grammar_compiler
+from deltaserve.engine.token_mask import allowed_ids
+from deltaserve.engine.types import SamplingParams
+from deltaserve.models.testing import cached_checkpoint
+from deltaserve.models.testing.tokenizer import EOS_TOKEN_IDS
 
 DATA = Path(__file__).parent / "data"
 VOCAB = 248320  # the test checkpoints' logits width (Qwen3.5's padded vocabulary)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from models.testing.tokenizer import preprocessor_config
+from deltaserve.models.testing.tokenizer import preprocessor_config
 
 
 def picture(width: int, height: int, mode: str = "RGB", seed: int = 0) -> Image.Image:

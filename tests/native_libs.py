@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kernels import blas, gemv_shim
+from deltaserve.kernels import blas, gemv_shim
 
 ON_CI = os.environ.get("CI") == "true"  # .ci/run installs OpenBLAS or fails
 

@@ -8,13 +8,13 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from engine.cache.batch import BatchState
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.types import SamplingParams
-from models.build import LoadedModel
-from models.state import ForwardGroup, text_positions
-from models.testing import cached_checkpoint
+from deltaserve.engine.cache.batch import BatchState
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.types import SamplingParams
+from deltaserve.models.build import LoadedModel
+from deltaserve.models.state import ForwardGroup, text_positions
+from deltaserve.models.testing import cached_checkpoint
 
 # Plain English with digits, punctuation and a little code: ~40 tokens of the real
 # Qwen3.5 tokenizer, so the embedding rows read are the ones real prompts read.

@@ -8,10 +8,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.cache.factory import AnyKV, kv_bytes_per_element_pair, kv_store_factory
-from engine.cache.kv import FullPrecisionKV
-from engine.cache.prefix import PrefixKV
-from engine.config import KVCacheConfig
+from deltaserve.engine.cache.factory import AnyKV, kv_bytes_per_element_pair, kv_store_factory
+from deltaserve.engine.cache.kv import FullPrecisionKV
+from deltaserve.engine.cache.prefix import PrefixKV
+from deltaserve.engine.config import KVCacheConfig
 
 HKV, HQ, D = 2, 4, 64
 # Same rows, same quantized bytes; only float32 reductions over a different batch shape

@@ -9,9 +9,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.cache.kv import FullPrecisionKV, KVStore, last_rows, take_rows
-from engine.cache.rows import decode_bucket
-from engine.cache.ssm import SSMState
+from deltaserve.engine.cache.kv import FullPrecisionKV, KVStore, last_rows, take_rows
+from deltaserve.engine.cache.rows import decode_bucket
+from deltaserve.engine.cache.ssm import SSMState
 
 HKV, HQ, D = 2, 4, 16
 
@@ -173,8 +173,8 @@ def test_bucketed_decode_batch_pads_with_dead_rows_and_drops_them() -> None:
     """RowStates holds the decode batch at its bucket size: dead rows (no tokens, zero
     state) after the live ones; a join or a leave drops them before re-padding, so live
     rows keep their order and contents."""
-    from engine.cache.batch import BatchState
-    from engine.cache.rows import RowStates
+    from deltaserve.engine.cache.batch import BatchState
+    from deltaserve.engine.cache.rows import RowStates
 
     def fresh() -> BatchState:
         return BatchState([FullPrecisionKV(), SSMState()])

@@ -12,12 +12,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import models.build as build
-from engine.cache.batch import BatchState
-from models.layers import QuantizedSwitchExperts, SparseMoE
-from models.state import ForwardGroup, text_positions
-from models.testing import cached_checkpoint, tensor_plan, write_mlx_quantized
-from models.testing.config import SHAPES
+import deltaserve.models.build as build
+from deltaserve.engine.cache.batch import BatchState
+from deltaserve.models.layers import QuantizedSwitchExperts, SparseMoE
+from deltaserve.models.state import ForwardGroup, text_positions
+from deltaserve.models.testing import cached_checkpoint, tensor_plan, write_mlx_quantized
+from deltaserve.models.testing.config import SHAPES
 
 
 def _tensors(path: Path) -> dict[str, mx.array]:

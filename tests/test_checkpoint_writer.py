@@ -11,9 +11,14 @@ import numpy as np
 import pytest
 from mlx.utils import tree_map
 
-from models.testing import SHAPES, cached_checkpoint, hf_config, tensor_plan
-from models.testing.__main__ import main as cli_main
-from models.testing.checkpoint import CHUNK_ELEMENTS, GAIN_STEP, MAX_SHARD_BYTES, _split_shards
+from deltaserve.models.testing import SHAPES, cached_checkpoint, hf_config, tensor_plan
+from deltaserve.models.testing.__main__ import main as cli_main
+from deltaserve.models.testing.checkpoint import (
+    CHUNK_ELEMENTS,
+    GAIN_STEP,
+    MAX_SHARD_BYTES,
+    _split_shards,
+)
 
 TEXTS = [
     "Hello world",

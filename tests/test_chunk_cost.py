@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engine.chunk_cost import measure_chunk_cost
-from engine.engine import LLMEngine
-from models.build import load_model
-from models.testing import cached_checkpoint
+from deltaserve.engine.chunk_cost import measure_chunk_cost
+from deltaserve.engine.engine import LLMEngine
+from deltaserve.models.build import load_model
+from deltaserve.models.testing import cached_checkpoint
 
 
 def test_measures_a_line() -> None:

@@ -26,16 +26,16 @@ from grammar_corpus import (
 )
 from tokenizers import Tokenizer
 
-from engine.config import EngineConfig
-from engine.constraint import Constraint
-from engine.engine import Completion, LLMEngine
-from engine.token_mask import allowed_ids
-from engine.types import GenerationRequest, InvalidRequestError, SamplingParams
-from models.build import LoadedModel, load_model
-from models.testing import cached_checkpoint
-from models.testing.tokenizer import EOS_TOKEN_IDS, THINK_END_ID
-from server.frontend.grammar import constraint_for
-from server.frontend.tools import parse_tool_calls
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.constraint import Constraint
+from deltaserve.engine.engine import Completion, LLMEngine
+from deltaserve.engine.token_mask import allowed_ids
+from deltaserve.engine.types import GenerationRequest, InvalidRequestError, SamplingParams
+from deltaserve.models.build import LoadedModel, load_model
+from deltaserve.models.testing import cached_checkpoint
+from deltaserve.models.testing.tokenizer import EOS_TOKEN_IDS, THINK_END_ID
+from deltaserve.server.frontend.grammar import constraint_for
+from deltaserve.server.frontend.tools import parse_tool_calls
 
 CONFIG = EngineConfig(max_num_seqs=32, max_num_batched_tokens=256, max_prefill_chunk=64)
 PROMPT = "<|im_start|>user\nAnswer in JSON.<|im_end|>\n<|im_start|>assistant\n"

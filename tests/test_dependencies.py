@@ -1,4 +1,5 @@
-"""Every third-party module the product imports is a declared runtime dependency.
+"""Every third-party module the product imports is a declared runtime dependency, and
+other distributions' modules install beside ours.
 
 The server once imported jinja2 without declaring it: the test extra pulled it in, so CI
 stayed green while `scripts/setup` (runtime dependencies only) crashed on a fresh clone.
@@ -7,14 +8,17 @@ stayed green while `scripts/setup` (runtime dependencies only) crashed on a fres
 from __future__ import annotations
 
 import ast
+import json
+import os
 import re
+import subprocess
 import sys
 import tomllib
 from importlib.metadata import packages_distributions
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("server", "engine", "models", "kernels")
+LAYERS = ("server", "engine", "models", "kernels")  # folders, installed as deltaserve.<layer>
 # Imported only inside functions that tests call, never on a serving path.
 TEST_ONLY = {"mlx_lm": "models/testing/checkpoint.py converts test checkpoints with it"}
 
@@ -47,10 +51,10 @@ def test_every_runtime_import_is_declared() -> None:
     """Modules imported under server/ engine/ models/ kernels/ that are neither ours nor
     the standard library map to a distribution listed in [project].dependencies."""
     modules = set()
-    for package in PACKAGES:
-        for path in (REPO / package).rglob("*.py"):
+    for layer in LAYERS:
+        for path in (REPO / layer).rglob("*.py"):
             modules |= _imported_top_modules(path)
-    third_party = modules - set(sys.stdlib_module_names) - set(PACKAGES) - {"__future__"}
+    third_party = modules - set(sys.stdlib_module_names) - {"deltaserve", "__future__"}
     dists = packages_distributions()
     declared = _declared_runtime()
     undeclared = {}
@@ -68,10 +72,35 @@ def test_every_runtime_dependency_has_a_lower_bound() -> None:
     assert not unbounded, unbounded
 
 
-def test_no_distribution_shadows_our_top_level_packages() -> None:
-    """No installed distribution other than ours provides server/ engine/ models/ kernels/
-    as top-level modules (transformers 5.25 pulled in Hugging Face's `kernels`, which
-    clashes with ours: pyproject.toml caps transformers below it)."""
+def test_no_distribution_shadows_deltaserve() -> None:
+    """No installed distribution other than ours provides a top-level `deltaserve`."""
+    owners = set(packages_distributions().get("deltaserve", ())) - {"deltaserve"}
+    assert not owners, f"distributions that install a top-level deltaserve: {owners}"
+
+
+# Run from a temporary directory, as a user's program runs: no checkout on sys.path.
+_BOTH_KERNELS = """
+import json, kernels, deltaserve.kernels, deltaserve.kernels.gated_delta
+print(json.dumps([kernels.__file__, hasattr(kernels, "get_kernel"), deltaserve.kernels.__file__]))
+"""
+
+
+def test_hugging_face_kernels_installs_beside_ours(tmp_path: Path) -> None:
+    """Hugging Face's `kernels` distribution (transformers >= 5.25 requires it; the test
+    extra installs it) and deltaserve.kernels import side by side in one process, as two
+    different modules (ours once installed as top-level `kernels` and clashed with it)."""
     owners = packages_distributions()
-    clashes = {p: owners[p] for p in PACKAGES if set(owners.get(p, ())) - {"deltaserve"}}
-    assert not clashes, f"distributions that install our top-level module names: {clashes}"
+    assert owners.get("kernels") == ["kernels"], owners.get("kernels")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run(
+        [sys.executable, "-c", _BOTH_KERNELS],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    theirs, is_hugging_faces, ours = json.loads(result.stdout)
+    assert is_hugging_faces, theirs
+    assert Path(ours).resolve() != Path(theirs).resolve()

@@ -11,11 +11,11 @@ import random
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import Completion, LLMEngine
-from engine.types import GenerationRequest, SamplingParams
-from models.build import LoadedModel, load_model
-from models.testing import cached_checkpoint
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.engine import Completion, LLMEngine
+from deltaserve.engine.types import GenerationRequest, SamplingParams
+from deltaserve.models.build import LoadedModel, load_model
+from deltaserve.models.testing import cached_checkpoint
 
 # Logprobs of the same token batched vs alone: float32 reductions in a different batch
 # shape reorder sums; 1e-3 nats is far below any decision the sampler makes.

@@ -14,15 +14,15 @@ import random
 import mlx.core as mx
 import pytest
 
-from engine.cache.batch import BatchState
-from engine.cache.factory import kv_store_factory
-from engine.cache.kv import KVStore
-from engine.config import EngineConfig, KVCacheConfig
-from engine.decode import CompiledDecode
-from engine.engine import LLMEngine
-from engine.types import GenerationRequest, SamplingParams
-from models.build import LoadedModel, load_model
-from models.testing import cached_checkpoint
+from deltaserve.engine.cache.batch import BatchState
+from deltaserve.engine.cache.factory import kv_store_factory
+from deltaserve.engine.cache.kv import KVStore
+from deltaserve.engine.config import EngineConfig, KVCacheConfig
+from deltaserve.engine.decode import CompiledDecode
+from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.types import GenerationRequest, SamplingParams
+from deltaserve.models.build import LoadedModel, load_model
+from deltaserve.models.testing import cached_checkpoint
 
 KINDS = {
     "fp": KVCacheConfig(),

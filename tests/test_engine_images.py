@@ -15,12 +15,17 @@ import random
 import numpy as np
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.types import GenerationRequest, ImageInput, InvalidRequestError, SamplingParams
-from models.build import LoadedModel, load_model
-from models.rope_index import image_runs
-from models.testing import cached_checkpoint
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.types import (
+    GenerationRequest,
+    ImageInput,
+    InvalidRequestError,
+    SamplingParams,
+)
+from deltaserve.models.build import LoadedModel, load_model
+from deltaserve.models.rope_index import image_runs
+from deltaserve.models.testing import cached_checkpoint
 
 SMALL = EngineConfig(max_num_seqs=16, max_num_batched_tokens=48, max_prefill_chunk=24)
 
@@ -202,7 +207,7 @@ def test_tower_passes_in_stages_equal_whole_passes(
     ]
     joins = {0: reqs[:1], 2: reqs[1:]}
     whole = _run(LLMEngine(loaded, SMALL), joins)
-    monkeypatch.setattr("engine.media.text_flops_per_token", lambda cfg: 1e-3)
+    monkeypatch.setattr("deltaserve.engine.media.text_flops_per_token", lambda cfg: 1e-3)
     engine = LLMEngine(loaded, SMALL)
     works = []
     execute = engine.runner.execute

@@ -14,14 +14,14 @@ import random
 import mlx.core as mx
 import pytest
 
-from engine.cache.batch import BatchState
-from engine.cache.factory import kv_store_factory
-from engine.config import EngineConfig, KVCacheConfig
-from engine.engine import LLMEngine
-from engine.types import GenerationRequest, SamplingParams
-from models.build import LoadedModel, load_model
-from models.state import ForwardGroup, text_positions
-from models.testing import cached_checkpoint
+from deltaserve.engine.cache.batch import BatchState
+from deltaserve.engine.cache.factory import kv_store_factory
+from deltaserve.engine.config import EngineConfig, KVCacheConfig
+from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.types import GenerationRequest, SamplingParams
+from deltaserve.models.build import LoadedModel, load_model
+from deltaserve.models.state import ForwardGroup, text_positions
+from deltaserve.models.testing import cached_checkpoint
 
 KINDS = {
     "affine4": KVCacheConfig(kind="affine", bits=4),

@@ -12,11 +12,11 @@ import random
 
 import pytest
 
-from engine.config import EngineConfig, KVCacheConfig
-from engine.engine import LLMEngine
-from engine.types import GenerationRequest, SamplingParams
-from models.build import LoadedModel, load_model
-from models.testing import cached_checkpoint
+from deltaserve.engine.config import EngineConfig, KVCacheConfig
+from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.types import GenerationRequest, SamplingParams
+from deltaserve.models.build import LoadedModel, load_model
+from deltaserve.models.testing import cached_checkpoint
 
 BLOCK = 16
 KINDS = {

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from server.frontend.reasoning import Delta, ReasoningParser
-from server.frontend.stops import StopStringMatcher, partial_match_len
-from server.frontend.tool_schema import declared_types, typed_value
-from server.frontend.tools import (
+from deltaserve.server.frontend.reasoning import Delta, ReasoningParser
+from deltaserve.server.frontend.stops import StopStringMatcher, partial_match_len
+from deltaserve.server.frontend.tool_schema import declared_types, typed_value
+from deltaserve.server.frontend.tools import (
     ToolCallCollector,
     ToolCallParser,
     ToolCallStart,

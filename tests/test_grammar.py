@@ -25,15 +25,15 @@ from grammar_corpus import (
     validate,
 )
 
-from engine.constraint import Constraint
-from engine.constraints import RowConstraints
-from engine.grammar import GrammarCompiler
-from engine.noise import gumbel_noise
-from engine.token_mask import allowed_ids, apply_token_mask
-from engine.types import InvalidRequestError, SamplingParams
-from models.testing import cached_checkpoint
-from models.testing.tokenizer import EOS_TOKEN_IDS, THINK_END_ID
-from server.frontend.grammar import check_constraint, constraint_for, reasoning_end_id
+from deltaserve.engine.constraint import Constraint
+from deltaserve.engine.constraints import RowConstraints
+from deltaserve.engine.grammar import GrammarCompiler
+from deltaserve.engine.noise import gumbel_noise
+from deltaserve.engine.token_mask import allowed_ids, apply_token_mask
+from deltaserve.engine.types import InvalidRequestError, SamplingParams
+from deltaserve.models.testing import cached_checkpoint
+from deltaserve.models.testing.tokenizer import EOS_TOKEN_IDS, THINK_END_ID
+from deltaserve.server.frontend.grammar import check_constraint, constraint_for, reasoning_end_id
 
 
 # -- schemas --------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""kernels.host_memory: growing buffers reuse freed memory instead of faulting in new pages.
+"""deltaserve.kernels.host_memory: growing buffers reuse freed memory instead of faulting in
+new pages.
 
 Each case runs in a fresh interpreter (mallopt and MLX's cache limit are process-wide):
 arrays of 2 MiB and more, 64 KiB larger every step, as a prompt's attention scores grow
@@ -12,14 +13,14 @@ import sys
 
 import pytest
 
-from kernels import host_memory
+from deltaserve.kernels import host_memory
 
 pytestmark = pytest.mark.skipif(host_memory._mallopt() is None, reason="needs glibc's mallopt")
 
 _GROWING = """
 import resource, sys
 import mlx.core as mx
-from kernels import host_memory
+from deltaserve.kernels import host_memory
 if sys.argv[1] == "keep":
     assert host_memory.keep_freed_memory()
 else:
@@ -55,7 +56,7 @@ def test_growing_buffers_reuse_freed_memory() -> None:
 
 def test_keep_freed_memory_turns_mlx_cache_off() -> None:
     code = (
-        "import mlx.core as mx\nfrom kernels import host_memory\n"
+        "import mlx.core as mx\nfrom deltaserve.kernels import host_memory\n"
         "assert host_memory.keep_freed_memory() and host_memory.keep_freed_memory()\n"
         "print(mx.set_cache_limit(0))"
     )

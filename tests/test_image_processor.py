@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from image_samples import data_url, encoded, picture, write_processor_dir
 
-from models.image_processor import ImageProcessorConfig, preprocess, smart_resize
-from server.frontend.messages import ImageRef
-from server.images import load_images
-from server.settings import ConfigError, ImageSettings
+from deltaserve.models.image_processor import ImageProcessorConfig, preprocess, smart_resize
+from deltaserve.server.frontend.messages import ImageRef
+from deltaserve.server.images import load_images
+from deltaserve.server.settings import ConfigError, ImageSettings
 
 PART = "messages[0].content[0].image_url"
 

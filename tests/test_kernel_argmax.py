@@ -12,9 +12,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.sampler import Sampler, SamplingRow
-from engine.types import SamplingParams
-from kernels.argmax import argmax_reference, argmax_rows
+from deltaserve.engine.sampler import Sampler, SamplingRow
+from deltaserve.engine.types import SamplingParams
+from deltaserve.kernels.argmax import argmax_reference, argmax_rows
 
 
 def _scores(rows: int, vocab: int, dtype: mx.Dtype, seed: int) -> mx.array:

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels.attention import attention, attention_reference
+from deltaserve.kernels.attention import attention, attention_reference
 
 
 @pytest.mark.parametrize("mask_kind", [None, "causal", "padded"])

@@ -11,8 +11,13 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from kernels.deltanet_decode import DecodeDims, deltanet_decode, deltanet_decode_ops, supported
-from models.deltanet import CoreDims, deltanet_core
+from deltaserve.kernels.deltanet_decode import (
+    DecodeDims,
+    deltanet_decode,
+    deltanet_decode_ops,
+    supported,
+)
+from deltaserve.models.deltanet import CoreDims, deltanet_core
 
 HAS_GPU = mx.default_device().type == mx.DeviceType.gpu
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA or Metal GPU as default device")
@@ -42,7 +47,7 @@ def dims_of(hk: int, dk: int, hv: int, dv: int) -> DecodeDims:
 
 
 def core(dims: DecodeDims, proj: mx.array, conv_state: mx.array, *rest: mx.array) -> Inputs:
-    """models.deltanet.deltanet_core on the same token (y flattened to [B, Hv*Dv])."""
+    """deltaserve.models.deltanet.deltanet_core on the same token (y flattened to [B, Hv*Dv])."""
     c, vd, hv = dims.conv_dim, dims.num_v_heads * dims.head_v_dim, dims.num_v_heads
     parts = (
         proj[:, :c],
@@ -108,12 +113,12 @@ def test_kernel_matches_ops(shape: tuple[int, int, int, int], b: int, dtype: mx.
 def test_engine_decoding_through_it_is_unchanged(compiled: bool) -> None:
     """Greedy tokens of a batch (rows joining mid-decode) with every DeltaNet layer's
     decode token through `deltanet_decode` equal the plain layer's, compiled step or not."""
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.types import SamplingParams
-    from models.build import load_model
-    from models.deltanet import GatedDeltaNet
-    from models.testing import cached_checkpoint
+    from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.engine import LLMEngine
+    from deltaserve.engine.types import SamplingParams
+    from deltaserve.models.build import load_model
+    from deltaserve.models.deltanet import GatedDeltaNet
+    from deltaserve.models.testing import cached_checkpoint
 
     loaded = load_model(str(cached_checkpoint("tiny")))
     mixers = [m for _, m in loaded.model.named_modules() if isinstance(m, GatedDeltaNet)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from kernels import fastmath
+from deltaserve.kernels import fastmath
 
 
 def _inputs() -> mx.array:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-import kernels.gated_delta as gd
-import kernels.gated_delta_fused as fused
-from kernels.gated_delta import (
+import deltaserve.kernels.gated_delta as gd
+import deltaserve.kernels.gated_delta_fused as fused
+from deltaserve.kernels.gated_delta import (
     _gated_delta_fast,
     gated_delta,
     gated_delta_chunked,

@@ -10,9 +10,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-import kernels.gated_delta_fused as fused
-from kernels.gated_delta import gated_delta_reference
-from kernels.gated_delta_fused import gated_delta_step_fused
+import deltaserve.kernels.gated_delta_fused as fused
+from deltaserve.kernels.gated_delta import gated_delta_reference
+from deltaserve.kernels.gated_delta_fused import gated_delta_step_fused
 
 HAS_GPU = mx.default_device().type == mx.DeviceType.gpu
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA or Metal GPU as default device")

@@ -12,8 +12,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from kernels.gated_delta import gated_delta, gated_delta_reference
-from kernels.gated_delta_scan import gated_delta_scan
+from deltaserve.kernels.gated_delta import gated_delta, gated_delta_reference
+from deltaserve.kernels.gated_delta_scan import gated_delta_scan
 from tests.test_kernel_gated_delta import assert_close, left_pad_mask, make_inputs
 
 HAS_CUDA = mx.default_device() != mx.cpu and mx.cuda.is_available()
@@ -80,7 +80,7 @@ def test_bad_shapes_raise() -> None:
 def test_kernel_is_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA the dispatcher sends L > 1 to the kernel: with the reference loop broken,
     the result is still right."""
-    import kernels.gated_delta_scan as scan
+    import deltaserve.kernels.gated_delta_scan as scan
 
     def broken(*args: object, **kwargs: object) -> None:
         raise AssertionError("the reference loop ran instead of the kernel")
@@ -95,9 +95,9 @@ def test_kernel_is_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_deltanet_layer_scan_matches_chunked(length: int) -> None:
     """A 0.8B-sized DeltaNet layer's prompt output and state are the same (bf16 rounding
     aside) with the recurrence as the scan kernel or the chunked form."""
-    from models.config import TextConfig
-    from models.deltanet import GatedDeltaNet
-    from models.testing.config import resolve_shape, text_config
+    from deltaserve.models.config import TextConfig
+    from deltaserve.models.deltanet import GatedDeltaNet
+    from deltaserve.models.testing.config import resolve_shape, text_config
 
     layer = GatedDeltaNet(TextConfig.from_dict(text_config(resolve_shape("0.8B", False))))
     layer.set_dtype(mx.bfloat16)

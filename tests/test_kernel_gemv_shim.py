@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from native_libs import require_gemv_shim
 
-from kernels import blas, gemv_shim
+from deltaserve.kernels import blas, gemv_shim
 
 needs_shim = pytest.mark.usefixtures("gemv_shim_required")
 needs_openblas = pytest.mark.usefixtures("openblas_required")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-import kernels.moe_experts as moe
-from models.layers import QuantizedSwitchExperts, SparseMoE
+import deltaserve.kernels.moe_experts as moe
+from deltaserve.models.layers import QuantizedSwitchExperts, SparseMoE
 
 ON_CUDA = mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
 cuda = pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA GPU as default device")

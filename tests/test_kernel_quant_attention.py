@@ -8,14 +8,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels.quant_attention import (
+from deltaserve.kernels.quant_attention import (
     affine_attention,
     affine_attention_reference,
     dense_attention_reference,
     masked_softmax,
 )
-from kernels.turboquant import turboquant_quantize
-from kernels.turboquant_attention import turboquant_attention
+from deltaserve.kernels.turboquant import turboquant_quantize
+from deltaserve.kernels.turboquant_attention import turboquant_attention
 
 # Relative MSE of mx.quantize round trips on N(0, 1) rows of 128 (measured: 4-bit
 # 0.0066 / 0.0083 / 0.0100 at g = 32 / 64 / 128; 8-bit 2.3e-5 / 2.9e-5 / 3.5e-5).

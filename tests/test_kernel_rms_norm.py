@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels.rms_norm import float_bits, rms_norm, rms_norm_ops
+from deltaserve.kernels.rms_norm import float_bits, rms_norm, rms_norm_ops
 
 HAS_GPU = mx.default_device().type == mx.DeviceType.gpu
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA or Metal GPU as default device")

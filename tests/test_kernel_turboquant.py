@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels.turboquant import (
+from deltaserve.kernels.turboquant import (
     lloyd_max_codebook,
     pack_indices,
     rotate,
@@ -16,7 +16,7 @@ from kernels.turboquant import (
     unpack_indices,
     unrotate,
 )
-from kernels.turboquant_attention import (
+from deltaserve.kernels.turboquant_attention import (
     turboquant_attention,
     turboquant_attention_dequantized,
     turboquant_attention_reference,

@@ -11,9 +11,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from models.eos import resolve_eos_ids
-from models.hub import CheckpointNotFoundError
-from models.loader import (
+from deltaserve.models.eos import resolve_eos_ids
+from deltaserve.models.hub import CheckpointNotFoundError
+from deltaserve.models.loader import (
     Checkpoint,
     CheckpointError,
     biases_name,
@@ -21,7 +21,7 @@ from models.loader import (
     load_checkpoint,
     scales_name,
 )
-from models.testing import cached_checkpoint
+from deltaserve.models.testing import cached_checkpoint
 
 GAINS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
 
@@ -225,7 +225,7 @@ def test_hub_id_offline_is_a_clear_error(tmp_path: Path) -> None:
     """With HF_HUB_OFFLINE=1 and an empty cache, a hub id fails naming the id."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     code = (
-        "from models.loader import load_checkpoint\n"
+        "from deltaserve.models.loader import load_checkpoint\n"
         "try:\n    load_checkpoint('Qwen/Qwen3.5-0.8B')\n"
         "except FileNotFoundError as e:\n    print('ERR', e)\n"
     )

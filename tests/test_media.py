@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.cache.budget import MemoryBudget, StateCosts
-from engine.config import EngineConfig
-from engine.media import PromptMedia, VisionPrice, VisionProgress
-from engine.plan import VisionWork
-from engine.scheduler import Scheduler
-from engine.types import GenerationRequest, ImageInput, SamplingParams
+from deltaserve.engine.cache.budget import MemoryBudget, StateCosts
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.media import PromptMedia, VisionPrice, VisionProgress
+from deltaserve.engine.plan import VisionWork
+from deltaserve.engine.scheduler import Scheduler
+from deltaserve.engine.types import GenerationRequest, ImageInput, SamplingParams
 
 
 def _media(

@@ -12,14 +12,14 @@ import mlx.core as mx
 import pytest
 from parity_utils import long_ids, rel_error
 
-from engine.cache.batch import BatchState
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.types import SamplingParams
-from models.build import LoadedModel, load_model
-from models.deltanet import CoreDims, GatedDeltaNet, deltanet_core, prefill_buckets
-from models.state import ForwardGroup, text_positions
-from models.testing import cached_checkpoint
+from deltaserve.engine.cache.batch import BatchState
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.types import SamplingParams
+from deltaserve.models.build import LoadedModel, load_model
+from deltaserve.models.deltanet import CoreDims, GatedDeltaNet, deltanet_core, prefill_buckets
+from deltaserve.models.state import ForwardGroup, text_positions
+from deltaserve.models.testing import cached_checkpoint
 
 # As tests/test_model_incremental.py: float32 in another order measures ~1e-6 .. 6e-6;
 # a state bug (a pad leaking, a lost conv tail) moves logits by O(1e-2 .. 1).

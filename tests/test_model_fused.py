@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from models.fused import fuse
+from deltaserve.models.fused import fuse
 
 
 def _parts(quantized: bool, sizes: list[int]) -> list[nn.Module]:

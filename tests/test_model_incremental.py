@@ -13,11 +13,11 @@ import mlx.core as mx
 import pytest
 from parity_utils import forward, full_logits, long_ids, rel_error
 
-from engine.cache.batch import BatchState
-from engine.cache.ssm import SSMState
-from models.build import LoadedModel, load_model
-from models.state import ForwardGroup, text_positions
-from models.testing import cached_checkpoint
+from deltaserve.engine.cache.batch import BatchState
+from deltaserve.engine.cache.ssm import SSMState
+from deltaserve.models.build import LoadedModel, load_model
+from deltaserve.models.state import ForwardGroup, text_positions
+from deltaserve.models.testing import cached_checkpoint
 
 # Relative logit error bound, max|split - full| / max|full| (logits up to ~140). The
 # split runs do the same float32 math in another order (chunk boundaries, step kernel vs

@@ -11,16 +11,16 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-import engine.engine as engine_module
-import models.build as build
-from engine.cache.batch import BatchState
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.types import SamplingParams
-from models.layers import QuantizedSwitchExperts, SparseMoE, SwitchExperts
-from models.loader import Checkpoint, CheckpointError
-from models.state import ForwardGroup, text_positions
-from models.testing import cached_checkpoint
+import deltaserve.engine.engine as engine_module
+import deltaserve.models.build as build
+from deltaserve.engine.cache.batch import BatchState
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.types import SamplingParams
+from deltaserve.models.layers import QuantizedSwitchExperts, SparseMoE, SwitchExperts
+from deltaserve.models.loader import Checkpoint, CheckpointError
+from deltaserve.models.state import ForwardGroup, text_positions
+from deltaserve.models.testing import cached_checkpoint
 
 NAME = "tiny-moe-mlx-4bit"
 # Both paths use the same 4-bit values; only the kernel differs (gather_qmm vs dequantize
@@ -178,7 +178,7 @@ def test_sorted_and_broadcast_expert_rows_agree(
     """The two gathers of _switch_glu (rows sorted by expert, from SORT_MIN_ROWS rows; each
     token broadcast over its k experts, below it) give the same [N, k, H], for dense and
     packed experts, whichever one the row count would pick."""
-    import models.layers as layers
+    import deltaserve.models.layers as layers
 
     num_experts, hidden, intermediate, k = 8, 128, 64, 3
     spec = {"group_size": 64, "bits": 4, "mode": "affine"}
@@ -223,7 +223,7 @@ def test_sorted_rows_without_the_sorted_hint_give_the_same_experts_output(
     """Where gather_mm's sorted path is wrong (mlx-cuda: layers.sorted_gather_mm_ok), the
     rows are still sorted by expert but the hint is withheld: the same [N, k, H] as with it
     (on the CPU, where both are right), and as each row's own matmuls."""
-    import models.layers as layers
+    import deltaserve.models.layers as layers
 
     num_experts, hidden, intermediate, k, tokens = 8, 64, 32, 3, 20
     experts = SwitchExperts(num_experts, hidden, intermediate)

@@ -7,10 +7,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import models.build as build
-from engine.cache.batch import BatchState
-from models.state import ForwardGroup, text_positions
-from models.testing import cached_checkpoint
+import deltaserve.models.build as build
+from deltaserve.engine.cache.batch import BatchState
+from deltaserve.models.state import ForwardGroup, text_positions
+from deltaserve.models.testing import cached_checkpoint
 
 
 def _logits(loaded: build.LoadedModel, tokens: mx.array) -> np.ndarray:

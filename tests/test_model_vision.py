@@ -19,18 +19,18 @@ import numpy as np
 import pytest
 from parity_utils import encode, rel_error
 
-from engine.cache.batch import BatchState
-from engine.media import prepare_media
-from engine.plan import PrefillChunk, VisionWork
-from engine.request import Request, choices_of
-from engine.types import GenerationRequest, ImageInput, SamplingParams
-from engine.vision_inputs import VisionInputs
-from models.build import LoadedModel, load_model
-from models.loader import load_checkpoint
-from models.rope_index import decode_positions, mrope_positions
-from models.state import ForwardGroup
-from models.testing import cached_checkpoint
-from models.vision import VisionConfig, load_vision
+from deltaserve.engine.cache.batch import BatchState
+from deltaserve.engine.media import prepare_media
+from deltaserve.engine.plan import PrefillChunk, VisionWork
+from deltaserve.engine.request import Request, choices_of
+from deltaserve.engine.types import GenerationRequest, ImageInput, SamplingParams
+from deltaserve.engine.vision_inputs import VisionInputs
+from deltaserve.models.build import LoadedModel, load_model
+from deltaserve.models.loader import load_checkpoint
+from deltaserve.models.rope_index import decode_positions, mrope_positions
+from deltaserve.models.state import ForwardGroup
+from deltaserve.models.testing import cached_checkpoint
+from deltaserve.models.vision import VisionConfig, load_vision
 
 # Relative error bounds, max|ours - ref| / max|ref|. Tower features measured 9e-7 (float32
 # summation order); logits with images as in test_parity_transformers (~1e-5 measured).
@@ -341,8 +341,8 @@ def test_engine_greedy_with_images_matches_transformers(
     plan, a text row decoding beside it): the greedy tokens equal transformers'."""
     import torch
 
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
+    from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.engine import LLMEngine
 
     patches, grids = pixels([(64, 96), (160, 64)])
     ids = image_prompt("titit", grids)

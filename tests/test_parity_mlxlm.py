@@ -16,8 +16,8 @@ import mlx.nn as nn
 import pytest
 from parity_utils import full_logits, greedy_ours, prompt_ids, rel_error
 
-from models.build import LoadedModel, load_model
-from models.testing import cached_checkpoint
+from deltaserve.models.build import LoadedModel, load_model
+from deltaserve.models.testing import cached_checkpoint
 
 # Relative logit error bound, max|ours - ref| / max|ref|. Measured 2.4e-6 .. 5.6e-6 on
 # this CPU (logits up to ~140, abs errors 3e-4 .. 7e-4: float32 accumulation order over

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.cache.budget import MemoryBudget, StateCosts
-from engine.cache.prefix_index import PrefixIndex
+from deltaserve.engine.cache.budget import MemoryBudget, StateCosts
+from deltaserve.engine.cache.prefix_index import PrefixIndex
 
 BLOCK, TOKEN, SNAP = 4, 3, 100
 KV = BLOCK * TOKEN

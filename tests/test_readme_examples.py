@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from image_samples import picture
 
-from models.testing import cached_checkpoint
+from deltaserve.models.testing import cached_checkpoint
 from tests.processes import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parent.parent
@@ -74,7 +74,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     host:port that replaces README's."""
     port = free_port()
     log = tmp_path_factory.mktemp("readme-server") / "stderr.log"
-    command = [sys.executable, "-m", "server.cli", "serve", "--config", "/dev/null"]
+    command = [sys.executable, "-m", "deltaserve.server.cli", "serve", "--config", "/dev/null"]
     command += ["--model", str(cached_checkpoint("demo")), "--served-model-name", SERVED_NAME]
     command += ["--port", str(port)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}

@@ -10,9 +10,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.noise import gumbel_noise, row_key, splitmix64
-from engine.sampler import Sampler, SamplingRow
-from engine.types import SamplingParams
+from deltaserve.engine.noise import gumbel_noise, row_key, splitmix64
+from deltaserve.engine.sampler import Sampler, SamplingRow
+from deltaserve.engine.types import SamplingParams
 
 
 def make_row(

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine.api import QueueFullError
-from engine.cache.budget import MemoryBudget, StateCosts, default_budget_bytes
-from engine.config import EngineConfig
-from engine.plan import SchedulerOutput
-from engine.scheduler import Scheduler
-from engine.types import GenerationRequest, InvalidRequestError, SamplingParams
+from deltaserve.engine.api import QueueFullError
+from deltaserve.engine.cache.budget import MemoryBudget, StateCosts, default_budget_bytes
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.plan import SchedulerOutput
+from deltaserve.engine.scheduler import Scheduler
+from deltaserve.engine.types import GenerationRequest, InvalidRequestError, SamplingParams
 
 EOS = frozenset({0})
 

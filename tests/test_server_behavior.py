@@ -11,8 +11,8 @@ import httpx
 import pytest
 from fake_engine import FakeEngine, LiveServer, live_fake_server, parse_sse, real_tokenizer
 
-from server.app import create_app
-from server.settings import ModelSettings, SamplingDefaults, ServerSettings, Settings
+from deltaserve.server.app import create_app
+from deltaserve.server.settings import ModelSettings, SamplingDefaults, ServerSettings, Settings
 
 MODEL = "qwen-test"
 CHAT = "/v1/chat/completions"

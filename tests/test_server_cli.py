@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.config import KVCacheConfig
-from server.cli import main
-from server.settings import CONFIG_KEYS
-from server.startup import kv_cache_summary
+from deltaserve.engine.config import KVCacheConfig
+from deltaserve.server.cli import main
+from deltaserve.server.settings import CONFIG_KEYS
+from deltaserve.server.startup import kv_cache_summary
 
 REPO = Path(__file__).resolve().parent.parent
 NEXT_STEP = "Pass --model /path/to/checkpoint or run scripts/setup for a demo."
@@ -107,7 +107,7 @@ def test_bad_local_model_is_one_line_and_exit_2(
 def test_unreachable_hub_id_is_one_line_and_exit_2(tmp_path: Path) -> None:
     """A hub id with the hub unreachable: exactly the documented line, status 2, no traceback."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    command = [sys.executable, "-m", "server.cli", "serve", "--config", "/dev/null"]
+    command = [sys.executable, "-m", "deltaserve.server.cli", "serve", "--config", "/dev/null"]
     result = subprocess.run(
         [*command, "--model", "some-org/no-such-model"],
         cwd=REPO,
@@ -130,10 +130,10 @@ real_find_spec = importlib.util.find_spec
 def find_spec(name, *args, **kwargs):
     return None if name.partition(".")[0] == "torch" else real_find_spec(name, *args, **kwargs)
 importlib.util.find_spec = find_spec
-from server.cli import quiet_third_party_logs
+from deltaserve.server.cli import quiet_third_party_logs
 if sys.argv[1] == "quiet":
     quiet_third_party_logs()
-import server.frontend.tokenizer
+import deltaserve.server.frontend.tokenizer
 """
 
 

@@ -18,17 +18,17 @@ import pytest
 from fake_engine import LiveServer
 from PIL import Image
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.types import GenerationRequest, SamplingParams
-from models.testing import cached_checkpoint
-from models.testing.tokenizer import IM_END_ID
-from server.app import create_app
-from server.frontend.messages import image_refs
-from server.frontend.tokenizer import TextTokenizer
-from server.images import load_images, processor_config
-from server.settings import (
+from deltaserve.engine.async_engine import AsyncEngine
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.types import GenerationRequest, SamplingParams
+from deltaserve.models.testing import cached_checkpoint
+from deltaserve.models.testing.tokenizer import IM_END_ID
+from deltaserve.server.app import create_app
+from deltaserve.server.frontend.messages import image_refs
+from deltaserve.server.frontend.tokenizer import TextTokenizer
+from deltaserve.server.images import load_images, processor_config
+from deltaserve.server.settings import (
     ImageSettings,
     ModelSettings,
     SamplingDefaults,

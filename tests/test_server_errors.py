@@ -10,10 +10,10 @@ import httpx
 import pytest
 from fake_engine import FakeEngine, LiveServer, real_tokenizer, spec_errors
 
-from engine.api import QueueFullError
-from engine.types import InvalidRequestError
-from server.app import create_app
-from server.settings import ModelSettings, ServerSettings, Settings
+from deltaserve.engine.api import QueueFullError
+from deltaserve.engine.types import InvalidRequestError
+from deltaserve.server.app import create_app
+from deltaserve.server.settings import ModelSettings, ServerSettings, Settings
 
 API_KEY = "test-key"
 MODEL = "qwen-test"

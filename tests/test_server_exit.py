@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from bench.stop_check import stop_once
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.types import GenerationRequest, SamplingParams
-from models.testing import cached_checkpoint
+from deltaserve.engine.async_engine import AsyncEngine
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.types import GenerationRequest, SamplingParams
+from deltaserve.models.testing import cached_checkpoint
 
 NUM_STOPS = 10
 NUM_STREAMS = 4

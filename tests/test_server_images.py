@@ -20,12 +20,12 @@ from fake_engine import FakeEngine, LiveServer, real_tokenizer
 from image_samples import data_url, encoded, picture, write_processor_dir
 from PIL import Image
 
-from models.image_processor import ImageProcessorConfig, preprocess
-from models.testing.tokenizer import IMAGE_PAD_ID
-from server.app import create_app
-from server.frontend.messages import ImageRef, PromptError
-from server.images import fetch
-from server.settings import ConfigError, ImageSettings, ModelSettings, Settings
+from deltaserve.models.image_processor import ImageProcessorConfig, preprocess
+from deltaserve.models.testing.tokenizer import IMAGE_PAD_ID
+from deltaserve.server.app import create_app
+from deltaserve.server.frontend.messages import ImageRef, PromptError
+from deltaserve.server.images import fetch
+from deltaserve.server.settings import ConfigError, ImageSettings, ModelSettings, Settings
 
 MODEL = "qwen-test"
 CHAT = "/v1/chat/completions"

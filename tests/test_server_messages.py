@@ -19,10 +19,10 @@ import pytest
 from fake_engine import FakeEngine, LiveServer, real_tokenizer
 from PIL import Image
 
-from engine.api import QueueFullError
-from engine.types import GenerationRequest
-from server.app import create_app
-from server.settings import ModelSettings, ServerSettings, Settings
+from deltaserve.engine.api import QueueFullError
+from deltaserve.engine.types import GenerationRequest
+from deltaserve.server.app import create_app
+from deltaserve.server.settings import ModelSettings, ServerSettings, Settings
 
 API_KEY = "test-key"
 MODEL = "qwen-test"

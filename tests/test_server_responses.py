@@ -14,12 +14,12 @@ import openai
 import pytest
 from fake_engine import LiveServer
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from models.testing import cached_checkpoint
-from server.app import create_app
-from server.frontend.tokenizer import TextTokenizer
-from server.settings import ModelSettings, SamplingDefaults, ServerSettings, Settings
+from deltaserve.engine.async_engine import AsyncEngine
+from deltaserve.engine.config import EngineConfig
+from deltaserve.models.testing import cached_checkpoint
+from deltaserve.server.app import create_app
+from deltaserve.server.frontend.tokenizer import TextTokenizer
+from deltaserve.server.settings import ModelSettings, SamplingDefaults, ServerSettings, Settings
 
 MODEL = "tiny"
 CONFIG = EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, max_prefill_chunk=128)

@@ -14,11 +14,11 @@ import pytest
 from fake_engine import FakeEngine, LiveServer, real_tokenizer, spec_errors
 from image_samples import data_url, encoded, picture
 
-from server.app import create_app
-from server.errors import APIError
-from server.frontend.responses_input import chat_messages, item_resources
-from server.response_store import ResponseStore
-from server.settings import ModelSettings, ResponseStoreSettings, Settings
+from deltaserve.server.app import create_app
+from deltaserve.server.errors import APIError
+from deltaserve.server.frontend.responses_input import chat_messages, item_resources
+from deltaserve.server.response_store import ResponseStore
+from deltaserve.server.settings import ModelSettings, ResponseStoreSettings, Settings
 
 MODEL = "qwen-test"
 WEATHER = {

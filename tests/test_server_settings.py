@@ -10,10 +10,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.config import EngineConfig, KVCacheConfig
-from server.cli import build_parser
-from server.flags import add_arguments
-from server.settings import CONFIG_KEYS, ConfigError, ServerSettings, Settings, load_settings
+from deltaserve.engine.config import EngineConfig, KVCacheConfig
+from deltaserve.server.cli import build_parser
+from deltaserve.server.flags import add_arguments
+from deltaserve.server.settings import (
+    CONFIG_KEYS,
+    ConfigError,
+    ServerSettings,
+    Settings,
+    load_settings,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -13,9 +13,9 @@ import openai
 import pytest
 from fake_engine import FakeEngine, LiveServer, parse_sse, real_tokenizer, spec_errors
 
-from engine.types import GenerationRequest
-from server.app import create_app
-from server.settings import ModelSettings, Settings
+from deltaserve.engine.types import GenerationRequest
+from deltaserve.server.app import create_app
+from deltaserve.server.settings import ModelSettings, Settings
 
 MODEL = "qwen-test"
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -17,13 +17,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.api import EngineSummary
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from models.build import load_model
-from models.testing import cached_checkpoint
-from server.settings import ModelSettings, Settings
-from server.startup import summary_lines
+from deltaserve.engine.api import EngineSummary
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.engine import LLMEngine
+from deltaserve.models.build import load_model
+from deltaserve.models.testing import cached_checkpoint
+from deltaserve.server.settings import ModelSettings, Settings
+from deltaserve.server.startup import summary_lines
 
 REPO = Path(__file__).resolve().parent.parent
 READY = re.compile(r"ready: \S+ \(.*\) on (http://127\.0\.0\.1:(\d+)) \(api key off\)")
@@ -31,7 +31,15 @@ GIB = {"MiB": 2**20, "GiB": 2**30}
 
 
 def _serve(*args: str, stderr: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    command = [sys.executable, "-m", "server.cli", "serve", "--config", "/dev/null", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "deltaserve.server.cli",
+        "serve",
+        "--config",
+        "/dev/null",
+        *args,
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     with stderr.open("w") as err:
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err)
@@ -177,8 +185,8 @@ def test_connections_on_the_bound_socket_send_without_nagle_delay() -> None:
     client's delayed ACK, ~40 ms each)."""
     import asyncio
 
-    from server.cli import bind_socket
-    from server.settings import ServerSettings
+    from deltaserve.server.cli import bind_socket
+    from deltaserve.server.settings import ServerSettings
 
     async def accepted_nodelay() -> int:
         seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()

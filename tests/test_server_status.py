@@ -13,10 +13,10 @@ import httpx
 import pytest
 from fake_engine import FakeEngine, LiveServer, live_fake_server
 
-from engine.api import EngineStats
-from server.request_log import CLIENT_GONE, RequestLog, RequestRecord
-from server.settings import ModelSettings, ServerSettings, Settings
-from server.status import StatusHistory
+from deltaserve.engine.api import EngineStats
+from deltaserve.server.request_log import CLIENT_GONE, RequestLog, RequestRecord
+from deltaserve.server.settings import ModelSettings, ServerSettings, Settings
+from deltaserve.server.status import StatusHistory
 
 MODEL = "qwen-test"
 API_KEY = "status-test-key"

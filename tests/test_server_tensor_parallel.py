@@ -16,12 +16,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.engine import LLMEngine
-from engine.tensor_parallel import EXIT_LOST
-from engine.types import SamplingParams
-from models.build import load_model
-from models.testing import cached_checkpoint
-from server.frontend.tokenizer import TextTokenizer
+from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.tensor_parallel import EXIT_LOST
+from deltaserve.engine.types import SamplingParams
+from deltaserve.models.build import load_model
+from deltaserve.models.testing import cached_checkpoint
+from deltaserve.server.frontend.tokenizer import TextTokenizer
 from tests.processes import free_port, ring_envs, wait_healthy
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,7 +37,14 @@ class Ranks:
         self.logs = [tmp_path / f"rank{r}.log" for r in range(2)]
         self.procs = []
         for rank, env in enumerate(ring_envs(tmp_path)):
-            command = [sys.executable, "-m", "server.cli", "serve", "--config", "/dev/null"]
+            command = [
+                sys.executable,
+                "-m",
+                "deltaserve.server.cli",
+                "serve",
+                "--config",
+                "/dev/null",
+            ]
             command += ["--model", str(cached_checkpoint("tiny")), "--port", str(self.port)]
             command += ["--distributed-backend", "ring"]
             command += ["--distributed-timeout-s", str(TIMEOUT_S), *(extra or [[], []])[rank]]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.step_cost import MAX_AGE, UNBOUNDED, ChunkCost, StepCostModel, StepTimer
+from deltaserve.engine.step_cost import MAX_AGE, UNBOUNDED, ChunkCost, StepCostModel, StepTimer
 
 
 def test_step_timer_drops_the_first_pipelined_steps_after_lockstep() -> None:

@@ -19,12 +19,12 @@ import mlx.core as mx
 import pytest
 
 import tests.tp_scenarios as scenarios
-from engine.plan import PrefillChunk, SchedulerOutput
-from engine.tensor_parallel import Leader, RowInputs, StepPlan, Watchdog
-from models.config import TextConfig
-from models.loader import load_checkpoint, scales_name
-from models.parallel import ShardError, shard_config, shard_tensor, shard_weights
-from models.testing import cached_checkpoint
+from deltaserve.engine.plan import PrefillChunk, SchedulerOutput
+from deltaserve.engine.tensor_parallel import Leader, RowInputs, StepPlan, Watchdog
+from deltaserve.models.config import TextConfig
+from deltaserve.models.loader import load_checkpoint, scales_name
+from deltaserve.models.parallel import ShardError, shard_config, shard_tensor, shard_weights
+from deltaserve.models.testing import cached_checkpoint
 from tests.processes import ring_envs
 
 REPO = Path(__file__).resolve().parent.parent

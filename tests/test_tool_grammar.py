@@ -18,13 +18,13 @@ from grammar_corpus import (
     validate,
 )
 
-from engine.constraint import Constraint, ToolSpec
-from engine.grammar import GrammarCompiler
-from engine.tool_grammar import is_text
-from engine.types import InvalidRequestError
-from models.testing.tokenizer import TOOL_CALL_ID
-from server.frontend.tool_schema import ToolSchemas
-from server.frontend.tools import parse_tool_calls
+from deltaserve.engine.constraint import Constraint, ToolSpec
+from deltaserve.engine.grammar import GrammarCompiler
+from deltaserve.engine.tool_grammar import is_text
+from deltaserve.engine.types import InvalidRequestError
+from deltaserve.models.testing.tokenizer import TOOL_CALL_ID
+from deltaserve.server.frontend.tool_schema import ToolSchemas
+from deltaserve.server.frontend.tools import parse_tool_calls
 
 
 def _tool_specs() -> tuple[ToolSpec, ...]:

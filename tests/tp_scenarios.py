@@ -17,12 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.config import EngineConfig, KVCacheConfig
-from engine.engine import LLMEngine
-from engine.tensor_parallel import follow, join_group, start_engine
-from engine.types import GenerationRequest, SamplingParams
-from models.parallel import TensorParallel
-from models.testing import cached_checkpoint
+from deltaserve.engine.config import EngineConfig, KVCacheConfig
+from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.tensor_parallel import follow, join_group, start_engine
+from deltaserve.engine.types import GenerationRequest, SamplingParams
+from deltaserve.models.parallel import TensorParallel
+from deltaserve.models.testing import cached_checkpoint
 
 CONFIG = EngineConfig(
     max_num_seqs=3,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.cache.kv import FullPrecisionKV, KVStore
-from engine.cache.prefix import PrefixKV
-from engine.cache.ssm import SSMState
-from models.config import TextConfig
+from deltaserve.engine.cache.kv import FullPrecisionKV, KVStore
+from deltaserve.engine.cache.prefix import PrefixKV
+from deltaserve.engine.cache.ssm import SSMState
+from deltaserve.models.config import TextConfig
 
 LayerStore = KVStore | PrefixKV | SSMState
 

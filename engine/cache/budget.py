@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.config import TextConfig
+from deltaserve.models.config import TextConfig
 
 
 @dataclass(frozen=True)

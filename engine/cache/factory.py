@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from engine.cache.kv import FullPrecisionKV, KVStore
-from engine.cache.prefix import PrefixKV
-from engine.cache.quantized import AffineKV, TurboQuantKV
-from engine.config import KVCacheConfig
-from kernels.turboquant import NORM_DTYPE
+from deltaserve.engine.cache.kv import FullPrecisionKV, KVStore
+from deltaserve.engine.cache.prefix import PrefixKV
+from deltaserve.engine.cache.quantized import AffineKV, TurboQuantKV
+from deltaserve.engine.config import KVCacheConfig
+from deltaserve.kernels.turboquant import NORM_DTYPE
 
 AnyKV = KVStore | PrefixKV
 

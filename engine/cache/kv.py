@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels.attention import attention
-from kernels.quant_attention import fold_queries
+from deltaserve.kernels.attention import attention
+from deltaserve.kernels.quant_attention import fold_queries
 
 # Columns allocated at a time. Every op that rebuilds the arrays (append growth, merge,
 # filter) leaves free columns up to the next multiple, so decode appends write in place and

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engine.cache.kv import FullPrecisionKV, KVStore, fresh_copy, last_rows
-from kernels.quant_attention import apply_mask, unfold_output
+from deltaserve.engine.cache.kv import FullPrecisionKV, KVStore, fresh_copy, last_rows
+from deltaserve.kernels.quant_attention import apply_mask, unfold_output
 
 _DENSE = FullPrecisionKV()  # stateless: its scores / weighted_sum serve the prefix part
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.cache.budget import MemoryBudget
+from deltaserve.engine.cache.budget import MemoryBudget
 
 
 @dataclass(eq=False)

@@ -19,10 +19,10 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from engine.cache.batch import BatchState
-from engine.cache.kv import KVStore, fresh_copy
-from engine.cache.prefix_index import CacheDrop, CacheSave
-from engine.cache.ssm import SSMState
+from deltaserve.engine.cache.batch import BatchState
+from deltaserve.engine.cache.kv import KVStore, fresh_copy
+from deltaserve.engine.cache.prefix_index import CacheDrop, CacheSave
+from deltaserve.engine.cache.ssm import SSMState
 
 
 class PrefixStore:

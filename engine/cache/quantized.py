@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engine.cache.kv import KVStore
-from kernels.quant_attention import (
+from deltaserve.engine.cache.kv import KVStore
+from deltaserve.kernels.quant_attention import (
     affine_attention,
     affine_scores,
     affine_weighted_sum,
     fold_queries,
 )
-from kernels.turboquant import turboquant_quantize
-from kernels.turboquant_attention import (
+from deltaserve.kernels.turboquant import turboquant_quantize
+from deltaserve.kernels.turboquant_attention import (
     turboquant_attention,
     turboquant_rotate_queries,
     turboquant_scores,

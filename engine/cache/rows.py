@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
-from engine.cache.batch import BatchState
-from engine.cache.prefix_index import CacheDrop, CacheSave
-from engine.cache.prefix_store import PrefixStore
-from engine.cache.ssm import SSMState
+from deltaserve.engine.cache.batch import BatchState
+from deltaserve.engine.cache.prefix_index import CacheDrop, CacheSave
+from deltaserve.engine.cache.prefix_store import PrefixStore
+from deltaserve.engine.cache.ssm import SSMState
 
 
 class RowStates:

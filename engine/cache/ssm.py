@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engine.cache.kv import fresh_copy, take_rows
+from deltaserve.engine.cache.kv import fresh_copy, take_rows
 
 
 class SSMState:

@@ -12,15 +12,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from models.testing.checkpoint import (
+from deltaserve.models.testing.checkpoint import (
     convert_to_mlx,
     tensor_plan,
     write_checkpoint,
     write_hf_checkpoint,
 )
-from models.testing.config import SHAPES, hf_config, resolve_shape, text_config
-from models.testing.quantized import write_mlx_quantized
-from models.testing.tokenizer import write_tokenizer
+from deltaserve.models.testing.config import SHAPES, hf_config, resolve_shape, text_config
+from deltaserve.models.testing.quantized import write_mlx_quantized
+from deltaserve.models.testing.tokenizer import write_tokenizer
 
 # Bump when the writer's output changes, so stale cached checkpoints are not reused.
 CACHE_VERSION = 2  # 2: two vision blocks (staged tower passes), preprocessor_config.json

@@ -1,8 +1,8 @@
 """CLI: write random-weight Qwen3.5 checkpoints.
 
-python -m models.testing write --shape tiny --moe --layout mlx --bits 4 --out DIR
-python -m models.testing demo DIR       # the README's offline demo model
-python -m models.testing cached NAME    # print (and create) a cached test checkpoint
+python -m deltaserve.models.testing write --shape tiny --moe --layout mlx --bits 4 --out DIR
+python -m deltaserve.models.testing demo DIR       # the README's offline demo model
+python -m deltaserve.models.testing cached NAME    # print (and create) a cached test checkpoint
 """
 
 from __future__ import annotations
@@ -11,13 +11,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from models.testing import CACHED, SHAPES, cached_checkpoint, write_checkpoint
+from deltaserve.models.testing import CACHED, SHAPES, cached_checkpoint, write_checkpoint
 
 DEMO_SHAPE = "small"  # hidden 256, 8 layers (6 DeltaNet + 2 attention), dense, peaked
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m models.testing", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m deltaserve.models.testing", description=__doc__
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     write = commands.add_parser("write", help="write one checkpoint")
     write.add_argument("--out", required=True, help="empty or missing output directory")

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from models.testing.config import VOCAB_SIZE, Shape, hf_config, resolve_shape
-from models.testing.tokenizer import write_tokenizer
+from deltaserve.models.testing.config import VOCAB_SIZE, Shape, hf_config, resolve_shape
+from deltaserve.models.testing.tokenizer import write_tokenizer
 
 PEAK_LOGIT_STD = 24.0  # logit std when peaked: mean top1-top2 gap ~ std / sqrt(2 ln V) ~ 4.8
 ZERO_CENTRED_STD = 0.1  # zero-centred RMSNorm weights: gain = 1 + w with w ~ N(0, 0.1)

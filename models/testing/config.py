@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from models.testing.tokenizer import ENDOFTEXT_ID
+from deltaserve.models.testing.tokenizer import ENDOFTEXT_ID
 
 VOCAB_SIZE = 248320
 

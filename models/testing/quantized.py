@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from models.testing.checkpoint import TensorSpec, _fresh_dir, _to_bf16_bits, tensor_plan
-from models.testing.config import hf_config, resolve_shape
-from models.testing.tokenizer import generation_config, write_tokenizer
+from deltaserve.models.testing.checkpoint import TensorSpec, _fresh_dir, _to_bf16_bits, tensor_plan
+from deltaserve.models.testing.config import hf_config, resolve_shape
+from deltaserve.models.testing.tokenizer import generation_config, write_tokenizer
 
 GROUP_SIZE = 64
 GATE_BITS = 8  # mlx-lm keeps the MoE router and shared-expert gate at 8 bits

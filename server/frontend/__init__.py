@@ -18,7 +18,7 @@ Data flow for one choice: engine RequestOutput.token_ids -> detokenizer -> stop 
 -> reasoning split -> tool-call parsing (content only) -> ChoiceDelta (ordered pieces).
 """
 
-from server.frontend.choice import (
+from deltaserve.server.frontend.choice import (
     ChoiceDelta,
     ChoiceResult,
     ChoiceStream,
@@ -26,13 +26,13 @@ from server.frontend.choice import (
     ToolCallChunk,
     TopLogprob,
 )
-from server.frontend.detokenizer import IncrementalDetokenizer
-from server.frontend.messages import PromptError
-from server.frontend.pieces import Piece, Text, merge_pieces
-from server.frontend.reasoning import Delta, ReasoningParser
-from server.frontend.stops import StopStringMatcher
-from server.frontend.tokenizer import TextTokenizer
-from server.frontend.tools import (
+from deltaserve.server.frontend.detokenizer import IncrementalDetokenizer
+from deltaserve.server.frontend.messages import PromptError
+from deltaserve.server.frontend.pieces import Piece, Text, merge_pieces
+from deltaserve.server.frontend.reasoning import Delta, ReasoningParser
+from deltaserve.server.frontend.stops import StopStringMatcher
+from deltaserve.server.frontend.tokenizer import TextTokenizer
+from deltaserve.server.frontend.tools import (
     ToolCall,
     ToolCallArgs,
     ToolCallParser,

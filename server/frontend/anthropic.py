@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.frontend.messages import ImageRef, PromptError
+from deltaserve.server.frontend.messages import ImageRef, PromptError
 
 
 def system_message(system: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from engine.types import RequestOutput, TokenLogprob
-from server.frontend.detokenizer import IncrementalDetokenizer
-from server.frontend.pieces import (
+from deltaserve.engine.types import RequestOutput, TokenLogprob
+from deltaserve.server.frontend.detokenizer import IncrementalDetokenizer
+from deltaserve.server.frontend.pieces import (
     Piece,
     Text,
     ToolCallArgs,
@@ -22,10 +22,10 @@ from server.frontend.pieces import (
     extend_merged,
     text_of,
 )
-from server.frontend.reasoning import ReasoningParser
-from server.frontend.stops import StopStringMatcher
-from server.frontend.tokenizer import TextTokenizer
-from server.frontend.tools import ToolCall, ToolCallCollector, ToolCallParser
+from deltaserve.server.frontend.reasoning import ReasoningParser
+from deltaserve.server.frontend.stops import StopStringMatcher
+from deltaserve.server.frontend.tokenizer import TextTokenizer
+from deltaserve.server.frontend.tools import ToolCall, ToolCallCollector, ToolCallParser
 
 
 @dataclass(frozen=True)

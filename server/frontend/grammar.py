@@ -19,9 +19,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.constraint import Constraint, ToolSpec
-from engine.grammar import find_compiler
-from engine.types import InvalidRequestError
+from deltaserve.engine.constraint import Constraint, ToolSpec
+from deltaserve.engine.grammar import find_compiler
+from deltaserve.engine.types import InvalidRequestError
 
 THINK_CLOSE = "</think>"
 _JSON_KINDS = ("json_object", "json_schema")

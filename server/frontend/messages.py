@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engine.types import InvalidRequestError
+from deltaserve.engine.types import InvalidRequestError
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 

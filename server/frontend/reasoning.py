@@ -8,8 +8,8 @@ newlines the template puts around them are never emitted.
 
 from __future__ import annotations
 
-from server.frontend.pieces import Text, TextKind, merge_pieces
-from server.frontend.stops import partial_match_len
+from deltaserve.server.frontend.pieces import Text, TextKind, merge_pieces
+from deltaserve.server.frontend.stops import partial_match_len
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"

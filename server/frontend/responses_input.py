@@ -24,7 +24,7 @@ import json
 import secrets
 from typing import Any
 
-from server.frontend.messages import ImageRef, PromptError
+from deltaserve.server.frontend.messages import ImageRef, PromptError
 
 ASSISTANT_SIDE = ("reasoning", "function_call")  # and assistant messages
 _ID_PREFIXES = {

@@ -15,7 +15,7 @@ import jinja2
 from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
-from server.frontend.messages import PromptError, normalize_messages, normalize_tools
+from deltaserve.server.frontend.messages import PromptError, normalize_messages, normalize_tools
 
 IM_START = "<|im_start|>"
 IMAGE_PAD = "<|image_pad|>"  # the template writes one per image; it stands for all its tokens

@@ -22,9 +22,9 @@ import json
 import secrets
 from dataclasses import dataclass
 
-from server.frontend.pieces import Piece, Text, ToolCallArgs, ToolCallStart, merge_pieces
-from server.frontend.stops import find_first, partial_match_len
-from server.frontend.tool_schema import ToolSchemas, typed_value
+from deltaserve.server.frontend.pieces import Piece, Text, ToolCallArgs, ToolCallStart, merge_pieces
+from deltaserve.server.frontend.stops import find_first, partial_match_len
+from deltaserve.server.frontend.tool_schema import ToolSchemas, typed_value
 
 TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"
