@@ -76,6 +76,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("readme-server") / "stderr.log"
     command = [sys.executable, "-m", "deltaserve.server.cli", "serve", "--config", "/dev/null"]
     command += ["--model", str(cached_checkpoint("demo")), "--served-model-name", SERVED_NAME]
+    # Greedy where an example sets no temperature: the same answers every run. Sampled, a
+    # random-weight model's answer now and then ended in a newline (a blank printed line)
+    command += ["--default-temperature", "0"]
     command += ["--port", str(port)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     with log.open("w") as stderr:
