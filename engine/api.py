@@ -45,6 +45,10 @@ class EngineInfo:
     blas: str  # the CPU's matmul library ("" off the CPU)
     num_ranks: int = 1  # processes of a tensor-parallel group (1: none)
     prefix_cache_max_bytes: int = 0  # cap on the prefix cache (0: the cache is off)
+    # The per-step token budget and chunk size in force (config's, or the device's where
+    # the config left 0: EngineConfig.for_device); 0 = not reported
+    max_num_batched_tokens: int = 0
+    max_prefill_chunk: int = 0
 
 
 class EngineClient(Protocol):

@@ -66,6 +66,8 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
         blas=blas,
         num_ranks=parallel.size if parallel is not None else 1,
         prefix_cache_max_bytes=cache.max_bytes if cache is not None else 0,
+        max_num_batched_tokens=engine.config.max_num_batched_tokens,
+        max_prefill_chunk=engine.config.max_prefill_chunk,
     )
 
 

@@ -151,4 +151,8 @@ def settings_in_force(state: ServerState) -> dict[str, Any]:
 
     walk(state.settings, "")
     flat["server.api_key"] = "set" if state.settings.server.api_key else None
+    info = state.engine.info
+    for key in ("max_num_batched_tokens", "max_prefill_chunk"):  # 0: the device's choice
+        if not flat.get(f"engine.{key}") and getattr(info, key):
+            flat[f"engine.{key}"] = f"{getattr(info, key)} (this device's default)"
     return flat

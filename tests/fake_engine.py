@@ -73,7 +73,9 @@ class FakeEngine:
         self.max_context = max_context
         self.eos_token_ids = tokenizer.eos_token_ids
         self.eos_id = tokenizer.eos_token_ids[0]
-        self.info = EngineInfo("cpu", "float32", "0.0-fake", "fake BLAS")
+        self.info = EngineInfo(
+            "cpu", "float32", "0.0-fake", "fake BLAS", max_num_batched_tokens=512
+        )
         self.script: Callable[[GenerationRequest], str] = functools.partial(
             default_script, tokenizer
         )

@@ -178,6 +178,8 @@ def test_dashboard_data(server: LiveServer, http: httpx.Client) -> None:
     assert data["platform"]["device"] == "cpu" and data["platform"]["max_context"] == 1024
     assert data["settings"]["server.api_key"] == "set"
     assert data["settings"]["engine.max_num_seqs"] == SETTINGS.engine.max_num_seqs
+    # left at 0 (the device's choice): the engine's value in force, said to be its own
+    assert data["settings"]["engine.max_num_batched_tokens"] == "512 (this device's default)"
     assert API_KEY not in reply.text
     assert data["prefix_cache"]["enabled"] is False
 
