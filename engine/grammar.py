@@ -41,6 +41,7 @@ import llguidance as llg
 from deltaserve.engine.constraint import PARAM, Constraint
 from deltaserve.engine.tool_grammar import tool_call_lark
 from deltaserve.engine.types import InvalidRequestError
+from deltaserve.models.chat_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class GrammarCompiler:
         options = {**_JSON_OPTIONS, "coerce_one_of": not constraint.strict}
         if constraint.tools:  # tool calls, or (JSON kinds) the document instead
             document = None if kind == "tool_calls" else _inline_json(schema, options)
-            call_open, call_close = self._tag("<tool_call>"), self._tag("</tool_call>")
+            call_open, call_close = self._tag(TOOL_CALL_OPEN), self._tag(TOOL_CALL_CLOSE)
             lark = tool_call_lark(
                 constraint.tools, call_open, call_close, constraint.parallel_calls, document
             )

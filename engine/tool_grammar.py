@@ -29,10 +29,16 @@ from typing import Any
 
 from deltaserve.engine.constraint import PARAM, ToolSpec
 from deltaserve.engine.types import InvalidRequestError
+from deltaserve.models.chat_format import (
+    FUNCTION_CLOSE,
+    FUNCTION_OPEN,
+    PARAMETER_CLOSE,
+    PARAMETER_OPEN,
+    PARAMETER_VALUE_ENDS,
+)
 
-PARAM_CLOSE = "\n</parameter>\n"
-# Tags that end a value in the server's parser (VALUE_ENDS there): never inside one.
-_VALUE_ENDS = ("</parameter>", "<parameter=", "</function>", "</tool_call>")
+# How the template closes a value (server/frontend/tools.py strips these newlines).
+_VALUE_CLOSE = "\n" + PARAMETER_CLOSE + "\n"
 _STRING_KEYWORDS = ("enum", "const", "minLength", "maxLength", "pattern", "format")
 _UNSUPPORTED_TEXT = ("pattern", "format", "$ref")
 # What an arguments schema may say: anything else would be ignored, so it is refused.
@@ -59,9 +65,10 @@ def tool_call_lark(
     instead (e.g. an inline `%json {...}` document).
     """
     calls = 'call ("\\n" call)*' if parallel else "call"
+    function_open, function_close = _literal("\n" + FUNCTION_OPEN), _literal(FUNCTION_CLOSE + "\n")
     lines = [
         f"start: {alternative} | {calls}" if alternative else f"start: {calls}",
-        f'call: {call_open} "\\n<function=" fn "</function>\\n" {call_close}',
+        f"call: {call_open} {function_open} fn {function_close} {call_close}",
         "fn: " + " | ".join(f"fn_{i}" for i in range(len(tools))),
     ]
     for i, tool in enumerate(tools):
@@ -88,7 +95,7 @@ def _function_rules(i: int, tool: ToolSpec) -> list[str]:
         _check(_writable_name(name), f"{where}: the name cannot be written in a tool call")
         rule = f"p_{i}_{j}"
         value = _value(rule, schema, params, where)
-        rules.append(f"{rule}: {_literal(f'<parameter={name}>' + chr(10))} {value[0]}")
+        rules.append(f"{rule}: {_literal(f'{PARAMETER_OPEN}{name}>' + chr(10))} {value[0]}")
         rules += value[1]
         body.append(rule if name in required else f"{rule}?")
     return [f"fn_{i}: " + " ".join(body), *rules]
@@ -100,13 +107,13 @@ def _value(rule: str, schema: Any, root: Mapping, where: str) -> tuple[str, list
         schema = {} if schema is True else schema
         _check(isinstance(schema, Mapping), f"{where}: the schema must be an object")
     if not is_text(schema):
-        return f'%json {_json_schema(schema, root)} "\\n</parameter>\\n"', []
+        return f"%json {_json_schema(schema, root)} {_literal(_VALUE_CLOSE)}", []
     if "const" in schema or "enum" in schema:
         values = [schema["const"]] if "const" in schema else schema["enum"]
         texts = [v for v in values if isinstance(v, str)]
         _check(bool(texts), f"{where}: no string among its enum/const values")
         _check(all(_clean_text(t) for t in texts), f"{where}: a value holds a closing tag")
-        return "(" + " | ".join(_literal(t + PARAM_CLOSE) for t in texts) + ")", []
+        return "(" + " | ".join(_literal(t + _VALUE_CLOSE) for t in texts) + ")", []
     for keyword in _UNSUPPORTED_TEXT:
         ok = keyword not in schema
         _check(ok, f"{where}: {keyword!r} on a text parameter is not supported in tool calls")
@@ -149,8 +156,8 @@ def _text_regex(schema: Mapping, where: str) -> str:
     bounds_ok = isinstance(low, int) and (high is None or isinstance(high, int) and high >= low)
     _check(bounds_ok and low >= 0, f"{where}: bad minLength/maxLength")
     count = f"{{{low},{'' if high is None else high}}}"
-    close = _regex_escape(PARAM_CLOSE)
-    tags = "|".join(_regex_escape(t) for t in _VALUE_ENDS)
+    close = _regex_escape(_VALUE_CLOSE)
+    tags = "|".join(_regex_escape(t) for t in PARAMETER_VALUE_ENDS)
     return f"/(?s:.){count}{close}/ & ~/(?s:.)*({tags})(?s:.)*{close}/"
 
 
@@ -182,7 +189,7 @@ def _writable_name(name: object) -> bool:
 
 
 def _clean_text(text: str) -> bool:
-    return not any(tag in text for tag in _VALUE_ENDS)
+    return not any(tag in text for tag in PARAMETER_VALUE_ENDS)
 
 
 def _literal(text: str) -> str:

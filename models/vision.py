@@ -25,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from deltaserve.models.chat_format import IMAGE_PAD_ID, VIDEO_PAD_ID, VISION_END_ID, VISION_START_ID
 from deltaserve.models.vision_plan import FramePlan, Grid
 
 logger = logging.getLogger(__name__)
@@ -49,10 +50,10 @@ class VisionConfig:
     in_channels: int
     hidden_act: str = "gelu_pytorch_tanh"
     rope_theta: float = 10000.0
-    image_token_id: int = 248056
-    video_token_id: int = 248057
-    vision_start_token_id: int = 248053
-    vision_end_token_id: int = 248054
+    image_token_id: int = IMAGE_PAD_ID
+    video_token_id: int = VIDEO_PAD_ID
+    vision_start_token_id: int = VISION_START_ID
+    vision_end_token_id: int = VISION_END_ID
 
     @property
     def head_dim(self) -> int:
@@ -91,10 +92,10 @@ class VisionConfig:
             in_channels=int(v.get("in_channels", 3)),
             hidden_act=act,
             rope_theta=float(rope.get("rope_theta", 10000.0)),
-            image_token_id=int(raw.get("image_token_id", 248056)),
-            video_token_id=int(raw.get("video_token_id", 248057)),
-            vision_start_token_id=int(raw.get("vision_start_token_id", 248053)),
-            vision_end_token_id=int(raw.get("vision_end_token_id", 248054)),
+            image_token_id=int(raw.get("image_token_id", IMAGE_PAD_ID)),
+            video_token_id=int(raw.get("video_token_id", VIDEO_PAD_ID)),
+            vision_start_token_id=int(raw.get("vision_start_token_id", VISION_START_ID)),
+            vision_end_token_id=int(raw.get("vision_end_token_id", VISION_END_ID)),
         )
 
 

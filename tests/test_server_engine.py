@@ -22,8 +22,8 @@ from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.types import GenerationRequest, SamplingParams
+from deltaserve.models.chat_format import IM_END_ID
 from deltaserve.models.testing import cached_checkpoint
-from deltaserve.models.testing.tokenizer import IM_END_ID
 from deltaserve.server.app import create_app
 from deltaserve.server.frontend.messages import image_refs
 from deltaserve.server.frontend.tokenizer import TextTokenizer

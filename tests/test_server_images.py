@@ -20,8 +20,8 @@ from fake_engine import FakeEngine, LiveServer, real_tokenizer
 from image_samples import data_url, encoded, picture, write_processor_dir
 from PIL import Image
 
+from deltaserve.models.chat_format import IMAGE_PAD_ID
 from deltaserve.models.image_processor import ImageProcessorConfig, preprocess
-from deltaserve.models.testing.tokenizer import IMAGE_PAD_ID
 from deltaserve.server.app import create_app
 from deltaserve.server.frontend.messages import ImageRef, PromptError
 from deltaserve.server.images import fetch

@@ -14,8 +14,8 @@ from fake_engine import LiveServer
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
+from deltaserve.models.chat_format import IM_END_ID
 from deltaserve.models.testing import cached_checkpoint
-from deltaserve.models.testing.tokenizer import IM_END_ID
 from deltaserve.server.app import create_app
 from deltaserve.server.frontend.tokenizer import TextTokenizer
 from deltaserve.server.settings import ModelSettings, SamplingDefaults, ServerSettings, Settings

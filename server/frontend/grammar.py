@@ -22,8 +22,8 @@ from typing import Any
 from deltaserve.engine.constraint import Constraint, ToolSpec
 from deltaserve.engine.grammar import find_compiler
 from deltaserve.engine.types import InvalidRequestError
+from deltaserve.models.chat_format import THINK_CLOSE
 
-THINK_CLOSE = "</think>"
 _JSON_KINDS = ("json_object", "json_schema")
 
 

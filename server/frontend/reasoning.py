@@ -8,11 +8,9 @@ newlines the template puts around them are never emitted.
 
 from __future__ import annotations
 
+from deltaserve.models.chat_format import THINK_CLOSE, THINK_OPEN
 from deltaserve.server.frontend.pieces import Text, TextKind, merge_pieces
 from deltaserve.server.frontend.stops import partial_match_len
-
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
 
 # The reasoning parser's output is plain Text pieces; the old names stay for readers.
 Delta = Text

@@ -15,15 +15,19 @@ import jinja2
 from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
+from deltaserve.models.chat_format import (
+    IM_START,
+    IMAGE_PAD,
+    THINK_CLOSE,
+    THINK_OPEN,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+)
 from deltaserve.server.frontend.messages import PromptError, normalize_messages, normalize_tools
 
-IM_START = "<|im_start|>"
-IMAGE_PAD = "<|image_pad|>"  # the template writes one per image; it stands for all its tokens
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
 # Added tokens the parsers read in the decoded text; never hidden, even if a tokenizer
 # marks them special.
-MARKUP_TOKENS = frozenset({"<think>", "</think>", "<tool_call>", "</tool_call>"})
+MARKUP_TOKENS = frozenset({THINK_OPEN, THINK_CLOSE, TOOL_CALL_OPEN, TOOL_CALL_CLOSE})
 # Arguments of apply_chat_template that request kwargs must not override.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
@@ -59,7 +63,8 @@ class TextTokenizer:
         raw = [token for token in added.values() if not token.normalized]
         self._raw_added = tuple({token.content for token in raw})
         self._seam_tokens = frozenset(token.content for token in raw if _can_start_a_piece(token))
-        # None: the model takes no images.
+        # None: the model takes no images. (The template writes one pad per image; the
+        # prompt repeats it for each of the image's tokens: expand_images.)
         self.image_pad_id: int | None = {text: i for i, text in self._added_text.items()}.get(
             IMAGE_PAD
         )

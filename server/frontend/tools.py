@@ -22,19 +22,18 @@ import json
 import secrets
 from dataclasses import dataclass
 
+from deltaserve.models.chat_format import (
+    FUNCTION_CLOSE,
+    FUNCTION_OPEN,
+    PARAMETER_CLOSE,
+    PARAMETER_OPEN,
+    PARAMETER_VALUE_ENDS,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+)
 from deltaserve.server.frontend.pieces import Piece, Text, ToolCallArgs, ToolCallStart, merge_pieces
 from deltaserve.server.frontend.stops import find_first, partial_match_len
 from deltaserve.server.frontend.tool_schema import ToolSchemas, typed_value
-
-TOOL_OPEN = "<tool_call>"
-TOOL_CLOSE = "</tool_call>"
-FUNCTION_OPEN = "<function="
-FUNCTION_CLOSE = "</function>"
-PARAM_OPEN = "<parameter="
-PARAM_CLOSE = "</parameter>"
-# A parameter value ends at its closing tag, or at whatever tag proves it was left open.
-VALUE_ENDS = (PARAM_CLOSE, PARAM_OPEN, FUNCTION_CLOSE, TOOL_CLOSE)
-
 
 # The parser's output: content Text and tool-call pieces (server/frontend/pieces.py).
 ToolDelta = Piece
@@ -103,9 +102,9 @@ class ToolCallParser:
         if self._state == "text":
             self._flush_text()
         elif self._state == "call" and self._can_revert:
-            self._emit_content(self._space_before_call + TOOL_OPEN + self._buffer)
+            self._emit_content(self._space_before_call + TOOL_CALL_OPEN + self._buffer)
         elif self._state == "value":
-            partial = partial_match_len(self._buffer, VALUE_ENDS)
+            partial = partial_match_len(self._buffer, PARAMETER_VALUE_ENDS)
             self._close_value(self._buffer[: len(self._buffer) - partial])
             self._close_call()
         elif self._state == "function":
@@ -129,16 +128,16 @@ class ToolCallParser:
             if not self._buffer:
                 return False
             self._strip_leading_space = False
-        start = self._buffer.find(TOOL_OPEN)
+        start = self._buffer.find(TOOL_CALL_OPEN)
         if start >= 0:
             before = self._buffer[:start]
             self._emit_content(before.rstrip())
             self._space_before_call = before[len(before.rstrip()) :]
-            self._buffer = self._buffer[start + len(TOOL_OPEN) :]
+            self._buffer = self._buffer[start + len(TOOL_CALL_OPEN) :]
             self._state, self._can_revert = "call", True
             return True
         # Hold a partial "<tool_call>" and trailing whitespace: both may precede a call.
-        partial = partial_match_len(self._buffer, (TOOL_OPEN,))
+        partial = partial_match_len(self._buffer, (TOOL_CALL_OPEN,))
         ready = self._buffer[: len(self._buffer) - partial].rstrip()
         self._emit_content(ready)
         self._buffer = self._buffer[len(ready) :]
@@ -153,15 +152,15 @@ class ToolCallParser:
             self._start_call(head[len(FUNCTION_OPEN) : end].strip())
             self._buffer = head[end + 1 :]
             return True
-        if head.startswith(TOOL_CLOSE):
-            self._buffer = head[len(TOOL_CLOSE) :]
+        if head.startswith(TOOL_CALL_CLOSE):
+            self._buffer = head[len(TOOL_CALL_CLOSE) :]
             self._state, self._strip_leading_space = "text", True
             return True
-        if any(tag.startswith(head) for tag in (FUNCTION_OPEN, TOOL_CLOSE)):
+        if any(tag.startswith(head) for tag in (FUNCTION_OPEN, TOOL_CALL_CLOSE)):
             return False  # empty or a partial tag: wait
         if self._can_revert:
             # Not a tool call after all: the tag was text. Re-scan the rest as text.
-            self._emit_content(self._space_before_call + TOOL_OPEN)
+            self._emit_content(self._space_before_call + TOOL_CALL_OPEN)
             self._state = "text"
             return True
         self._buffer = _skip_to_next_tag(head)
@@ -169,20 +168,20 @@ class ToolCallParser:
 
     def _step_function(self) -> bool:
         head = self._buffer.lstrip()
-        if head.startswith(PARAM_OPEN):
-            end = head.find(">", len(PARAM_OPEN))
+        if head.startswith(PARAMETER_OPEN):
+            end = head.find(">", len(PARAMETER_OPEN))
             if end < 0:
                 return False
-            self._open_param(head[len(PARAM_OPEN) : end].strip())
+            self._open_param(head[len(PARAMETER_OPEN) : end].strip())
             self._buffer = head[end + 1 :]
             return True
-        for tag, state in ((FUNCTION_CLOSE, "call"), (TOOL_CLOSE, "text")):
+        for tag, state in ((FUNCTION_CLOSE, "call"), (TOOL_CALL_CLOSE, "text")):
             if head.startswith(tag):
                 self._close_call()
                 self._buffer = head[len(tag) :]
                 self._state, self._strip_leading_space = state, state == "text"
                 return True
-        if any(tag.startswith(head) for tag in (PARAM_OPEN, FUNCTION_CLOSE, TOOL_CLOSE)):
+        if any(tag.startswith(head) for tag in (PARAMETER_OPEN, FUNCTION_CLOSE, TOOL_CALL_CLOSE)):
             self._buffer = head
             return False
         self._buffer = _skip_to_next_tag(head)  # stray text between parameters
@@ -194,15 +193,15 @@ class ToolCallParser:
         if call.strip_value_newline and self._buffer:
             call.strip_value_newline = False
             self._buffer = self._buffer.removeprefix("\n")
-        found = find_first(self._buffer, VALUE_ENDS)
+        found = find_first(self._buffer, PARAMETER_VALUE_ENDS)
         if found is not None:
             start, tag = found
             self._close_value(self._buffer[:start])
             # Only "</parameter>" belongs to the value; other tags are the next state's.
-            self._buffer = self._buffer[start + (len(tag) if tag == PARAM_CLOSE else 0) :]
+            self._buffer = self._buffer[start + (len(tag) if tag == PARAMETER_CLOSE else 0) :]
             self._state = "function"
             return True
-        partial = partial_match_len(self._buffer, VALUE_ENDS)
+        partial = partial_match_len(self._buffer, PARAMETER_VALUE_ENDS)
         ready = self._buffer[: len(self._buffer) - partial]
         if ready.endswith("\n"):
             ready = ready[:-1]  # may be the newline before "</parameter>": hold it
