@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltaserve.engine.types import InvalidRequestError
+from deltaserve.engine.errors import InvalidRequestError
 
 PARAM = "constraint"  # the SamplingParams field that errors name
 KINDS = ("json_object", "json_schema", "regex", "lark", "tool_calls")

@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
@@ -37,14 +36,12 @@ from deltaserve.engine.request import Request
 from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import SampledBatch, Sampler, SamplingRow
 from deltaserve.engine.scheduler import Scheduler
+from deltaserve.engine.step_leader import StepLeader
 from deltaserve.engine.types import GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
 from deltaserve.engine.vision_inputs import VisionInputs
 from deltaserve.kernels.host_memory import keep_freed_memory
 from deltaserve.models.build import LoadedModel, on_cpu
 from deltaserve.models.deltanet import compile_prefill_default
-
-if TYPE_CHECKING:  # tensor_parallel.py builds engines
-    from deltaserve.engine.tensor_parallel import Leader
 
 log = logging.getLogger(__name__)
 TYPICAL_CHAT_TOKENS = 4096  # prompt + answer of a typical chat turn (the start-up summary)
@@ -77,7 +74,7 @@ class LLMEngine:
         loaded: LoadedModel,
         config: EngineConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
-        leader: Leader | None = None,
+        leader: StepLeader | None = None,
     ) -> None:
         """`clock` times the steps (the scheduler's cost model learns from it). `leader`:
         this is rank 0 of a tensor-parallel group (engine/tensor_parallel.py); each step's

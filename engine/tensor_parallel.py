@@ -200,8 +200,9 @@ def check_same_setup(parallel: TensorParallel, parts: Sequence[bytes]) -> None:
 
 
 class Leader:
-    """Rank 0's side: sends each step's plan before the step runs (LLMEngine.step), a
-    heartbeat while idle, and stop at shutdown; a failed step ends the group (`fail`)."""
+    """Rank 0's side (the engine's StepLeader, engine/step_leader.py): sends each step's
+    plan before the step runs (LLMEngine.step), a heartbeat while idle, and stop at
+    shutdown; a failed step ends the group (`fail`)."""
 
     def __init__(
         self, channel: Channel, watchdog: Watchdog, on_lost: Callable[[str], None] | None = None

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from deltaserve.engine.constraint import PARAM, ToolSpec
-from deltaserve.engine.types import InvalidRequestError
+from deltaserve.engine.errors import InvalidRequestError
 from deltaserve.models.chat_format import (
     FUNCTION_CLOSE,
     FUNCTION_OPEN,

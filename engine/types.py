@@ -8,26 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:  # engine/constraint.py imports InvalidRequestError from here
-    from deltaserve.engine.constraint import Constraint
+from deltaserve.engine.constraint import Constraint
+from deltaserve.engine.errors import InvalidRequestError  # the server imports it from here
 
 MAX_TOP_LOGPROBS = 20
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine can never run (bad parameter, too long, cannot fit).
-
-    `param` names the offending field by the engine's own name (a GenerationRequest or
-    SamplingParams field); the server maps it to its protocol's field for the HTTP 400.
-    """
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def _check(ok: bool, message: str, param: str) -> None:

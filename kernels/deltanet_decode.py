@@ -38,8 +38,8 @@ import mlx.core as mx
 
 from deltaserve.kernels import fastmath
 from deltaserve.kernels.deltanet_decode_metal import METAL_HEADER, METAL_SOURCE, conv_stage
-from deltaserve.kernels.gated_delta import gated_delta_step
 from deltaserve.kernels.gated_delta_fused import _backend
+from deltaserve.kernels.gated_delta_reference import gated_delta_step
 from deltaserve.kernels.rms_norm import float_bits
 
 __all__ = ["DecodeDims", "deltanet_decode", "deltanet_decode_ops", "supported"]

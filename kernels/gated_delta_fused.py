@@ -1,6 +1,6 @@
 """Fused Gated-DeltaNet decode step: one read and one write of the recurrent state.
 
-Drop-in for `deltaserve.kernels.gated_delta.gated_delta_step` (same signature, shapes and dtypes):
+Drop-in for `gated_delta_step` (kernels/gated_delta_reference.py; same signature, shapes, dtypes):
     q, k  [B, 1, Hk, Dk]   L2-normalised; q already scaled by Dk**-0.5
     v     [B, 1, Hv, Dv]   y comes back in v.dtype
     g     [B, 1, Hv]       log-decay;  beta [B, 1, Hv]
@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from deltaserve.kernels.gated_delta import gated_delta_step
+from deltaserve.kernels.gated_delta_reference import gated_delta_step
 
 __all__ = ["gated_delta_step_fused"]
 

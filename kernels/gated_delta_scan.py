@@ -31,8 +31,8 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from deltaserve.kernels.gated_delta import gated_delta_reference
 from deltaserve.kernels.gated_delta_fused import _CUDA_HEADER, _backend
+from deltaserve.kernels.gated_delta_reference import gated_delta_reference
 
 __all__ = ["gated_delta_scan", "scan_supported"]
 

@@ -25,7 +25,7 @@ from deltaserve.server.request_log import RequestLog
 from deltaserve.server.response_store import ResponseStore
 from deltaserve.server.schemas import SamplingFields
 from deltaserve.server.settings import Settings
-from deltaserve.server.status import StatusHistory
+from deltaserve.server.status_history import StatusHistory
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)

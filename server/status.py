@@ -4,79 +4,18 @@ the last minutes, served by GET /dashboard/data (server/routes_status.py).
 It reads the sources that exist already: the EngineStats snapshot the engine thread
 publishes after each step (what /metrics reads: running and queued rows, row-state bytes
 against the budget, prefix-cache counters, the generated-token total), the request log's
-records (server/request_log.py), EngineInfo and the Settings. Its only state of its own
-is StatusHistory, a sample of EngineStats every second over the last minutes, so that the
-page plots throughput from before it was opened.
+records (server/request_log.py), EngineInfo and the Settings, and the StatusHistory
+(server/status_history.py): EngineStats sampled over the last minutes.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import os
 import platform
-import time
-from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from deltaserve.engine.api import EngineClient, EngineStats
-
-if TYPE_CHECKING:  # routes_common holds a StatusHistory in its ServerState
-    from deltaserve.server.routes_common import ServerState
-
-
-@dataclass(frozen=True)
-class Sample:
-    """EngineStats figures at one moment (time: wall clock, time.time())."""
-
-    time: float
-    generated_tokens_total: int
-    num_running: int
-    num_waiting: int
-
-
-class StatusHistory:
-    """EngineStats sampled every `interval_s`, the last `window_s` seconds of them.
-
-    `run` samples in the event loop's thread; `series` reads there too, so no lock.
-    """
-
-    def __init__(self, interval_s: float = 1.0, window_s: float = 300.0) -> None:
-        self.interval_s = interval_s
-        self.window_s = window_s
-        self._samples: deque[Sample] = deque(maxlen=int(window_s / interval_s) + 1)
-
-    def add(self, stats: EngineStats, now: float) -> None:
-        """Keep the figures of `stats`, taken at `now`."""
-        self._samples.append(
-            Sample(now, stats.generated_tokens_total, stats.num_running, stats.num_waiting)
-        )
-
-    async def run(self, engine: EngineClient) -> None:
-        """Sample `engine` until cancelled (the app's lifespan starts and ends it)."""
-        while True:
-            # A dead engine must not end the history; /health reports it.
-            with contextlib.suppress(Exception):
-                self.add(engine.stats(), time.time())
-            await asyncio.sleep(self.interval_s)
-
-    def series(self) -> dict[str, list[float]]:
-        """Per sample after the first: its time, the tokens/s generated since the sample
-        before, and the running and queued rows."""
-        out: dict[str, list[float]] = {"time": [], "tokens_per_s": [], "running": [], "queued": []}
-        samples = list(self._samples)
-        for before, now in zip(samples, samples[1:], strict=False):
-            elapsed = now.time - before.time
-            if elapsed <= 0:
-                continue
-            out["time"].append(now.time)
-            tokens = now.generated_tokens_total - before.generated_tokens_total
-            out["tokens_per_s"].append(tokens / elapsed)
-            out["running"].append(now.num_running)
-            out["queued"].append(now.num_waiting)
-        return out
+from deltaserve.server.routes_common import ServerState
 
 
 def status_snapshot(state: ServerState, now: float) -> dict[str, Any]:

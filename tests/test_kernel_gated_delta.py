@@ -6,7 +6,6 @@ import mlx.core as mx
 import pytest
 
 import deltaserve.kernels.gated_delta as gd
-import deltaserve.kernels.gated_delta_fused as fused
 from deltaserve.kernels.gated_delta import (
     _gated_delta_fast,
     gated_delta,
@@ -276,7 +275,7 @@ def test_dispatch_on_metal(
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)
     monkeypatch.setattr(gd, "_gated_delta_fast", lambda *a: calls.append("fast") or a[:2])
     monkeypatch.setattr(gd, "gated_delta_chunked", lambda *a: calls.append("chunked") or a[:2])
-    monkeypatch.setattr(fused, "gated_delta_step_fused", lambda *a: calls.append("step") or a[:2])
+    monkeypatch.setattr(gd, "gated_delta_step_fused", lambda *a: calls.append("step") or a[:2])
     x = make_inputs(1, 3, hk, hv, d)
     gd.gated_delta(*x, mx.ones((1, 3), mx.bool_) if masked else None)
     gd.gated_delta(*(t[:, :1] for t in x[:5]), x[5])

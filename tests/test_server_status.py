@@ -16,7 +16,7 @@ from fake_engine import FakeEngine, LiveServer, live_fake_server
 from deltaserve.engine.api import EngineStats
 from deltaserve.server.request_log import CLIENT_GONE, RequestLog, RequestRecord
 from deltaserve.server.settings import ModelSettings, ServerSettings, Settings
-from deltaserve.server.status import StatusHistory
+from deltaserve.server.status_history import StatusHistory
 
 MODEL = "qwen-test"
 API_KEY = "status-test-key"
