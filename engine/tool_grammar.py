@@ -1,16 +1,7 @@
 """A Lark grammar (llguidance's dialect) for Qwen3.5 tool calls of declared tools.
 
-The model writes calls as the chat template renders them (models/testing/tokenizer.py) and
-the server's parser reads them back (server/frontend/tools.py):
-
-    <tool_call>
-    <function=NAME>
-    <parameter=ARG>
-    VALUE
-    </parameter>
-    </function>
-    </tool_call>
-
+The model writes calls as the chat template renders them (the markup and its layout:
+models/chat_format.py) and the server's parser reads them back (server/frontend/tools.py),
 calls separated by "\\n". A parameter whose declared type is text (the parser's rule, as
 server/frontend/tool_schema.py states it: no declared type, or "string" among them) is
 kept verbatim; any other is parsed as JSON. So a text value is raw text that holds none of
