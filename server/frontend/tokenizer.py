@@ -15,6 +15,7 @@ import jinja2
 from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
+from deltaserve.server.frontend.grammar import reasoning_end_id
 from deltaserve.server.frontend.messages import PromptError, normalize_messages, normalize_tools
 
 IM_START = "<|im_start|>"
@@ -65,6 +66,11 @@ class TextTokenizer:
         )
         self._byte_of_char = _byte_level_decoder()
         self._token_text_cache: dict[int, str] = {}
+        # `</think>` (one added token in Qwen3.5; None: the model cannot think) and the
+        # tokens a thinking budget forces, the close as the template writes it.
+        self.think_end_id: int | None = reasoning_end_id(self.encode)
+        close = tuple(self.encode(f"\n{THINK_CLOSE}\n\n"))
+        self.thinking_close_ids: tuple[int, ...] = close if self.think_end_id in close else ()
 
     @property
     def vocab_size(self) -> int:
