@@ -287,7 +287,10 @@ class LLMEngine:
             return None, [], []
         # Built after the previous step's tokens were appended: seeds and penalties see
         # every earlier token whether or not the steps are pipelined.
-        rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.index) for r in requests]
+        rows = [
+            SamplingRow(r.params, r.prompt_ids, r.output_ids, r.index, r.forced_token())
+            for r in requests
+        ]
         keys = [(r.request_id, r.index) for r in requests]
         # Computed while the device runs this step's forward (queued by the runner).
         mask = self.constraints.masks(keys) if len(self.constraints) else None

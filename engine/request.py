@@ -98,6 +98,28 @@ class Request:
         """Worst-case tokens this row will ever hold (what admission reserves for)."""
         return min(self.num_prompt + self.params.max_tokens, self.max_context)
 
+    def forced_token(self) -> int | None:
+        """The token this row must write next instead of sampling, or None.
+
+        The thinking budget: output starts inside thinking, so once max_thinking_tokens
+        tokens were generated without `</think>` among them, the next steps write
+        thinking_close_ids one token each (a pure function of output_ids, which hold every
+        earlier token when a step samples, pipelined or not). A constrained row's forcing
+        ends at `</think>`: its grammar starts there and owns every later token.
+        """
+        p = self.params
+        if p.max_thinking_tokens is None:
+            return None
+        j = len(self.output_ids) - p.max_thinking_tokens  # position in the close sequence
+        close = p.thinking_close_ids
+        if not 0 <= j < len(close):
+            return None
+        if p.thinking_end_id in self.output_ids[: p.max_thinking_tokens]:
+            return None  # the model closed its thinking within the budget
+        if p.constraint is not None and p.thinking_end_id in close[:j]:
+            return None
+        return close[j]
+
     def finish_check(self, token: int) -> str | None:
         """Finish reason after `token` was appended, or None to keep going."""
         if not self.params.ignore_eos and token in self.eos_ids:

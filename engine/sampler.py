@@ -10,6 +10,14 @@ Logprobs are log_softmax of the *processed* logits at temperature 1: after bias 
 penalties (what the request asked the model to be), before temperature and truncation
 (which only shape how we draw). A greedy row's token is the argmax of that distribution.
 
+Forced tokens (a thinking budget's close, engine/request.py Request.forced_token): a row
+that must write a given token draws as usual, then its token is replaced by the forced one
+(one [N] select, built only in a step where some row is forced). A mask allowing only that
+token would do the same through the constraint path, but it costs a whole-vocabulary mask
+in a step that needs one id, and its logprob would be 0 by construction. Replacing after
+the draw leaves every other row's draw and noise untouched (seeded draws are keyed by
+(seed, choice, step)), and the forced token's logprob is what the model gave it.
+
 Randomness: Gumbel-max, argmax(y + g) with g = -log(-log(u)) and u a counter-based hash
 of (row key, vocab id). A seeded row's key is a function of (seed, choice, step) only, so
 its draws do not depend on batch size, row position or neighbours. Unseeded rows get
@@ -47,6 +55,7 @@ class SamplingRow:
     prompt_ids: Sequence[int]  # repetition penalty covers prompt + output (HF)
     output_ids: Sequence[int]  # generated so far; len() is the step that seeds the draw
     choice: int = 0
+    forced_token: int | None = None  # written instead of the draw (see the module docstring)
 
 
 def _masked_scores(y: mx.array, t: mx.array, k0: mx.array, k1: mx.array, ids: mx.array) -> mx.array:
@@ -211,11 +220,11 @@ class Sampler:
         if allowed is not None:
             logits = apply_token_mask(logits, allowed)
         if plan.fast_greedy:
-            return SampledBatch(argmax_rows(logits, self.lazy_tokens))
+            return SampledBatch(_forced(argmax_rows(logits, self.lazy_tokens), rows))
         z = self._process(logits.astype(mx.float32), rows, plan)
         parts = [self._draw(_take(z, g.index), rows, g) for g in plan.groups]
         tokens = mx.concatenate(parts).astype(mx.int32)
-        tokens = tokens if plan.order is None else tokens[plan.order]
+        tokens = _forced(tokens if plan.order is None else tokens[plan.order], rows)
         return SampledBatch(tokens, *(_logprobs(z, tokens, plan) if plan.lp_rows else ()))
 
     def process(self, logits: mx.array, rows: Sequence[SamplingRow]) -> mx.array:
@@ -293,6 +302,16 @@ class Sampler:
             thr = mx.maximum(thr, y_max + g.log_min_p)
         ids = mx.arange(y.shape[1], dtype=mx.uint32)[None]
         return argmax_rows(_masked_scores_fused(y, thr, k0, k1, ids), self.lazy_tokens)
+
+
+def _forced(tokens: mx.array, rows: Sequence[SamplingRow]) -> mx.array:
+    """tokens [N] with each forced row's token in place of its draw."""
+    forced = [r.forced_token for r in rows]
+    if all(t is None for t in forced):
+        return tokens
+    is_forced = mx.array([t is not None for t in forced])
+    ids = mx.array([t if t is not None else 0 for t in forced], dtype=tokens.dtype)
+    return mx.where(is_forced, ids, tokens)
 
 
 def _draw_top_k(y: mx.array, g: _Group, k0: mx.array, k1: mx.array) -> mx.array:

@@ -41,6 +41,13 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     constraint: Constraint | None = None  # output grammar (engine/constraint.py)
+    # Thinking budget (Request.forced_token): once this many tokens were generated inside
+    # thinking (the prompt opened `<think>`) without `</think>`, the row is made to write
+    # thinking_close_ids ("\n</think>\n\n", the server's tokenizer) and then answers.
+    # None: unlimited. thinking_end_id: `</think>`, one of thinking_close_ids.
+    max_thinking_tokens: int | None = None
+    thinking_close_ids: tuple[int, ...] = ()
+    thinking_end_id: int | None = None
 
     def __post_init__(self) -> None:
         finite = all(
@@ -97,6 +104,18 @@ class SamplingParams:
             "ignore_eos cannot be combined with a constraint",
             "ignore_eos",
         )
+        if self.max_thinking_tokens is not None:
+            self._check_thinking_budget(self.max_thinking_tokens)
+
+    def _check_thinking_budget(self, budget: int) -> None:
+        param = "max_thinking_tokens"
+        _check(budget >= 0, "max_thinking_tokens must be >= 0", param)
+        end = self.thinking_end_id
+        ok = end is not None and end in self.thinking_close_ids
+        _check(ok, "a thinking budget needs the close ids, `</think>` among them", param)
+        # A grammar that covered the thinking too would refuse the forced close.
+        ok = self.constraint is None or self.constraint.start_after_token_id == end
+        _check(ok, "a thinking budget needs the output constraint to start after `</think>`", param)
 
     @property
     def is_greedy(self) -> bool:

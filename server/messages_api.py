@@ -104,10 +104,11 @@ class ToolChoiceIn(_In):
 
 class ThinkingIn(_In):
     """enabled / disabled switch Qwen's thinking (the template's enable_thinking);
-    adaptive keeps the model's default (it thinks). budget_tokens is accepted, not used."""
+    adaptive keeps the model's default (it thinks). enabled's budget_tokens: thinking
+    tokens before the engine closes `</think>` (absent: unlimited; ignored otherwise)."""
 
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = None
+    budget_tokens: Annotated[int, Field(ge=0)] | None = None
 
 
 class PromptFields(_In):
@@ -145,6 +146,11 @@ class MessagesRequest(PromptFields, SamplingFields):
     stop_sequences: Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None  # accepted and ignored
+
+    def thinking_tokens(self) -> int | None:
+        """The thinking budget: enabled thinking's budget_tokens (None: unlimited)."""
+        thinking = self.thinking
+        return thinking.budget_tokens if thinking and thinking.type == "enabled" else None
 
     @field_validator("stop_sequences")
     @classmethod

@@ -5,6 +5,7 @@ thin adapter over it.
     parse the body, check the model
     prompt -> token ids                       server/prompts.py (chat-templated protocols)
     sampling fields + OutputSpec  ------>     routes_common.sampling_params, output_constraint
+    thinking budget               ------>     thinking_budget
     GenerationRequest(s), a Writer ----->     serve: start_runs -> RunGroup of ChoiceStreams
                                                 stream:  writer.head, .event per event, .tail
                                                 collect: writer.body(FinishedChoice, ...)
@@ -35,7 +36,7 @@ from deltaserve.engine.types import (
 )
 from deltaserve.server.errors import APIError
 from deltaserve.server.frontend.choice import ChoiceResult, ChoiceStream
-from deltaserve.server.frontend.grammar import check_constraint, constraint_for, reasoning_end_id
+from deltaserve.server.frontend.grammar import check_constraint, constraint_for
 from deltaserve.server.metrics import RequestTimer
 from deltaserve.server.request_log import RequestRecord
 from deltaserve.server.routes_common import FieldNames, ServerState, request_error, until_disconnect
@@ -112,7 +113,7 @@ async def output_constraint(
     call ("required" / "named", over `tools`), starting after `</think>` when the output
     opens in reasoning (server/frontend/grammar.py). The grammar compiles here, in the
     thread pool, so a schema the engine cannot compile is a 400 naming its field."""
-    end = reasoning_end_id(state.tokenizer.encode) if starts_in_reasoning else None
+    end = state.tokenizer.think_end_id if starts_in_reasoning else None
     try:
         constraint = constraint_for(
             spec.response_format, spec.tool_choice, tools, tool_name=spec.tool_name,
@@ -122,6 +123,31 @@ async def output_constraint(
             return params
         await run_in_threadpool(check_constraint, state.tokenizer.model_dir, constraint)
         return replace(params, constraint=constraint)
+    except InvalidRequestError as exc:
+        raise request_error(exc, names) from None
+
+
+def thinking_budget(
+    state: ServerState,
+    params: SamplingParams,
+    max_thinking_tokens: int | None,
+    starts_in_reasoning: bool,
+    names: FieldNames,
+) -> SamplingParams:
+    """`params` with a thinking budget: after `max_thinking_tokens` thinking tokens the
+    engine forces "\n</think>\n\n" (the tokenizer's thinking_close_ids) and the model
+    answers. Only when the output starts inside thinking; None: unlimited. Call it before
+    output_constraint, which checks the two together."""
+    if max_thinking_tokens is None or not starts_in_reasoning:
+        return params
+    close, end = state.tokenizer.thinking_close_ids, state.tokenizer.think_end_id
+    try:
+        return replace(
+            params,
+            max_thinking_tokens=max_thinking_tokens,
+            thinking_close_ids=close,
+            thinking_end_id=end,
+        )
     except InvalidRequestError as exc:
         raise request_error(exc, names) from None
 

@@ -150,7 +150,8 @@ class TextIn(_In):
 
 class ReasoningIn(_In):
     """effort "none" turns Qwen's thinking off, any other on (schemas.thinking_kwargs);
-    summary is accepted and ignored: the reasoning itself comes back."""
+    minimal, low and medium also bound it (schemas.effort_thinking_tokens). summary is
+    accepted and ignored: the reasoning itself comes back."""
 
     effort: ReasoningEffort | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None

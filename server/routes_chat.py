@@ -10,6 +10,8 @@ latter), and the output is grammar-constrained to tool calls of those tools
 (pipeline.output_constraint; one call when parallel_tool_calls is false).
 response_format json_object / json_schema constrains the content the same way (with
 callable tools under "auto": the document or tool calls); reasoning stays free.
+Thinking budget: max_thinking_tokens (our extension), else reasoning_effort's budget
+(schemas.effort_thinking_tokens); past it the engine closes `</think>` and the model answers.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from deltaserve.server.pipeline import (
     generation_request,
     output_constraint,
     serve,
+    thinking_budget,
 )
 from deltaserve.server.prompts import render_prompt, template_tools
 from deltaserve.server.responses import (
@@ -87,6 +90,8 @@ async def create_chat_completion(request: Request, body: ChatBody) -> Response:
         top_logprobs=body.top_logprobs or 0,
     )
     reasoning = prompt.starts_in_reasoning
+    budget = body.thinking_tokens(params.max_tokens)
+    params = thinking_budget(state, params, budget, reasoning, names)
     params = await output_constraint(state, params, spec, tools, reasoning, names)
     gen = generation_request(
         names,

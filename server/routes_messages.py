@@ -6,8 +6,10 @@ server/pipeline.py); a MessagesWriter frames the choice's ordered output pieces 
 content blocks: reasoning -> thinking, text -> text, a tool call -> tool_use.
 
 Mapping: `thinking` enabled/disabled -> the template's enable_thinking (absent or
-adaptive: the model's default, which thinks); tool_choice any -> "required", tool ->
-the named tool, none -> tools hidden, disable_parallel_tool_use -> only the first call.
+adaptive: the model's default, which thinks), enabled's budget_tokens -> the thinking
+budget (pipeline.thinking_budget; no minimum here, unlike Anthropic's 1024); tool_choice
+any -> "required", tool -> the named tool, none -> tools hidden,
+disable_parallel_tool_use -> only the first call.
 any / tool force the call by grammar (pipeline.output_constraint). stop_reason: end_turn,
 max_tokens, stop_sequence (with the sequence), tool_use. usage: input_tokens +
 cache_read_input_tokens is the prompt (the second is what the prefix cache restored).
@@ -47,6 +49,7 @@ from deltaserve.server.pipeline import (
     generation_request,
     output_constraint,
     serve,
+    thinking_budget,
 )
 from deltaserve.server.prompts import RenderedPrompt, render_prompt, template_tools
 from deltaserve.server.routes_common import (
@@ -61,7 +64,12 @@ from deltaserve.server.sse import sse_event
 
 router = APIRouter()
 # Engine field names -> this endpoint's request fields, for 400 messages.
-_FIELD_NAMES = {"prompt_ids": "messages", "images": "messages", "stop_token_ids": "stop_sequences"}
+_FIELD_NAMES = {
+    "prompt_ids": "messages",
+    "images": "messages",
+    "stop_token_ids": "stop_sequences",
+    "max_thinking_tokens": "thinking.budget_tokens",
+}
 _TOOL_CHOICES: dict[str, ToolChoice] = {
     "auto": "auto",
     "any": "required",
@@ -84,6 +92,7 @@ async def create_message(request: Request, body: MessagesBody) -> Response:
     state.metrics.images.inc(len(prompt.images))
     params = sampling_params(state, body, len(prompt.ids), body.max_tokens, _FIELD_NAMES)
     reasoning = prompt.starts_in_reasoning
+    params = thinking_budget(state, params, body.thinking_tokens(), reasoning, _FIELD_NAMES)
     params = await output_constraint(state, params, spec, tools, reasoning, _FIELD_NAMES)
     message_id = "msg_" + secrets.token_hex(12)
     gen = generation_request(

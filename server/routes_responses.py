@@ -12,7 +12,9 @@ spec); tool_choice auto / none / required / {"type": "function", "name"} -> chat
 last two forced by grammar; text.format json_schema / json_object -> chat's
 response_format (same constraint path); reasoning.effort -> the template's
 enable_thinking as chat's reasoning_effort (schemas.thinking_kwargs: "none" off, any
-other on, absent: the model's default, which thinks); max_output_tokens -> max_tokens.
+other on, absent: the model's default, which thinks) and a thinking budget
+(schemas.effort_thinking_tokens: minimal 256, low 1024, medium 4096 tokens, higher
+unlimited; none when max_output_tokens is no larger); max_output_tokens -> max_tokens.
 usage.input_tokens is the whole prompt, input_tokens_details.cached_tokens what the
 prefix cache restored. store (default true) keeps the finished response in the bounded
 ResponseStore (server/response_store.py), which GET / DELETE /v1/responses/{id},
@@ -30,7 +32,13 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 
 from deltaserve.server.frontend.choice import ChoiceStream
 from deltaserve.server.frontend.responses_input import chat_messages, chat_tools, item_resources
-from deltaserve.server.pipeline import OutputSpec, generation_request, output_constraint, serve
+from deltaserve.server.pipeline import (
+    OutputSpec,
+    generation_request,
+    output_constraint,
+    serve,
+    thinking_budget,
+)
 from deltaserve.server.prompts import render_prompt, template_tools
 from deltaserve.server.responses_api import (
     CreateResponseRequest,
@@ -47,7 +55,7 @@ from deltaserve.server.routes_common import (
     sampling_params,
     server_state,
 )
-from deltaserve.server.schemas import ResponseFormat, thinking_kwargs
+from deltaserve.server.schemas import ResponseFormat, effort_thinking_tokens, thinking_kwargs
 
 router = APIRouter()
 # Engine field names -> this endpoint's request fields, for 400 messages.
@@ -56,6 +64,7 @@ _FIELD_NAMES = {
     "images": "input",
     "max_tokens": "max_output_tokens",
     "response_format": "text.format",
+    "max_thinking_tokens": "reasoning.effort",
 }
 ResponsesBody = Annotated[CreateResponseRequest, Depends(json_body(CreateResponseRequest))]
 
@@ -82,6 +91,8 @@ async def create_response(request: Request, body: ResponsesBody) -> Response:
     state.metrics.images.inc(len(prompt.images))
     params = sampling_params(state, body, len(prompt.ids), body.max_output_tokens, _FIELD_NAMES)
     reasoning = prompt.starts_in_reasoning
+    budget = effort_thinking_tokens(effort, params.max_tokens)
+    params = thinking_budget(state, params, budget, reasoning, _FIELD_NAMES)
     params = await output_constraint(state, params, spec, tools, reasoning, _FIELD_NAMES)
     response_id = "resp_" + secrets.token_hex(24)
     gen = generation_request(

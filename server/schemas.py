@@ -32,6 +32,8 @@ Probability = Annotated[float, Field(ge=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 PositiveInt = Annotated[int, Field(ge=1)]
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+# Thinking budgets of reasoning efforts (README); "high", "xhigh" and "max": unlimited.
+EFFORT_THINKING_TOKENS = {"minimal": 256, "low": 1024, "medium": 4096}
 
 
 class _In(BaseModel):
@@ -218,6 +220,9 @@ class ChatCompletionRequest(GenerationFields):
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
     reasoning_effort: ReasoningEffort | None = None  # Qwen3.5 thinks or not: template_kwargs
+    # Our extension: thinking tokens before the engine closes `</think>` (wins over the
+    # reasoning_effort's budget; see effort_thinking_tokens).
+    max_thinking_tokens: Annotated[int, Field(ge=0)] | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -240,6 +245,12 @@ class ChatCompletionRequest(GenerationFields):
         """chat_template_kwargs with reasoning_effort applied (see thinking_kwargs)."""
         return thinking_kwargs(self.chat_template_kwargs, self.reasoning_effort)
 
+    def thinking_tokens(self, max_tokens: int) -> int | None:
+        """The thinking budget: max_thinking_tokens, else the reasoning_effort's."""
+        if self.max_thinking_tokens is not None:
+            return self.max_thinking_tokens
+        return effort_thinking_tokens(self.reasoning_effort, max_tokens)
+
     @property
     def max_new_tokens(self) -> int | None:
         """max_completion_tokens (the new name) over max_tokens (deprecated)."""
@@ -257,6 +268,14 @@ def thinking_kwargs(
     if effort is None or "enable_thinking" in (kwargs or {}):
         return kwargs
     return {**(kwargs or {}), "enable_thinking": effort != "none"}
+
+
+def effort_thinking_tokens(effort: ReasoningEffort | None, max_tokens: int) -> int | None:
+    """The thinking budget of a reasoning effort (EFFORT_THINKING_TOKENS), or None for
+    unlimited; also None when max_tokens is no larger than the budget (the length limit
+    comes first). Chat's reasoning_effort and the Responses API's reasoning.effort."""
+    budget = EFFORT_THINKING_TOKENS.get(effort) if effort is not None else None
+    return budget if budget is not None and budget < max_tokens else None
 
 
 TokenIds = list[Annotated[int, Field(ge=0)]]

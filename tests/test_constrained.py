@@ -178,6 +178,29 @@ def test_reasoning_stays_free_then_the_constraint_applies(
         _complete(LLMEngine(loaded, CONFIG), Constraint("json_object"), c.token_ids[1:])
 
 
+def test_a_thinking_budget_closes_into_the_grammar(
+    loaded: LoadedModel, tokenizer: Tokenizer
+) -> None:
+    """Thinking on, a 3-token budget, `</think>` biased away: after the 3 free tokens the
+    engine forces "\n</think>" and stops there (the grammar owns what follows): JSON."""
+    prompt = _ids(tokenizer, THINKING)
+    spec = constraint_for({"type": "json_object"}, None, None, reasoning_end_id=THINK_CLOSE_ID)
+    close = tuple(_ids(tokenizer, "\n</think>\n\n"))
+    assert close[1] == THINK_CLOSE_ID
+    never = {THINK_CLOSE_ID: -100.0}
+    budget = {"max_thinking_tokens": 3, "thinking_close_ids": close, "thinking_end_id": close[1]}
+    params = SamplingParams(
+        temperature=1.0, seed=5, max_tokens=40, constraint=spec, logit_bias=never, **budget
+    )
+    free = SamplingParams(temperature=1.0, seed=5, max_tokens=3, logit_bias=never)
+    got, ref = _generate(loaded, [prompt] * 2, [params, free])
+    assert got.token_ids[:3] == ref.token_ids and tuple(got.token_ids[3:5]) == close[:2]
+    if got.finish_reason == "stop":
+        assert isinstance(json.loads(_text(tokenizer, got.token_ids[5:])), dict)
+    else:
+        _complete(LLMEngine(loaded, CONFIG), Constraint("json_object"), got.token_ids[5:])
+
+
 # -- batched == alone -----------------------------------------------------------------------
 def _mixed_batch(tokenizer: Tokenizer) -> tuple[list[list[int]], list[SamplingParams]]:
     tools = _bounded_strings(load_tools())

@@ -22,7 +22,7 @@ from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.types import GenerationRequest, SamplingParams
-from deltaserve.models.chat_format import IM_END_ID
+from deltaserve.models.chat_format import IM_END_ID, THINK_CLOSE_ID
 from deltaserve.models.testing import cached_checkpoint
 from deltaserve.server.app import create_app
 from deltaserve.server.frontend.messages import image_refs
@@ -116,6 +116,31 @@ def test_chat_stops_at_im_end(server: LiveServer, engine: AsyncEngine) -> None:
     # The peaked test head can outbid +100 for a token or two; without <|im_end|> as a
     # stop id the answer would run to max_tokens ("length").
     assert got["usage"]["completion_tokens"] < body["max_tokens"]
+
+
+def test_thinking_budget_closes_thinking_over_http(server: LiveServer) -> None:
+    """max_thinking_tokens 4 with `</think>` biased away (random weights would think to
+    max_tokens): each of n=2 choices has reasoning, then an answer, streamed or not."""
+    body = {
+        "model": MODEL, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "n": 2,
+        "max_thinking_tokens": 4, "logit_bias": {str(THINK_CLOSE_ID): -100},
+        "messages": [{"role": "user", "content": "Think briefly"}],
+    }  # fmt: skip
+    url = f"{server.url}/v1/chat/completions"
+    got = httpx.post(url, json=body, timeout=60).json()
+    messages = [choice["message"] for choice in got["choices"]]
+    assert len(messages) == 2 and got["usage"]["completion_tokens"] == 24
+    for message in messages:
+        assert message["reasoning_content"] and message["content"]
+        assert "</think>" not in message["reasoning_content"] + message["content"]
+    streamed: dict[str, str] = {"reasoning_content": "", "content": ""}
+    with httpx.stream("POST", url, json={**body, "n": 1, "stream": True}, timeout=60) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    for key in streamed:
+                        streamed[key] += choice["delta"].get(key) or ""
+    assert streamed == {k: messages[0][k] for k in streamed}
 
 
 def test_64_concurrent_streams_complete(server: LiveServer) -> None:

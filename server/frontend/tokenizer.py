@@ -23,6 +23,7 @@ from deltaserve.models.chat_format import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
 )
+from deltaserve.server.frontend.grammar import reasoning_end_id
 from deltaserve.server.frontend.messages import PromptError, normalize_messages, normalize_tools
 
 # Added tokens the parsers read in the decoded text; never hidden, even if a tokenizer
@@ -70,6 +71,11 @@ class TextTokenizer:
         )
         self._byte_of_char = _byte_level_decoder()
         self._token_text_cache: dict[int, str] = {}
+        # `</think>` (one added token in Qwen3.5; None: the model cannot think) and the
+        # tokens a thinking budget forces, the close as the template writes it.
+        self.think_end_id: int | None = reasoning_end_id(self.encode)
+        close = tuple(self.encode(f"\n{THINK_CLOSE}\n\n"))
+        self.thinking_close_ids: tuple[int, ...] = close if self.think_end_id in close else ()
 
     @property
     def vocab_size(self) -> int:
