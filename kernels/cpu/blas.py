@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from deltaserve.kernels import gemv_shim
+from deltaserve.kernels.cpu import gemv_shim
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +87,9 @@ def _is_preloaded(lib: Path) -> bool:
 def _uses_gpu_backend() -> bool:
     """Whether MLX will run on a GPU, decided without importing mlx (that would be too late)."""
     if "mlx.core" in sys.modules:
-        import mlx.core as mx
+        from deltaserve.kernels.platform import current_platform
 
-        return mx.default_device().type == mx.DeviceType.gpu
+        return not current_platform().is_cpu
     # On Linux the backend is chosen at install time: mlx[cuda*] pulls an mlx-cuda-* wheel.
     for dist in ("mlx-cuda-13", "mlx-cuda-12", "mlx-cuda"):
         try:
@@ -240,10 +240,10 @@ def gemm_selfcheck(n: int = 512, min_seconds: float = 0.1) -> float:
 
 def blas_summary(n: int = 512) -> str:
     """One log line: which BLAS MLX uses and the measured f32 GEMM GFLOP/s."""
-    import mlx.core as mx
+    from deltaserve.kernels.platform import current_platform
 
     gflops = gemm_selfcheck(n)
-    if mx.default_device().type == mx.DeviceType.gpu:
+    if not current_platform().is_cpu:
         source = "mlx GPU backend (BLAS not used)"
     elif (lib := openblas_loaded()) is not None:
         gemv = "on" if gemv_shim.shim_loaded() else "off"
