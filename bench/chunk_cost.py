@@ -26,7 +26,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from deltaserve.kernels.blas import ensure_openblas
+from deltaserve.kernels.cpu.blas import ensure_openblas
 
 if TYPE_CHECKING:  # imported in run(), after ensure_openblas
     from deltaserve.engine.engine import LLMEngine

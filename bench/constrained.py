@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from statistics import mean, median
 
-from deltaserve.kernels.blas import blas_summary, ensure_openblas
+from deltaserve.kernels.cpu.blas import blas_summary, ensure_openblas
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "json_schema_suite.json"
 EOS = (248046, 248044)

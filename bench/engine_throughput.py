@@ -14,7 +14,7 @@ import json
 import random
 import time
 
-from deltaserve.kernels.blas import blas_summary, ensure_openblas
+from deltaserve.kernels.cpu.blas import blas_summary, ensure_openblas
 
 
 def _prompts(count: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from deltaserve.kernels.blas import blas_summary, ensure_openblas
+from deltaserve.kernels.cpu.blas import blas_summary, ensure_openblas
 
 if __name__ == "__main__":
     ensure_openblas()  # must run before mlx.core is imported

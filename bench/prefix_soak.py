@@ -19,7 +19,7 @@ import json
 import random
 import time
 
-from deltaserve.kernels.blas import ensure_openblas
+from deltaserve.kernels.cpu.blas import ensure_openblas
 
 
 def _workload(args: argparse.Namespace) -> list[tuple[list[int], int, int]]:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from deltaserve.kernels.blas import openblas_path
+from deltaserve.kernels.cpu.blas import openblas_path
 
 WORDS = [
     "alpha",

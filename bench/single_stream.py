@@ -12,7 +12,7 @@ import argparse
 import json
 import time
 
-from deltaserve.kernels.blas import blas_summary, ensure_openblas
+from deltaserve.kernels.cpu.blas import blas_summary, ensure_openblas
 
 
 def _checkpoint(name: str) -> str:

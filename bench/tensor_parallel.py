@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from deltaserve.kernels.blas import ensure_openblas
+from deltaserve.kernels.cpu.blas import ensure_openblas
 
 
 class _Engine:

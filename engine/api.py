@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from deltaserve.engine.types import GenerationRequest, RequestOutput
+from deltaserve.kernels.platform import Platform
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,7 @@ class EngineStats:
 class EngineInfo:
     """What the engine runs on, fixed when it starts (for the status page)."""
 
-    device: str  # where MLX computes: "cpu", "metal" or "cuda"
-    dtype: str  # compute dtype of the weights, e.g. "float32"
-    mlx_version: str
-    blas: str  # the CPU's matmul library ("" off the CPU)
+    platform: Platform  # device, dtype, mlx version, BLAS, fast paths (kernels/platform.py)
     num_ranks: int = 1  # processes of a tensor-parallel group (1: none)
     prefix_cache_max_bytes: int = 0  # cap on the prefix cache (0: the cache is off)
     # The per-step token budget and chunk size in force (config's, or the device's where
@@ -92,8 +90,7 @@ class EngineSummary:
     """What the engine runs, where, and how much the row-state budget holds, in a user's
     terms (the server's start-up summary). Written once by the engine after loading."""
 
-    device: str  # e.g. "cpu (AMD EPYC)", "gpu: cuda (NVIDIA H200)"
-    dtype: str  # compute dtype of the weights, e.g. "float32"
+    platform: Platform  # where it computes and with which fast paths (kernels/platform.py)
     weight_bytes: int  # the loaded weights (text model + vision tower)
     budget_bytes: int  # the row-state cap: rows are admitted while they fit under it
     reserved_bytes: int  # row state reserved now

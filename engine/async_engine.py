@@ -28,7 +28,6 @@ from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.tensor_parallel import start_engine
 from deltaserve.engine.types import GenerationRequest, RequestOutput
-from deltaserve.kernels.blas import openblas_loaded
 from deltaserve.models.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
@@ -49,21 +48,11 @@ class _Counters:
 
 
 def engine_info(engine: LLMEngine) -> EngineInfo:
-    """The platform facts of `engine`, read once before its thread starts."""
-    device = "cpu"
-    if mx.default_device().type == mx.DeviceType.gpu:
-        device = "metal" if mx.metal.is_available() else "cuda"
-    blas = ""
-    if device == "cpu":
-        lib = openblas_loaded()
-        blas = f"OpenBLAS ({lib})" if lib is not None else "MLX's bundled reference BLAS"
+    """The start-time facts of `engine`, read once before its thread starts."""
     parallel = engine.loaded.parallel
     cache = engine.prefix_cache
     return EngineInfo(
-        device=device,
-        dtype=str(engine.loaded.dtype).removeprefix("mlx.core."),
-        mlx_version=mx.__version__,
-        blas=blas,
+        platform=engine.platform,
         num_ranks=parallel.size if parallel is not None else 1,
         prefix_cache_max_bytes=cache.max_bytes if cache is not None else 0,
         max_num_batched_tokens=engine.config.max_num_batched_tokens,

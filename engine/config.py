@@ -68,10 +68,20 @@ class EngineConfig:
     # Prefill chunks of several prompts as one left-padded group; unset: on for Metal/CUDA
     # (op-bound there), off on CPU (padding costs FLOPs there)
     batch_prefill: bool | None = None
+    # DeltaNet's prompt-chunk core as one mx.compile'd call (models/deltanet.py); unset: on
+    # for Metal/CUDA (op-bound), off on CPU (an op costs its arithmetic; tracing only adds)
+    compile_prefill: bool | None = None
+    # The fused kernels (kernels/platform.py): unset = on where the device has one, each
+    # off = its plain-MLX reference. The Metal sources are untested on a Mac so far.
     # Prompt chunks' DeltaNet recurrence as one scan kernel per layer (CUDA only:
-    # kernels/gated_delta_scan.py) instead of the chunked form's many small kernels;
-    # unset = on for CUDA. Metal and the CPU keep their own paths either way
+    # kernels/gated_delta_scan.py) instead of the chunked form's many small kernels
     deltanet_scan: bool | None = None
+    # A DeltaNet layer's decode token as one kernel (CUDA/Metal: kernels/deltanet_decode.py)
+    fused_deltanet_decode: bool | None = None
+    # RMSNorm of half-precision activations as one kernel (CUDA/Metal: kernels/rms_norm.py)
+    fused_rms_norm: bool | None = None
+    # The gated-delta decode step as one kernel (CUDA/Metal: kernels/gated_delta_fused.py)
+    fused_gated_delta_step: bool | None = None
     # Latency bound: while rows decode, a step's prefill is sized (from measured step
     # times) to take at most this factor x a decode-only step; 0 or unset = token budget only
     max_stall_factor: float | None = 2.0

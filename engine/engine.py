@@ -10,7 +10,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import mlx.core as mx
@@ -39,9 +39,8 @@ from deltaserve.engine.scheduler import Scheduler
 from deltaserve.engine.step_leader import StepLeader
 from deltaserve.engine.types import GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
 from deltaserve.engine.vision_inputs import VisionInputs
-from deltaserve.kernels.host_memory import keep_freed_memory
-from deltaserve.models.build import LoadedModel, on_cpu
-from deltaserve.models.deltanet import compile_prefill_default
+from deltaserve.kernels.platform import Platform, resolve_platform, start_platform
+from deltaserve.models.build import LoadedModel
 
 log = logging.getLogger(__name__)
 TYPICAL_CHAT_TOKENS = 4096  # prompt + answer of a typical chat turn (the start-up summary)
@@ -66,6 +65,21 @@ class Completion:
     finish_reason: str | None = None
 
 
+def _platform(config: EngineConfig, loaded: LoadedModel, leader: StepLeader | None) -> Platform:
+    """The profile this engine runs with: the device's and the config's switches, less the
+    paths this engine cannot take (steps in lockstep with tensor-parallel ranks; no
+    compiled decode over kv_cache.start's full-precision prefix)."""
+    dtype = str(loaded.dtype).removeprefix("mlx.core.")
+    profile = resolve_platform(config, dtype)
+    if leader is not None:
+        profile = replace(profile, pipeline_steps=False)
+    kv = config.kv_cache
+    if profile.compile_decode and kv.kind != "fp" and kv.start:  # PrefixKV (kv_store_factory)
+        log.warning("compiled decode is off: kv_cache.start > 0 has no compiled form")
+        profile = replace(profile, compile_decode=False)
+    return profile
+
+
 class LLMEngine:
     """Owns the scheduler, the row states, the runner and the sampler."""
 
@@ -81,19 +95,21 @@ class LLMEngine:
         plan goes to the other ranks first, and steps are not pipelined."""
         self.loaded = loaded
         self.leader = leader
+        config = config or EngineConfig()
+        # Every layer reads the fast paths in force from here on (kernels/platform.py)
+        self.platform = _platform(config, loaded, leader)
+        start_platform(self.platform)
+        gpu = not self.platform.is_cpu
         # On a GPU, what a prompt chunk costs (engine/chunk_cost.py); not with tensor
         # parallelism, where a forward needs every rank
         self.chunk_cost = None
-        if not on_cpu() and leader is None and loaded.parallel is None:
+        if gpu and leader is None and loaded.parallel is None:
             self.chunk_cost = measure_chunk_cost(loaded)
         measured = self.chunk_cost.budget_tokens() if self.chunk_cost is not None else 0
-        self.config = (config or EngineConfig()).for_device(not on_cpu(), measured)
-        pipeline = self.config.pipeline_steps
-        self.pipeline = (not on_cpu() if pipeline is None else pipeline) and leader is None
+        self.config = config.for_device(gpu, measured)
+        self.pipeline = self.platform.pipeline_steps
         cfg = loaded.config
-        pack = self.config.pack_token_wise
-        loaded.model.pack_token_wise = on_cpu() if pack is None else pack
-        loaded.model.set_deltanet_scan(self.config.deltanet_scan)
+        loaded.model.pack_token_wise = self.platform.pack_token_wise
         self.max_context = self.config.max_context or cfg.max_position_embeddings
         dtype_size = loaded.dtype.size
         kv = self.config.kv_cache
@@ -108,7 +124,7 @@ class LLMEngine:
         )
         # An eager DeltaNet prefill keeps a snapshot's state mid-chunk at the cost of one
         # more core call; compiled, the snapshot ends the chunk (the compiled call stays one)
-        self.scheduler.snapshot_in_chunk = not compile_prefill_default()
+        self.scheduler.snapshot_in_chunk = not self.platform.compile_prefill
         kv_factory = kv_store_factory(self.config.kv_cache)
         compiled = self._compiled_decode()
         # A compiled step retraces per batch size: hold the decode batch at bucket sizes.
@@ -116,16 +132,12 @@ class LLMEngine:
         bucket = partial(decode_bucket, max_rows=max_rows) if compiled else None
         cached = self.prefix_cache is not None
         self.states = RowStates(lambda: BatchState.empty(cfg, kv_factory), bucket, cached)
-        batch_prefill = self.config.batch_prefill
-        if batch_prefill is None:
-            batch_prefill = not on_cpu()
+        batch_prefill = self.platform.batch_prefill
         vision = VisionInputs(loaded.model, loaded.vision, loaded.dtype)
         self.runner = ModelRunner(loaded.model, self.states, compiled, batch_prefill, vision)
         # in lockstep the step's tokens are read back at once: no graph needs them lazily
         self.sampler = Sampler(lazy_tokens=self.pipeline)
         self.constraints = RowConstraints(self.grammar_compiler(), cfg.vocab_size, self.eos_ids)
-        if on_cpu():
-            keep_freed_memory()  # kernels/host_memory.py: steps reuse freed buffers
         self._inflight: _InFlight | None = None
 
     def _budget_bytes(self) -> int:
@@ -135,19 +147,13 @@ class LLMEngine:
         info = dict(mx.device_info())
         weights = self.loaded.weight_bytes() + self.loaded.vision_weight_bytes()
         parallel = self.loaded.parallel
-        if parallel is not None and on_cpu():  # ranks may share this host's memory
+        cpu = self.platform.is_cpu
+        if parallel is not None and cpu:  # ranks may share this host's memory
             host //= parallel.size
-        return default_budget_bytes(info, host, weights, on_cpu())
+        return default_budget_bytes(info, host, weights, cpu)
 
     def _compiled_decode(self) -> CompiledDecode | None:
-        enabled = self.config.compile_decode
-        if enabled is None:
-            enabled = not on_cpu()
-        kv = self.config.kv_cache
-        if enabled and kv.kind != "fp" and kv.start:  # PrefixKV (see kv_store_factory)
-            log.warning("compiled decode is off: kv_cache.start > 0 has no compiled form")
-            return None
-        return CompiledDecode(self.loaded.model) if enabled else None
+        return CompiledDecode(self.loaded.model) if self.platform.compile_decode else None
 
     def _prefix_index(self) -> PrefixIndex | None:
         cfg = self.config
@@ -170,12 +176,9 @@ class LLMEngine:
 
     def summary(self, chat_tokens: int = TYPICAL_CHAT_TOKENS) -> EngineSummary:
         """The engine's set-up in a user's terms (see EngineSummary)."""
-        name = dict(mx.device_info()).get("device_name", "")
-        kind = "cpu" if on_cpu() else f"gpu: {'metal' if mx.metal.is_available() else 'cuda'}"
         cache, chat_tokens = self.prefix_cache, min(chat_tokens, self.max_context)
         return EngineSummary(
-            device=f"{kind} ({name})" if name else kind,
-            dtype=str(self.loaded.dtype).removeprefix("mlx.core."),
+            platform=self.platform,
             weight_bytes=self.loaded.weight_bytes() + self.loaded.vision_weight_bytes(),
             budget_bytes=self.budget.total,
             reserved_bytes=self.budget.reserved + self.budget.padding,

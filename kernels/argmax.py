@@ -15,6 +15,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from deltaserve.kernels.platform import current_platform
+
 # Dtypes numpy reads from an MLX buffer as they are (numpy has no bfloat16).
 _HOST_DTYPES = (mx.float32, mx.float16)
 
@@ -24,7 +26,7 @@ def argmax_rows(scores: mx.array, lazy: bool = True) -> mx.array:
 
     lazy=False on the CPU: `scores` is evaluated now and reduced with numpy (the result is
     computed, not a graph node). lazy=True, or on another device: mx.argmax."""
-    if lazy or mx.default_device() != mx.cpu:
+    if lazy or not current_platform().is_cpu:
         return argmax_reference(scores)
     if scores.dtype not in _HOST_DTYPES:
         scores = scores.astype(mx.float32)  # exact: ties stay ties

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from deltaserve.kernels import fastmath
+from deltaserve.kernels.platform import current_platform
 
 _LOG2E = 1.4426950408889634  # log2(e): e^x = 2^(x log2 e)
 
@@ -21,7 +22,7 @@ def attention(
     """queries [B, Hq, L, D], keys/values [B, Hkv, S, D] (Hq a multiple of Hkv); mask None,
     "causal" (last query aligned with last key) or bool [B|1, 1, L, S] (True = attend).
     Returns [B, Hq, L, D]."""
-    if mx.default_device() != mx.cpu or queries.shape[2] == 1:
+    if not current_platform().is_cpu or queries.shape[2] == 1:
         # Decode (L = 1) has only S scores per head: the fused op is as fast there.
         return attention_reference(queries, keys, values, scale, mask)
     return _attention_cpu(queries, keys, values, scale, mask)

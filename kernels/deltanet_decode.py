@@ -22,10 +22,11 @@ L2 norms; then LANES lanes per state row do the update as in kernels/gated_delta
 (one read, one write of the state); a last block sum gives the gated norm. Blocks of value
 head h with h % (Hv / Hk) == 0 also write the q/k channels of the new conv tail.
 
-Backends (by the default device): CUDA -> `mx.fast.cuda_kernel`; Metal -> the same
-algorithm as `mx.fast.metal_kernel` (its source: kernels/deltanet_decode_metal.py; never
-run here: no Mac); CPU -> `deltanet_decode_ops`, plain MLX ops, which is the reference the
-tests compare the kernels against.
+Backends (by the platform profile, kernels/platform.py `fused_deltanet_decode`): CUDA ->
+`mx.fast.cuda_kernel`; Metal -> the same algorithm as `mx.fast.metal_kernel` (its source:
+kernels/deltanet_decode_metal.py; never run here: no Mac); CPU or switched off ->
+`deltanet_decode_ops`, plain MLX ops, which is the reference the tests compare the kernels
+against.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ import mlx.core as mx
 
 from deltaserve.kernels import fastmath
 from deltaserve.kernels.deltanet_decode_metal import METAL_HEADER, METAL_SOURCE, conv_stage
-from deltaserve.kernels.gated_delta_fused import _backend
 from deltaserve.kernels.gated_delta_reference import gated_delta_step
+from deltaserve.kernels.platform import current_platform
 from deltaserve.kernels.rms_norm import float_bits
 
 __all__ = ["DecodeDims", "deltanet_decode", "deltanet_decode_ops", "supported"]
@@ -287,9 +288,9 @@ def deltanet_decode(
     c = dims.conv_dim
     if p != dims.proj_dim or conv_state.shape != (b, dims.kernel - 1, c):
         raise ValueError(f"proj {proj.shape} / conv_state {conv_state.shape} do not fit {dims}")
-    backend = _backend()
+    profile = current_platform()
     args = (proj, conv_state.astype(proj.dtype), ssm.astype(mx.float32), conv_w, a_log, dt_bias)
-    if backend == "cpu":
+    if not profile.fused_deltanet_decode:  # the CPU, or switched off: the reference
         return deltanet_decode_ops(dims, *args, norm_w)
     if not supported(dims):
         raise ValueError(f"no fused DeltaNet decode kernel for {dims}")
@@ -298,7 +299,7 @@ def deltanet_decode(
     template = [("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv), ("K", dims.kernel)]
     template += [("LANES", _LANES), ("EPS_BITS", float_bits(dims.norm_eps))]
     template += [("T", proj.dtype), ("Tw", conv_w.dtype), ("Tn", norm_w.dtype)]
-    y, conv, state = _kernel(backend)(
+    y, conv, state = _kernel(profile.device)(
         inputs=[*args, norm_w],
         template=template,
         grid=(b * hv * block, 1, 1),

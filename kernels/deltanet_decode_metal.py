@@ -1,7 +1,8 @@
 """Metal source of kernels/deltanet_decode.py's kernel: the same algorithm as its CUDA
 source, with threadgroups of LANES * Dv threads, one per (row, value head), and the state
 read as plain floats. Never run here (no Mac); kept beside the CUDA source behind the same
-function (`deltanet_decode`), which picks it on a Metal default device."""
+function (`deltanet_decode`), which picks it on Metal when the platform profile has
+`fused_deltanet_decode` on (kernels/platform.py)."""
 
 from __future__ import annotations
 

@@ -13,11 +13,13 @@ import math
 
 import mlx.core as mx
 
+from deltaserve.kernels.platform import current_platform
+
 _LOG2E = 1.0 / math.log(2.0)
 
 
 def _cpu() -> bool:
-    return mx.default_device() == mx.cpu
+    return current_platform().is_cpu
 
 
 def exp(x: mx.array) -> mx.array:

@@ -33,6 +33,7 @@ from deltaserve.kernels.gated_delta_reference import (
     gated_delta_step,
 )
 from deltaserve.kernels.gated_delta_scan import gated_delta_scan, scan_supported
+from deltaserve.kernels.platform import current_platform
 
 __all__ = [
     "gated_delta",
@@ -76,7 +77,7 @@ def _unit_lower_inverse(a: mx.array) -> mx.array:
 def _lapack_inverse() -> bool:
     """Whether `_unit_lower_inverse` runs LAPACK (the CPU), which takes any C; the block
     recursion elsewhere needs C a power of two."""
-    return mx.default_device() == mx.cpu
+    return current_platform().is_cpu
 
 
 def _unit_lower_inverse_blocks(a: mx.array) -> mx.array:
@@ -238,7 +239,7 @@ _METAL_FAST_HEADS = frozenset({(24, 24), (32, 32), (16, 32), (16, 48)})
 
 def _use_metal_fast(k: mx.array, v: mx.array, mask: mx.array | None) -> bool:
     """True when mx.fast.gated_delta_update would run a real Metal kernel."""
-    if mask is not None or not mx.metal.is_available():
+    if mask is not None or current_platform().device != "metal":
         return False
     heads = (k.shape[2], v.shape[2])
     return k.shape[-1] == 128 and v.shape[-1] == 128 and heads in _METAL_FAST_HEADS
@@ -292,8 +293,7 @@ def gated_delta(
     scan: on CUDA, L > 1 runs as one sequential-scan kernel (kernels/gated_delta_scan.py)
     instead of the chunked form's ~100 small kernels; ignored on other backends.
     """
-    on_cuda = mx.default_device() != mx.cpu and mx.cuda.is_available()
-    if scan and v.shape[1] > 1 and on_cuda and scan_supported(k, v):
+    if scan and v.shape[1] > 1 and current_platform().device == "cuda" and scan_supported(k, v):
         return gated_delta_scan(q, k, v, g, beta, state, mask)
     if v.shape[1] == 1:
         return gated_delta_step_fused(q, k, v, g, beta, state, mask)

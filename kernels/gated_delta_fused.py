@@ -12,11 +12,12 @@ Per row and value head h (key head h // (Hv // Hk)), with a = exp(g):
 so S k and S q are two dot products over the same registers: each state row is loaded
 once, updated in registers and stored once.
 
-Backends (by the default device): CUDA -> `mx.fast.cuda_kernel` below; Metal -> the same
-algorithm as `mx.fast.metal_kernel` (never run here: no Mac; it follows mlx-lm's
-gated_delta Metal kernel layout); CPU -> the compiled ops of `gated_delta_step`, which is
-also the reference the tests compare against. A kernel that fails to compile raises at
-eval time (MLX JIT-compiles on first use); nothing falls back silently.
+Backends (by the platform profile, kernels/platform.py `fused_gated_delta_step`): CUDA ->
+`mx.fast.cuda_kernel` below; Metal -> the same algorithm as `mx.fast.metal_kernel` (never
+run here: no Mac; it follows mlx-lm's gated_delta Metal kernel layout); CPU or switched
+off -> the compiled ops of `gated_delta_step`, which is also the reference the tests
+compare against. A kernel that fails to compile raises at eval time (MLX JIT-compiles on
+first use); nothing falls back silently.
 
 Measured on an H200 (mlx-cuda 0.32.4, bench/gated_delta_step.py and a 50-step chain), per
 step at Dk = Dv = 128: B=64, Hv=16 (67 MB of state) ~0.05 ms, B=64, Hv=32 ~0.08 ms, where
@@ -33,6 +34,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from deltaserve.kernels.gated_delta_reference import gated_delta_step
+from deltaserve.kernels.platform import current_platform
 
 __all__ = ["gated_delta_step_fused"]
 
@@ -220,17 +222,6 @@ def _kernel(backend: str, masked: bool) -> Callable[..., list[mx.array]]:
     )
 
 
-def _backend() -> str:
-    """'cuda', 'metal' or 'cpu', by the default device."""
-    if mx.default_device().type != mx.DeviceType.gpu:
-        return "cpu"
-    if mx.cuda.is_available():
-        return "cuda"
-    if mx.metal.is_available():
-        return "metal"
-    raise RuntimeError("default device is a GPU but neither CUDA nor Metal is available")
-
-
 def _check_shapes(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array) -> None:
     b, length, hv, _ = v.shape
     if length != 1:
@@ -295,8 +286,8 @@ def gated_delta_step_fused(
     Returns y [B, 1, Hv, Dv] in v.dtype and the new state [B, Hv, Dv, Dk] float32.
     """
     _check_shapes(q, k, v, g, beta)
-    backend = _backend()
-    if backend == "cpu":
+    profile = current_platform()
+    if not profile.fused_gated_delta_step:  # the CPU, or switched off: the reference
         return gated_delta_step(q, k, v, g, beta, state, mask)
     b, _, hv, dv = v.shape
     if state is None:
@@ -305,4 +296,4 @@ def gated_delta_step_fused(
         state = state.astype(mx.float32)
     if state.shape != (b, hv, dv, k.shape[-1]):
         raise ValueError(f"state {state.shape} must be [B, Hv, Dv, Dk]")
-    return _gpu_step(backend, q, k, v, g, beta, state, mask)
+    return _gpu_step(profile.device, q, k, v, g, beta, state, mask)

@@ -31,8 +31,9 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from deltaserve.kernels.gated_delta_fused import _CUDA_HEADER, _backend
+from deltaserve.kernels.gated_delta_fused import _CUDA_HEADER
 from deltaserve.kernels.gated_delta_reference import gated_delta_reference
+from deltaserve.kernels.platform import current_platform
 
 __all__ = ["gated_delta_scan", "scan_supported"]
 
@@ -165,7 +166,7 @@ def gated_delta_scan(
         raise ValueError(f"q {q.shape} and k {k.shape} must both be [B, L, Hk, Dk] of v {v.shape}")
     if g.shape != (b, length, hv) or beta.shape != (b, length, hv):
         raise ValueError(f"g {g.shape} and beta {beta.shape} must be [B, L, Hv]")
-    if _backend() != "cuda":
+    if current_platform().device != "cuda":
         return gated_delta_reference(q, k, v, g, beta, state, mask)
     if not scan_supported(k, v):
         raise ValueError(f"no DeltaNet scan kernel for k {k.shape}, v {v.shape}")

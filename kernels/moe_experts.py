@@ -35,6 +35,8 @@ import os
 
 import mlx.core as mx
 
+from deltaserve.kernels.platform import current_platform
+
 # Rows (tokens x k) up to which the kernels replace gather_qmm (decode sizes). Prefill
 # sorts rows by expert and takes gather_qmm's grouped GEMM, which reuses each expert's
 # weights over its rows; these kernels read the weights once per row.
@@ -146,7 +148,7 @@ def _kernels():
 
 
 def _on_cuda() -> bool:
-    return mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
+    return current_platform().device == "cuda"
 
 
 def supported(experts, rows: int) -> bool:

@@ -9,9 +9,10 @@ ops that is three kernels on the GPU (x to float32, mx.fast.rms_norm, back to x'
 a decode step has ~60 norms and costs about its kernel launches there
 (bench/decode_graph.py). This reads x once, sums in float32 and writes x's dtype.
 
-Backends (by the default device): CUDA -> `mx.fast.cuda_kernel`; Metal -> the same
-algorithm as `mx.fast.metal_kernel` (never run here: no Mac); CPU, or float32 input ->
-`rms_norm_ops` (on the CPU the model computes in float32, where the casts are no-ops).
+Backends (by the platform profile, kernels/platform.py `fused_rms_norm`): CUDA ->
+`mx.fast.cuda_kernel`; Metal -> the same algorithm as `mx.fast.metal_kernel` (never run
+here: no Mac); CPU, switched off, or float32 input -> `rms_norm_ops` (on the CPU the
+model computes in float32, where the casts are no-ops).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from deltaserve.kernels.gated_delta_fused import _backend
+from deltaserve.kernels.platform import current_platform
 
 __all__ = ["float_bits", "rms_norm", "rms_norm_ops"]
 
@@ -110,15 +111,16 @@ def float_bits(x: float) -> int:
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """weight * rmsnorm(x) in float32, returned in x's dtype (shapes in the docstring)."""
-    backend = _backend()
-    if backend == "cpu" or x.dtype == mx.float32 or weight.dtype != mx.float32 or not x.size:
+    profile = current_platform()
+    fits = x.dtype != mx.float32 and weight.dtype == mx.float32 and x.size
+    if not (profile.fused_rms_norm and fits):  # the CPU, switched off, or no cast to save
         return rms_norm_ops(x, weight, eps)
     d = x.shape[-1]
     if weight.shape != (d,):
         raise ValueError(f"weight {weight.shape} must be [{d}] for x {x.shape}")
     rows = x.size // d
     template = [("D", d), ("THREADS", _THREADS), ("EPS_BITS", float_bits(eps)), ("T", x.dtype)]
-    (out,) = _kernel(backend)(
+    (out,) = _kernel(profile.device)(
         inputs=[x, weight],
         template=template,
         grid=(rows * _THREADS, 1, 1),

@@ -9,6 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from deltaserve.kernels.platform import current_platform
 from deltaserve.models.config import TextConfig
 from deltaserve.models.hub import resolve_checkpoint
 from deltaserve.models.layers import EXPERT_PROJECTIONS, SparseMoE
@@ -19,8 +20,8 @@ from deltaserve.models.vision import VisionConfig, VisionTower, load_vision
 
 
 def on_cpu() -> bool:
-    """True when MLX computes on the CPU (no Metal / CUDA device)."""
-    return mx.default_device() == mx.cpu
+    """True when MLX computes on the CPU (the platform profile: kernels/platform.py)."""
+    return current_platform().is_cpu
 
 
 @dataclass

@@ -26,6 +26,7 @@ import mlx.nn as nn
 from deltaserve.kernels import deltanet_decode as dn_decode
 from deltaserve.kernels import fastmath
 from deltaserve.kernels.gated_delta import gated_delta
+from deltaserve.kernels.platform import current_platform
 from deltaserve.models.config import TextConfig
 from deltaserve.models.fused import fuse_into
 from deltaserve.models.layers import GatedRMSNorm, gated_rms_norm
@@ -139,22 +140,24 @@ def prefill_buckets(rows: int, length: int) -> tuple[int, int]:
 
 
 def fused_decode_default() -> bool:
-    """The one-kernel decode token (kernels/deltanet_decode.py) on Metal/CUDA, where a
-    decode step costs its kernel launches; the plain ops of `deltanet_core` on the CPU."""
-    return mx.default_device() != mx.cpu
+    """The one-kernel decode token (kernels/deltanet_decode.py) where the platform profile
+    has it on (Metal/CUDA by default: a decode step costs its kernel launches there); the
+    plain ops of `deltanet_core` otherwise."""
+    return current_platform().fused_deltanet_decode
 
 
 def scan_prefill_default() -> bool:
-    """The DeltaNet recurrence of prompt chunks as one scan kernel on CUDA
-    (kernels/gated_delta_scan.py), where the chunked form's small kernels cost a prompt
-    chunk a fixed ~1.2 ms per layer; Metal and the CPU keep their paths."""
-    return mx.default_device() != mx.cpu and mx.cuda.is_available()
+    """The DeltaNet recurrence of prompt chunks as one scan kernel where the profile has it
+    on (CUDA by default: the chunked form's small kernels cost a prompt chunk a fixed
+    ~1.2 ms per layer there; kernels/gated_delta_scan.py)."""
+    return current_platform().deltanet_scan
 
 
 def compile_prefill_default() -> bool:
-    """Compiled prefill core on Metal/CUDA (op-bound there); plain ops on the CPU, where
-    an op's cost is its arithmetic and compiling only adds traces."""
-    return mx.default_device() != mx.cpu
+    """Compiled prefill core where the profile has it on (Metal/CUDA by default: op-bound
+    there); plain ops on the CPU, where an op's cost is its arithmetic and compiling only
+    adds traces."""
+    return current_platform().compile_prefill
 
 
 class GatedDeltaNet(nn.Module):

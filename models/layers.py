@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from deltaserve.kernels import fastmath, moe_experts
+from deltaserve.kernels.platform import current_platform
 from deltaserve.kernels.rms_norm import rms_norm
 from deltaserve.models.fused import fuse_into
 
@@ -181,7 +182,7 @@ def sorted_gather_mm_ok() -> bool:
     (H200, 30 tokens x 4 of 16 experts: relative error 1.3 against per-row matmuls in
     float32 and bf16, exact without the hint; gather_qmm's sorted path was right). The
     rows stay sorted, so each expert's rows are still contiguous."""
-    return not (mx.default_device() == mx.gpu and mx.cuda.is_available())
+    return current_platform().device != "cuda"
 
 
 class QuantizedExpertLinear(nn.Module):

@@ -219,13 +219,6 @@ class Qwen35Model(nn.Module):
         flat = layer.feed_forward(flat)
         return [p.reshape(h.shape) for p, h in zip(_split(flat, sizes), hidden, strict=True)]
 
-    def set_deltanet_scan(self, enabled: bool | None) -> None:
-        """Whether prompt chunks' DeltaNet recurrence runs as the CUDA scan kernel
-        (GatedDeltaNet.scan_prefill; None = the device's default)."""
-        for layer in self.layers:
-            if not layer.is_full_attention:
-                layer.linear_attn.scan_prefill = enabled
-
     def fuse_projections(self) -> None:
         """After loading: each layer's projections of one input as one matmul (fewer
         kernel launches per step; see models/fused.py). HF names are gone afterwards."""

@@ -25,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from deltaserve.kernels.platform import current_platform
 from deltaserve.models.chat_format import IMAGE_PAD_ID, VIDEO_PAD_ID, VISION_END_ID, VISION_START_ID
 from deltaserve.models.vision_plan import FramePlan, Grid
 
@@ -103,7 +104,7 @@ def _gelu_tanh(x: mx.array) -> mx.array:
     """GELU, tanh approximation: 0.5 x (1 + tanh(u)) = x / (1 + 2^(-2u log2 e)) with
     u = c (x + 0.044715 x^3). On CPU 2^y is ~5x faster than mx.tanh / mx.exp (see
     kernels/fastmath.py): 22 ms instead of 88 for [784, 3072] float32."""
-    if mx.default_device() != mx.cpu:
+    if not current_platform().is_cpu:
         return nn.gelu_approx(x)
     c = 2.0 * math.sqrt(2.0 / math.pi) * _LOG2E
     return x / (1.0 + mx.power(2.0, x * (x * x * (-c * 0.044715) - c)))
@@ -116,7 +117,7 @@ def _attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
     the [L, L] scores: a base-2 softmax with the scale folded into q is ~1.6x faster
     (155 vs 246 ms for 12 heads x 784 patches).
     """
-    if mx.default_device() != mx.cpu:
+    if not current_platform().is_cpu:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
     scores = (q * (scale * _LOG2E)) @ k.swapaxes(-1, -2)  # [frames, heads, L, L]
     weights = mx.power(2.0, scores - scores.max(axis=-1, keepdims=True))
@@ -250,7 +251,7 @@ class VisionTower(nn.Module):
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = [VisionBlock(cfg) for _ in range(cfg.depth)]
         self.merger = PatchMerger(cfg)
-        self.compiled = mx.default_device() != mx.cpu  # see _encoder
+        self.compiled = not current_platform().is_cpu  # see _encoder
         self._traces = _Traces()
 
     def __call__(self, patches: mx.array, grids: Sequence[Grid]) -> mx.array:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from deltaserve.kernels.blas import ensure_openblas
+from deltaserve.kernels.cpu import reexec_with_openblas
 from deltaserve.server.flags import Shown, add_arguments, effective_defaults
 from deltaserve.server.settings import ConfigError, ServerSettings, Settings, load_settings
 from deltaserve.server.startup import (
@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         probe.close()
     # Before anything imports mlx: on Linux CPU this may re-exec us with OpenBLAS.
-    ensure_openblas()
+    reexec_with_openblas()
     quiet_third_party_logs()
     level = "DEBUG" if settings.server.log_level == "trace" else settings.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -16,7 +16,6 @@ from typing import Any
 
 from deltaserve.engine.api import EngineSummary
 from deltaserve.engine.config import KVCacheConfig
-from deltaserve.kernels.blas import blas_summary
 from deltaserve.server.settings import Settings
 
 logger = logging.getLogger("deltaserve")
@@ -106,7 +105,6 @@ def summary_lines(
     settings: Settings,
     url: str,
     resident: tuple[int, str],
-    blas: str = "",
 ) -> list[str]:
     """The start-up summary, printed once the port is bound: what is served where, and
     what the memory numbers mean. The row-state budget is a cap (rows are allocated as
@@ -119,8 +117,7 @@ def summary_lines(
     source = "memory_budget_bytes" if configured else "half the memory left"
     lines = [
         f"ready: {settings.model.name} ({settings.model.path}) on {url} (api key {auth})",
-        f"  device: {summary.device}, {summary.dtype}",
-        *([f"  {blas}"] if blas else []),
+        f"  {summary.platform.describe()}",
         f"  memory: weights {size(summary.weight_bytes)}, process resident {size(nbytes)} {when}",
         f"  row state: up to {size(summary.budget_bytes)} ({source}), allocated as requests "
         f"arrive ({size(summary.reserved_bytes)} reserved now): room for "
@@ -141,5 +138,5 @@ def summary_lines(
 
 def log_startup(engine: Any, settings: Settings, url: str) -> None:
     """Log the start-up summary (summary_lines) of `engine`, serving on `url`."""
-    for line in summary_lines(engine.summary(), settings, url, resident_bytes(), blas_summary()):
+    for line in summary_lines(engine.summary(), settings, url, resident_bytes()):
         logger.info("%s", line)

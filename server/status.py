@@ -62,14 +62,17 @@ def status_snapshot(state: ServerState, now: float) -> dict[str, Any]:
 def platform_facts(state: ServerState) -> dict[str, Any]:
     """The host and what the engine computes with."""
     info = state.engine.info
+    profile = info.platform
     return {
         "host": platform.platform(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
-        "mlx": info.mlx_version,
-        "device": info.device,
-        "dtype": info.dtype,
-        "blas": info.blas or "-",
+        "mlx": profile.mlx_version,
+        "device": profile.device,
+        "device_name": profile.device_name or "-",
+        "dtype": profile.dtype,
+        "blas": profile.blas or "-",
+        "fast_paths_on": ", ".join(k for k, on in profile.switches().items() if on) or "none",
         "tensor_parallel_ranks": info.num_ranks,
         "max_context": state.engine.max_context,
     }

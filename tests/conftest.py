@@ -1,14 +1,15 @@
 """Shared pytest set-up for deltaserve's tests."""
 
-# --- OpenBLAS bootstrap (kernels/blas.py). Keep this block first in the file: the plan
+# --- OpenBLAS bootstrap (kernels/cpu/blas.py). Keep this block first in the file: the plan
 # must be made before anything below imports mlx. Tests then run with the same BLAS as
 # the server (DESIGN.md §5).
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from deltaserve.kernels.blas import blas_summary, plan_openblas
+from deltaserve.kernels.cpu.blas import blas_summary, plan_openblas
 
 _BLAS_PLAN = plan_openblas()
 
@@ -35,6 +36,8 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _REPO] + [str(
 
 from native_libs import require_gemv_shim, require_openblas  # noqa: E402
 
+from deltaserve.kernels.platform import use_platform  # noqa: E402
+
 
 @pytest.fixture
 def openblas_required() -> None:
@@ -44,6 +47,15 @@ def openblas_required() -> None:
 
 @pytest.fixture
 def gemv_shim_required() -> None:
-    """The same for kernels/gemv_shim.c, whose compile error fails (tests/native_libs.py)."""
+    """The same for kernels/cpu/gemv_shim.c, whose compile error fails (tests/native_libs.py)."""
     require_openblas()
     require_gemv_shim()
+
+
+@pytest.fixture(autouse=True)
+def _device_platform() -> Iterator[None]:
+    """Each test starts and ends on the device's default profile: an engine a test builds
+    makes its config's profile current (kernels/platform.py), which must not leak."""
+    use_platform(None)
+    yield
+    use_platform(None)

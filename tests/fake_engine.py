@@ -34,6 +34,7 @@ from referencing.jsonschema import DRAFT202012
 
 from deltaserve.engine.api import EngineInfo, EngineStats
 from deltaserve.engine.types import GenerationRequest, RequestOutput, TokenLogprob
+from deltaserve.kernels.platform import Platform
 from deltaserve.models.eos import resolve_eos_ids
 from deltaserve.server.app import create_app
 from deltaserve.server.frontend.tokenizer import TextTokenizer
@@ -73,9 +74,8 @@ class FakeEngine:
         self.max_context = max_context
         self.eos_token_ids = tokenizer.eos_token_ids
         self.eos_id = tokenizer.eos_token_ids[0]
-        self.info = EngineInfo(
-            "cpu", "float32", "0.0-fake", "fake BLAS", max_num_batched_tokens=512
-        )
+        fake = Platform("cpu", dtype="float32", mlx_version="0.0-fake", blas="fake BLAS")
+        self.info = EngineInfo(fake, max_num_batched_tokens=512)
         self.script: Callable[[GenerationRequest], str] = functools.partial(
             default_script, tokenizer
         )

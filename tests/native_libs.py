@@ -1,6 +1,6 @@
 """OpenBLAS and the gemv shim in tests: skip only where they do not apply (STYLE.md: a
 skip must not hide a failure). Where one should be in this process and is not (OpenBLAS
-missing with CI=true; kernels/gemv_shim.c not compiling or not preloaded), the test that
+missing with CI=true; kernels/cpu/gemv_shim.c not compiling or not preloaded), the test that
 needs it fails. conftest wraps `require_*` as the fixtures `openblas_required` and
 `gemv_shim_required`."""
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from deltaserve.kernels import blas, gemv_shim
+from deltaserve.kernels.cpu import blas, gemv_shim
 
 ON_CI = os.environ.get("CI") == "true"  # .ci/run installs OpenBLAS or fails
 
@@ -28,7 +28,7 @@ def openblas_does_not_apply() -> str | None:
 
 
 def shim_does_not_apply() -> str | None:
-    """Why kernels/gemv_shim.c legitimately is not preloaded here, or None: it must be
+    """Why kernels/cpu/gemv_shim.c legitimately is not preloaded here, or None: it must be
     (a Linux CPU process with OpenBLAS and a C compiler). A compile error is no reason."""
     if (why := openblas_does_not_apply()) is not None:
         return why
@@ -36,7 +36,7 @@ def shim_does_not_apply() -> str | None:
         if os.environ.get(opt_out) == "1":
             return f"{opt_out}=1"
     if not os.environ.get(gemv_shim.ENV_PATH) and gemv_shim._compiler() is None:
-        return "no C compiler (cc, gcc or clang) to build kernels/gemv_shim.c"
+        return "no C compiler (cc, gcc or clang) to build kernels/cpu/gemv_shim.c"
     return None
 
 

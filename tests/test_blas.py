@@ -1,4 +1,4 @@
-"""kernels/blas.py: OpenBLAS preloading by re-exec, and the GEMM self-check."""
+"""kernels/cpu/blas.py: OpenBLAS preloading by re-exec, and the GEMM self-check."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import native_libs
 import pytest
 
-from deltaserve.kernels import blas
+from deltaserve.kernels.cpu import blas
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Skips only where OpenBLAS does not apply; with CI=true a missing OpenBLAS fails.
@@ -81,8 +81,9 @@ def test_this_pytest_runs_with_openblas() -> None:
 @needs_openblas
 def test_python_c_reexecs_with_preload() -> None:
     """`python -c` calling ensure_openblas() comes back with the lib in LD_PRELOAD."""
-    code = "from deltaserve.kernels.blas import ensure_openblas; ensure_openblas(); import os; " + (
-        "print(os.environ.get('LD_PRELOAD', ''))"
+    code = (
+        "from deltaserve.kernels.cpu.blas import ensure_openblas; ensure_openblas(); "
+        "import os; print(os.environ.get('LD_PRELOAD', ''))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], env=_fresh_env(), capture_output=True, text=True, check=True
@@ -95,7 +96,7 @@ def test_python_m_replays_as_module(tmp_path: Path) -> None:
     """`python -m mod args` re-execs as `-m` (cwd first on sys.path), with its args intact."""
     (tmp_path / "probe_blas.py").write_text(
         "import json, os, sys\n"
-        "from deltaserve.kernels.blas import ensure_openblas\n"
+        "from deltaserve.kernels.cpu.blas import ensure_openblas\n"
         "ensure_openblas()\n"
         "print(json.dumps([sys.argv[1:], sys.path[0], os.environ.get('LD_PRELOAD', '')]))\n"
     )

@@ -1,4 +1,4 @@
-"""deltaserve.kernels.host_memory: growing buffers reuse freed memory instead of faulting in
+"""deltaserve.kernels.cpu.host_memory: growing buffers reuse freed memory instead of faulting in
 new pages.
 
 Each case runs in a fresh interpreter (mallopt and MLX's cache limit are process-wide):
@@ -13,18 +13,18 @@ import sys
 
 import pytest
 
-from deltaserve.kernels import host_memory
+from deltaserve.kernels.cpu import host_memory
 
 pytestmark = pytest.mark.skipif(host_memory._mallopt() is None, reason="needs glibc's mallopt")
 
 _GROWING = """
 import resource, sys
 import mlx.core as mx
-from deltaserve.kernels import host_memory
+from deltaserve.kernels.cpu import host_memory
 if sys.argv[1] == "keep":
     assert host_memory.keep_freed_memory()
 else:
-    mx.set_cache_limit(1 << 30)  # the engine's limit before kernels/host_memory.py
+    mx.set_cache_limit(1 << 30)  # the engine's limit before kernels/cpu/host_memory.py
 faults = []
 for step in range(40):
     cols = 2048 + 64 * step  # [256, cols] float32: 2 MiB, +64 KiB a step
@@ -56,7 +56,7 @@ def test_growing_buffers_reuse_freed_memory() -> None:
 
 def test_keep_freed_memory_turns_mlx_cache_off() -> None:
     code = (
-        "import mlx.core as mx\nfrom deltaserve.kernels import host_memory\n"
+        "import mlx.core as mx\nfrom deltaserve.kernels.cpu import host_memory\n"
         "assert host_memory.keep_freed_memory() and host_memory.keep_freed_memory()\n"
         "print(mx.set_cache_limit(0))"
     )

@@ -13,6 +13,7 @@ from deltaserve.kernels.gated_delta import (
     gated_delta_reference,
     gated_delta_step,
 )
+from deltaserve.kernels.platform import Platform, use_platform
 
 # Absolute tolerance on y and on the state. Both are O(1) here: |k| = 1 and beta < 1 make
 # each delta-rule step a contraction of S towards v ~ N(0, 1), and y = S q with |q| <= 1.
@@ -268,11 +269,11 @@ def test_bad_shapes_raise() -> None:
 def test_dispatch_on_metal(
     monkeypatch: pytest.MonkeyPatch, hk: int, hv: int, d: int, masked: bool, expect: str
 ) -> None:
-    """With Metal present the dispatcher uses mx.fast only where it has a real kernel;
+    """On a Metal profile the dispatcher uses mx.fast only where it has a real kernel;
     everything else goes to the chunked path, never to a per-token loop; decode (L = 1)
     goes to the fused step."""
     calls: list[str] = []
-    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    use_platform(Platform("metal"))
     monkeypatch.setattr(gd, "_gated_delta_fast", lambda *a: calls.append("fast") or a[:2])
     monkeypatch.setattr(gd, "gated_delta_chunked", lambda *a: calls.append("chunked") or a[:2])
     monkeypatch.setattr(gd, "gated_delta_step_fused", lambda *a: calls.append("step") or a[:2])

@@ -13,6 +13,7 @@ import pytest
 import deltaserve.kernels.gated_delta_fused as fused
 from deltaserve.kernels.gated_delta import gated_delta_reference
 from deltaserve.kernels.gated_delta_fused import gated_delta_step_fused
+from deltaserve.kernels.platform import Platform, use_platform
 
 HAS_GPU = mx.default_device().type == mx.DeviceType.gpu
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA or Metal GPU as default device")
@@ -110,10 +111,10 @@ def test_bad_shapes_raise() -> None:
 
 @pytest.mark.parametrize("kind", ["cuda", "metal"])
 def test_dispatch_to_gpu_kernel(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
-    """With a GPU backend the wrapper goes to the kernel launcher, state None -> zeros and
+    """With a GPU profile the wrapper goes to the kernel launcher, state None -> zeros and
     a bf16 state -> float32; on CPU it takes the ops path."""
     calls: list[tuple] = []
-    monkeypatch.setattr(fused, "_backend", lambda: kind)
+    use_platform(Platform(kind, fused_gated_delta_step=True))
     monkeypatch.setattr(fused, "_gpu_step", lambda *a: calls.append(a) or (a[3], a[6]))
     q, k, v, g, beta, s = make_inputs(2, 2, 4, 32, 32)
     gated_delta_step_fused(q, k, v, g, beta, None)

@@ -1,6 +1,6 @@
-"""kernels/gemv_shim.c: 1-row and 1-column float32 matmuls through sgemv equal the GEMM's.
+"""kernels/cpu/gemv_shim.c: 1-row and 1-column float32 matmuls through sgemv equal the GEMM's.
 
-The shim is preloaded into this pytest process by conftest (kernels/blas.py), so every
+The shim is preloaded into this pytest process by conftest (kernels/cpu/blas.py), so every
 MLX matmul below whose M or N is 1 goes through it; numpy in float64 is the reference.
 Where the shim should build (a Linux CPU process with OpenBLAS and a C compiler) and does
 not, these tests fail; they skip only where it does not apply (conftest's
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from native_libs import require_gemv_shim
 
-from deltaserve.kernels import blas, gemv_shim
+from deltaserve.kernels.cpu import blas, gemv_shim
 
 needs_shim = pytest.mark.usefixtures("gemv_shim_required")
 needs_openblas = pytest.mark.usefixtures("openblas_required")
@@ -49,7 +49,7 @@ def test_a_compile_error_fails_the_shim_tests(
     monkeypatch.setattr(gemv_shim, "SOURCE", broken)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(gemv_shim.ENV_PATH, raising=False)
-    with pytest.raises(AssertionError, match="failed on kernels/gemv_shim.c"):
+    with pytest.raises(AssertionError, match="failed on kernels/cpu/gemv_shim.c"):
         require_gemv_shim()
 
 

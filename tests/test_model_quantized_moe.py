@@ -11,7 +11,6 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-import deltaserve.engine.engine as engine_module
 import deltaserve.models.build as build
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.config import EngineConfig
@@ -99,17 +98,23 @@ def test_greedy_tokens_match_dequantized(
     kept: build.LoadedModel,
     reference: build.LoadedModel,
     gpu_defaults: bool,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Greedy continuations through the engine are token-exact against the float32
     reference (the checkpoint's logits are peaked, so rounding cannot flip a choice);
-    gpu-defaults also runs the compiled decode step and batched prefill over gather_qmm."""
+    gpu-defaults also runs the GPU's step shapes (compiled decode step, batched prefill,
+    pipelined steps, no token-wise packing) over gather_qmm, switched on in the config."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     expected = [c.token_ids for c in LLMEngine(reference, EngineConfig()).generate(PROMPTS, params)]
     config = EngineConfig()
     if gpu_defaults:
-        monkeypatch.setattr(engine_module, "on_cpu", lambda: False)
-        config = dataclasses.replace(config, memory_budget_bytes=1 << 30)  # no GPU to size
+        config = dataclasses.replace(
+            config,
+            compile_decode=True,
+            batch_prefill=True,
+            pipeline_steps=True,
+            pack_token_wise=False,
+            memory_budget_bytes=1 << 30,
+        )
     got = [c.token_ids for c in LLMEngine(kept, config).generate(PROMPTS, params)]
     assert got == expected
     assert len(set(expected[0])) > 1  # a real continuation, not one repeated token

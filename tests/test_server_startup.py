@@ -20,6 +20,7 @@ import pytest
 from deltaserve.engine.api import EngineSummary
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import LLMEngine
+from deltaserve.kernels.platform import Platform
 from deltaserve.models.build import load_model
 from deltaserve.models.testing import cached_checkpoint
 from deltaserve.server.settings import ModelSettings, Settings
@@ -156,8 +157,7 @@ def test_summary_lines_read_as_a_cap() -> None:
     """The summary states the budget as "up to", what is reserved now, the rows of a chat
     and of the full context, and how many run at once."""
     summary = EngineSummary(
-        device="cpu (AMD EPYC)",
-        dtype="float32",
+        platform=Platform("cpu", "AMD EPYC", "float32", "0.31.1", "OpenBLAS (/lib/o.so)"),
         weight_bytes=512 * 2**20,
         budget_bytes=int(11.5 * 2**30),
         reserved_bytes=0,

@@ -1,4 +1,4 @@
-/* cblas_sgemm that sends matrix-vector products to cblas_sgemv (kernels/gemv_shim.py).
+/* cblas_sgemm that sends matrix-vector products to cblas_sgemv (kernels/cpu/gemv_shim.py).
  *
  * MLX's CPU matmul always calls cblas_sgemm. OpenBLAS 0.3.21 (Debian 12) runs a 1-row
  * product through its packing GEMM driver, 3-5x slower than its own sgemv (measured on 2
@@ -36,7 +36,7 @@ static sgemv_fn next_sgemv(void) {
     return fn;
 }
 
-/* The shim's own marker: kernels/gemv_shim.py checks that it is the one loaded. */
+/* The shim's own marker: kernels/cpu/gemv_shim.py checks that it is the one loaded. */
 int deltaserve_gemv_shim_version(void) { return 1; }
 
 void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,

@@ -18,8 +18,9 @@ larger request next step reuses this step's memory. The process keeps its peak h
 MLX's cache kept up to its limit. A thread's own glibc arena holds blocks up to 64 MiB
 (HEAP_MAX_SIZE); larger ones are still mapped afresh.
 
-Without glibc's mallopt (macOS, musl) MLX's cache is raised to FALLBACK_CACHE_BYTES, which
-serves repeated sizes (a decode step's [rows, vocab] arrays) but not growing ones.
+Without glibc's mallopt (musl; macOS never calls this: kernels/cpu/__init__.py) MLX's cache
+is raised to FALLBACK_CACHE_BYTES, which serves repeated sizes (a decode step's [rows, vocab]
+arrays) but not growing ones.
 This module imports nothing from server/, engine/ or models/.
 """
 

@@ -1,11 +1,11 @@
-"""Matrix-vector products through sgemv on the CPU: build and find kernels/gemv_shim.c.
+"""Matrix-vector products through sgemv on the CPU: build and find kernels/cpu/gemv_shim.c.
 
 MLX's CPU backend calls cblas_sgemm for every float32 matmul. OpenBLAS 0.3.21 (Debian 12)
 runs a product with one row (or one column) through its packing GEMM driver, 3-5x slower
 than its own sgemv, and at batch 1 a decode step is only such products: the small shape's
 248,320 x 256 LM head took 14.3 ms as sgemm and 6.1 ms as sgemv; 1024 x 1024 180 vs 33 us.
 The shim is a cblas_sgemm that sends those products to cblas_sgemv and the rest
-to OpenBLAS. kernels/blas.py preloads it ahead of OpenBLAS; it is compiled here once per
+to OpenBLAS. kernels/cpu/blas.py preloads it ahead of OpenBLAS; it is compiled here once per
 source version with the system C compiler into the user's cache directory.
 
 No C compiler means no shim: blas.py then warns once and MLX's products keep OpenBLAS's
@@ -61,7 +61,7 @@ def shim_path() -> tuple[Path | None, str | None]:
         return target, None
     compiler = _compiler()
     if compiler is None:
-        return None, "no C compiler (cc, gcc or clang) to build kernels/gemv_shim.c"
+        return None, "no C compiler (cc, gcc or clang) to build kernels/cpu/gemv_shim.c"
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
@@ -70,10 +70,11 @@ def shim_path() -> tuple[Path | None, str | None]:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         if done.returncode != 0:
             os.unlink(tmp)
-            return None, f"{compiler} failed on kernels/gemv_shim.c: {done.stderr.strip()[:200]}"
+            why = done.stderr.strip()[:200]
+            return None, f"{compiler} failed on kernels/cpu/gemv_shim.c: {why}"
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as error:
-        return None, f"could not build kernels/gemv_shim.c: {error}"
+        return None, f"could not build kernels/cpu/gemv_shim.c: {error}"
     return target, None
 
 

@@ -1,0 +1,165 @@
+"""The platform profile: what this process computes on and which fast paths are on.
+
+Resolved once at start by `resolve_platform` from the device and the engine config's
+switches (an explicit True/False beats the device's default), made current by
+`start_platform`, and read by every layer through `current_platform()` instead of probing
+the device: kernels pick their kernel or their plain-MLX reference, models their compiled
+or eager forms, the engine its step shape. Before the engine starts one (a kernel test, the
+loader), `current_platform()` is the device's defaults.
+
+A fused kernel exists for some devices only (FUSED_KERNEL_DEVICES); switched on elsewhere it
+stays off, with a warning. The Linux CPU set-up (OpenBLAS, the sgemv shim, malloc tuning)
+lives in kernels/cpu/; `start_platform` runs its post-load half.
+
+Imports nothing from server/, engine/ or models/, and mlx only when probing the device,
+so the server's formatting code can import the profile type.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+from deltaserve.kernels import cpu
+
+log = logging.getLogger(__name__)
+
+DEVICES = ("cpu", "cuda", "metal")
+# The devices each fused kernel has a source for (CUDA and Metal; the CPU runs the plain-MLX
+# reference behind the same function). The Metal sources are untested here (no Mac).
+FUSED_KERNEL_DEVICES = {
+    "deltanet_scan": ("cuda",),  # kernels/gated_delta_scan.py
+    "fused_deltanet_decode": ("cuda", "metal"),  # kernels/deltanet_decode.py
+    "fused_rms_norm": ("cuda", "metal"),  # kernels/rms_norm.py
+    "fused_gated_delta_step": ("cuda", "metal"),  # kernels/gated_delta_fused.py
+}
+# Step shapes whose default is on for a GPU (launch- or op-bound) and off on the CPU
+GPU_DEFAULT_ON = ("compile_decode", "compile_prefill", "batch_prefill", "pipeline_steps")
+
+
+class PlatformSwitches(Protocol):
+    """The engine config's switches (engine/config.py EngineConfig); None = the device's
+    default."""
+
+    compile_decode: bool | None
+    compile_prefill: bool | None
+    batch_prefill: bool | None
+    pipeline_steps: bool | None
+    pack_token_wise: bool | None
+    deltanet_scan: bool | None
+    fused_deltanet_decode: bool | None
+    fused_rms_norm: bool | None
+    fused_gated_delta_step: bool | None
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Where MLX computes and which compiled paths and kernels are on. Frozen at start."""
+
+    device: str  # "cpu", "cuda" or "metal"
+    device_name: str = ""  # mx.device_info()'s, e.g. "NVIDIA H200" ("" if it has none)
+    dtype: str = ""  # compute dtype of the weights, e.g. "float32" ("" before loading)
+    mlx_version: str = ""
+    blas: str = ""  # the BLAS behind the CPU's matmuls ("" off the CPU)
+    # Compiled paths and step shapes (engine/config.py says what each does)
+    compile_decode: bool = False  # the decode step as one mx.compile'd call
+    compile_prefill: bool = False  # DeltaNet's prompt-chunk core compiled
+    batch_prefill: bool = False  # prompt chunks of several requests as one padded group
+    pipeline_steps: bool = False  # step N+1 queued before step N is read back
+    pack_token_wise: bool = False  # token-wise layers over all groups' tokens at once
+    # Kernels: on = the fused kernel, off = its plain-MLX reference behind the same function
+    deltanet_scan: bool = False
+    fused_deltanet_decode: bool = False
+    fused_rms_norm: bool = False
+    fused_gated_delta_step: bool = False
+
+    def __post_init__(self) -> None:
+        assert self.device in DEVICES, f"device must be one of {DEVICES}, not {self.device!r}"
+        for name, devices in FUSED_KERNEL_DEVICES.items():
+            assert not getattr(self, name) or self.device in devices, f"{name} on {self.device}"
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device == "cpu"
+
+    def switches(self) -> dict[str, bool]:
+        """Each compiled path and kernel, on or off."""
+        names = (*GPU_DEFAULT_ON, "pack_token_wise", *FUSED_KERNEL_DEVICES)
+        return {name: getattr(self, name) for name in names}
+
+    def describe(self) -> str:
+        """The profile in one line, for the start-up log."""
+        name = f" ({self.device_name})" if self.device_name else ""
+        mlx = f", mlx {self.mlx_version}" if self.mlx_version else ""
+        head = f"platform: {self.device}{name}, {self.dtype or '?'}{mlx}"
+        blas = f"; BLAS: {self.blas}" if self.blas else ""
+        on = [name for name, enabled in self.switches().items() if enabled] or ["none"]
+        off = [name for name, enabled in self.switches().items() if not enabled] or ["none"]
+        return f"{head}{blas}; on: {', '.join(on)}; off: {', '.join(off)}"
+
+
+def resolve_platform(
+    switches: PlatformSwitches | None = None, dtype: str = "", device: str | None = None
+) -> Platform:
+    """The profile for `device` (None: MLX's default device) under the config's `switches`
+    (None: all at the device's default). Explicit True/False wins, except that a kernel
+    the device has no source for stays off (logged)."""
+    name, version = "", ""
+    if device is None:
+        device, name, version = _probe()
+    gpu = device != "cpu"
+    values: dict[str, bool] = {name: gpu for name in GPU_DEFAULT_ON}
+    values["pack_token_wise"] = not gpu
+    values.update({k: device in devices for k, devices in FUSED_KERNEL_DEVICES.items()})
+    for key in values:
+        chosen = getattr(switches, key, None)
+        if chosen is None:
+            continue
+        if chosen and device not in FUSED_KERNEL_DEVICES.get(key, DEVICES):
+            log.warning("%s is on in the config but has no %s kernel: it stays off", key, device)
+            continue
+        values[key] = chosen
+    blas = cpu.blas_in_use() if device == "cpu" else ""
+    return Platform(device, name, dtype, version, blas, **values)
+
+
+def _probe() -> tuple[str, str, str]:
+    """(device, device name, mlx version) of MLX's default device: the one device probe."""
+    import mlx.core as mx
+
+    name = str(dict(mx.device_info()).get("device_name", ""))
+    if mx.default_device().type != mx.DeviceType.gpu:
+        return "cpu", name, mx.__version__
+    if mx.cuda.is_available():
+        return "cuda", name, mx.__version__
+    assert mx.metal.is_available(), "the default device is a GPU but neither CUDA nor Metal"
+    return "metal", name, mx.__version__
+
+
+_current: Platform | None = None
+
+
+def current_platform() -> Platform:
+    """The profile in force: `start_platform`'s, else the device's defaults (resolved on
+    first use; code that changes MLX's default device later calls `use_platform(None)`)."""
+    global _current
+    if _current is None:
+        _current = resolve_platform()
+    return _current
+
+
+def use_platform(profile: Platform | None) -> None:
+    """Make `profile` current (None: back to the device's defaults, resolved on next use).
+    No process set-up: tests swap profiles with it."""
+    global _current
+    _current = profile
+
+
+def start_platform(profile: Platform) -> None:
+    """Make `profile` current and, on the CPU, finish the process set-up that needs the
+    model loaded (kernels/cpu: freed buffers kept for the next step, Linux only). The BLAS
+    half ran before mlx was imported (kernels/cpu `reexec_with_openblas`)."""
+    use_platform(profile)
+    if profile.is_cpu:
+        cpu.keep_freed_memory()
