@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from deltaserve.server.responses import _Out
-from deltaserve.server.schemas import ReasoningEffort, SamplingFields, _In
+from deltaserve.server.schemas import FunctionDef, ReasoningEffort, SamplingFields, _In
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -107,19 +107,10 @@ InputItemIn = Annotated[
 ]
 
 
-class FunctionToolIn(_In):
-    type: Literal["function"]
-    name: str = Field(pattern=NAME_PATTERN)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON Schema object
-    strict: bool | None = None
+class FunctionToolIn(FunctionDef):
+    """A function tool: Responses flattens chat's {"type", "function": {...}} into one."""
 
-    @field_validator("parameters")
-    @classmethod
-    def _is_object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type", "object") != "object":
-            raise ValueError("function parameters must be a JSON Schema of type 'object'")
-        return value
+    type: Literal["function"]
 
 
 class NamedFunctionIn(_In):
