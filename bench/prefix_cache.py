@@ -11,6 +11,10 @@ Measured alone, then (ours only unless --peer-background) while `--background` o
 streams decode (from a process of their own). Each scenario runs `--repeat` chats (other
 histories); prints JSON lines: the median TTFT of cold and warm turn 2, their ratio (the
 issue's target: <= 0.1), each chat's ratio, and the cached_tokens the server reported.
+
+--restart (ours only, alone): turn 1 on a server with --prefix-cache-dir, the server
+stopped and started again on that directory (one warm-up chat of other text), then turn 2
+and the cold reference on the new server (target: warm <= 0.2x cold).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 import multiprocessing
 import random
 import statistics
+import tempfile
 import time
 from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
@@ -171,6 +176,57 @@ async def _bench(kind: str, model: Path, args: argparse.Namespace) -> list[dict]
     return rows
 
 
+async def _restart_chat(model: Path, args: argparse.Namespace, cache_dir: str, seed: int) -> dict:
+    """Turn 1 on one server, turn 2 and the cold reference on the next (same cache dir)."""
+    extra = ("--prefix-cache-dir", cache_dir)
+    user = {"role": "user", "content": _history(args.history, seed)}
+    follow = {"role": "user", "content": "Now say it again in other words."}
+    first = None
+    for life in ("before", "after"):
+        port = _free_port()
+        log = Path(f"/tmp/bench-prefix-restart-{life}.log")
+        proc = _start("deltaserve", model, port, log, args.log_level, extra)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            await _wait_ready(base, proc)
+            name = await served_name("deltaserve", base, model)
+            async with httpx.AsyncClient(timeout=600) as client:
+                if first is None:
+                    first = await _chat(client, base, name, [user], 32)
+                    continue
+                # first-use costs out (as _bench's warm-up), on text the cache never saw
+                await _chat(client, base, name, [{"role": "user", "content": _history(
+                    args.history, seed + 5000)}], 1)  # fmt: skip
+                answer = {"role": "assistant", "content": first["text"]}
+                warm = await _chat(client, base, name, [user, answer, follow], 1)
+                fresh = {"role": "user", "content": _history(args.history, seed + 1)}
+                cold = await _chat(client, base, name, [fresh, answer, follow], 1)
+        finally:
+            _stop(proc)
+    cached = (warm["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    return {
+        "prompt_tokens": cold["usage"].get("prompt_tokens", 0),
+        "cold_ttft_s": round(cold["ttft"], 3),
+        "warm_ttft_s": round(warm["ttft"], 3),
+        "warm_over_cold": round(warm["ttft"] / cold["ttft"], 3),
+        "cached_tokens": cached,
+    }
+
+
+def _restart(model: Path, args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-prefix-disk-") as cache_dir:
+        runs = [
+            asyncio.run(_restart_chat(model, args, cache_dir, 100 + 2 * r))
+            for r in range(args.repeat)
+        ]
+    row = {"server": "deltaserve", "restart": True, **runs[0]}
+    for key in ("cold_ttft_s", "warm_ttft_s"):
+        row[key] = statistics.median(r[key] for r in runs)
+    row["warm_over_cold"] = round(row["warm_ttft_s"] / row["cold_ttft_s"], 3)
+    row["runs_warm_over_cold"] = [r["warm_over_cold"] for r in runs]
+    print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", default="small")
@@ -179,11 +235,15 @@ def main() -> None:
     parser.add_argument("--peer-background", action="store_true")
     parser.add_argument("--repeat", type=int, default=3, help="chats per scenario (medians)")
     parser.add_argument("--only", choices=["deltaserve", "mlx_lm"])
+    parser.add_argument("--restart", action="store_true", help="turn 2 after a restart (ours)")
     parser.add_argument(
         "--log-level", default="warning", help="ours: debug logs each step (/tmp/bench-prefix-*)"
     )
     args = parser.parse_args()
     model = _f32_copy(cached_checkpoint(args.checkpoint))
+    if args.restart:
+        _restart(model, args)
+        return
     results = []
     for kind in ("deltaserve", "mlx_lm"):
         if args.only in (None, kind):

@@ -92,6 +92,10 @@ class EngineConfig:
     # No snapshot before this many prompt tokens: taking one splits the prefill there (one
     # more forward), which a short prefix does not repay
     prefix_min_tokens: int = 512
+    # Disk tier (engine/cache/prefix_disk.py): every cached block and snapshot is also
+    # written to this directory, which a restarted server reads; "" = memory only
+    prefix_cache_dir: str = ""
+    prefix_cache_disk_gib: float = 16.0  # the directory's bound; least recently used go first
     # A constraint (JSON schema, forced tool calls) whose grammar takes longer than this
     # to compile is refused with a 400 (engine/grammar.py)
     grammar_timeout_s: float = 5.0
@@ -117,6 +121,8 @@ class EngineConfig:
             raise ValueError("prefix_cache_bytes must be >= 0 and prefix_block_tokens >= 1")
         if self.prefix_min_tokens < 1:
             raise ValueError("prefix_min_tokens must be >= 1")
+        if not self.prefix_cache_disk_gib > 0:
+            raise ValueError("prefix_cache_disk_gib must be > 0")
         if not self.grammar_timeout_s > 0:
             raise ValueError("grammar_timeout_s must be > 0")
         if self.distributed_backend not in DISTRIBUTED_BACKENDS:

@@ -23,6 +23,7 @@ from deltaserve.engine.cache.factory import (
     kv_prefix_tokens,
     kv_store_factory,
 )
+from deltaserve.engine.cache.prefix_disk import PrefixDisk, checkpoint_identity
 from deltaserve.engine.cache.prefix_index import PrefixIndex
 from deltaserve.engine.cache.rows import RowStates, decode_bucket
 from deltaserve.engine.chunk_cost import measure_chunk_cost
@@ -131,7 +132,8 @@ class LLMEngine:
         max_rows = self.config.max_num_seqs
         bucket = partial(decode_bucket, max_rows=max_rows) if compiled else None
         cached = self.prefix_cache is not None
-        self.states = RowStates(lambda: BatchState.empty(cfg, kv_factory), bucket, cached)
+        disk = self.prefix_cache.disk if self.prefix_cache is not None else None
+        self.states = RowStates(lambda: BatchState.empty(cfg, kv_factory), bucket, cached, disk)
         batch_prefill = self.platform.batch_prefill
         vision = VisionInputs(loaded.model, loaded.vision, loaded.dtype)
         self.runner = ModelRunner(loaded.model, self.states, compiled, batch_prefill, vision)
@@ -172,7 +174,22 @@ class LLMEngine:
             max_bytes,
             self.budget,
             cfg.prefix_min_tokens,
+            self._prefix_disk(),
         )
+
+    def _prefix_disk(self) -> PrefixDisk | None:
+        """The prefix cache's disk tier, under a directory of this checkpoint, dtype and
+        KV store (None: not configured, or unusable)."""
+        cfg = self.config
+        if not cfg.prefix_cache_dir:
+            return None
+        if self.leader is not None or self.loaded.parallel is not None:
+            log.warning("prefix cache disk tier is off: not with tensor parallelism")
+            return None
+        settings = f"{cfg.kv_cache!r};block={cfg.prefix_block_tokens}"
+        identity = checkpoint_identity(self.loaded.path, str(self.loaded.dtype), settings)
+        max_bytes = int(cfg.prefix_cache_disk_gib * 2**30)
+        return PrefixDisk.open(cfg.prefix_cache_dir, identity, max_bytes)
 
     def summary(self, chat_tokens: int = TYPICAL_CHAT_TOKENS) -> EngineSummary:
         """The engine's set-up in a user's terms (see EngineSummary)."""
@@ -339,6 +356,10 @@ class LLMEngine:
         "terminate called without an active exception" at exit had another cause: see
         AsyncEngine.shutdown.)"""
         mx.synchronize()
+        store = self.states.prefix
+        if store is not None and store.disk is not None:  # every save, then the index
+            store.write_back(all_saved=True)
+            store.disk.close()
         if self.leader is not None:
             self.leader.stop()
 

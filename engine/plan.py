@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deltaserve.engine.cache.prefix_index import CacheDrop, CacheSave
+from deltaserve.engine.cache.prefix_index import CacheDrop, CacheLoad, CacheSave
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ class SchedulerOutput:
     step: int = 0  # sequence number of this plan
     cache_saves: tuple[CacheSave, ...] = ()  # rows to snapshot after their chunk ran
     cache_drop: CacheDrop | None = None  # prefix-cache arrays to free after the step
+    cache_loads: tuple[CacheLoad, ...] = ()  # prefix-cache nodes read back from disk
     # The decode batch sits this step out (prompts run ahead of it: PrefillPlanning.
     # _plan_jump): its rows keep their state and place; decode_row_ids is empty.
     decode_rows_wait: bool = False

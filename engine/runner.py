@@ -57,6 +57,8 @@ class ModelRunner:
         whose input is still pending."""
         hold = out.decode_rows_wait
         self.states.sync(out.decode_row_ids, out.freed_row_ids, out.forks, hold)
+        if out.cache_loads:
+            self.states.load_prefix(out.cache_loads)
         for chunk in out.prefill:
             if chunk.restore:
                 self.states.restore_prefix(chunk.row_id, chunk.restore)
@@ -103,6 +105,8 @@ class ModelRunner:
         if self._saved:
             mx.async_eval(*self._saved)
             self._saved = []
+        if self.states.prefix is not None:  # the disk tier's copies, one flush behind
+            self.states.prefix.write_back()
 
     def discard_saves(self) -> None:
         """After a failed step (the prefix cache is reset with the states)."""

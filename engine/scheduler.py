@@ -153,6 +153,7 @@ class Scheduler(PrefillPlanning):
             step=self._num_steps,
             cache_saves=tuple(self._saves),
             cache_drop=self.prefix.take_drops() if self.prefix is not None else None,
+            cache_loads=self.prefix.take_loads() if self.prefix is not None else (),
         )
         self._saves = []
         if not out.is_empty:

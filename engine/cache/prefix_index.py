@@ -25,6 +25,11 @@ block would cost a full recurrent state per `block` tokens, so a prompt snapshot
 Memory: every byte is reserved in the engine's MemoryBudget (rows and cache share it) and
 capped at `max_bytes`. Least recently used snapshots go first when the cache is full or
 when a row must be admitted; a node's KV goes when nothing below it needs it.
+
+Disk tier (engine/cache/prefix_disk.py, when configured): each node has a key, the hash
+chain of its tokens; every save is written through to disk, and a prompt whose memory hit
+is shorter than a snapshot chain on disk loads that chain's missing nodes back (CacheLoad):
+they enter the trie and the budget exactly as a save's nodes do, then resume as a hit.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from deltaserve.engine.cache.budget import MemoryBudget
+from deltaserve.engine.cache.prefix_disk import DiskNode, PrefixDisk, node_key
 
 
 @dataclass(eq=False)
@@ -48,10 +54,14 @@ class _Node:
     tails: dict[tuple[int, ...], _Node] = field(default_factory=dict)  # partial blocks
     snapshot: bool = False
     last_used: int = 0
+    key: str = ""  # hash chain of the tokens from the root (the disk tier's name)
 
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+    def disk_node(self) -> DiskNode:
+        return DiskNode(self.key, self.parent.key if self.parent else "", self.start, self.end)
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,19 @@ class CacheSave:
     # The chunk runs past `position` (the forward keeps the DeltaNet state there: written
     # by the scheduler); False: the chunk ends at it
     inside: bool = False
+    # The disk tier's names of the new blocks, then of the snapshot node (empty: no disk)
+    disk: tuple[DiskNode, ...] = ()
+
+
+@dataclass(frozen=True)
+class CacheLoad:
+    """A node read back from the disk tier (staged in PrefixDisk), to put in the store
+    before this step's restores. Written by PrefixIndex.match."""
+
+    node_id: int
+    key: str
+    kv: bool  # its KV block comes from disk (else it is in memory already)
+    snapshot: bool  # its snapshot comes from disk
 
 
 @dataclass(frozen=True)
@@ -106,8 +129,10 @@ class PrefixIndex:
         max_bytes: int,
         budget: MemoryBudget,
         min_tokens: int = 1,
+        disk: PrefixDisk | None = None,
     ) -> None:
-        """min_tokens: no snapshot is planned before this prompt position."""
+        """min_tokens: no snapshot is planned before this prompt position. disk: the
+        disk tier (None: memory only)."""
         self.block = block
         self.kv_token_bytes = kv_token_bytes
         self.snapshot_bytes = snapshot_bytes
@@ -121,6 +146,8 @@ class PrefixIndex:
         self._snapshots: dict[int, _Node] = {}  # node id -> node, for eviction
         self._dropped_kv: list[int] = []
         self._dropped_snapshots: list[int] = []
+        self.disk = disk
+        self._loads: list[CacheLoad] = []
 
     # -- lookup -------------------------------------------------------------------------
     def match(self, prompt: Sequence[int], hint: int = 0) -> CacheHit:
@@ -130,6 +157,9 @@ class PrefixIndex:
         last = (len(prompt) - 1) // self.block  # deepest usable boundary (1 token left)
         path = self._walk(prompt, last)
         chain = self._resume_chain(prompt, path)
+        if self.disk is not None and self._load_from_disk(prompt, last, path, chain):
+            path = self._walk(prompt, last)
+            chain = self._resume_chain(prompt, path)
         for node in chain:
             node.last_used = self._clock
         tokens = chain[-1].end if chain else 0
@@ -169,6 +199,82 @@ class PrefixIndex:
     def _block_of(self, prompt: Sequence[int], d: int) -> tuple[int, ...]:
         return tuple(prompt[d * self.block : (d + 1) * self.block])
 
+    # -- the disk tier --------------------------------------------------------------------
+    def _load_from_disk(
+        self, prompt: Sequence[int], last: int, path: list[_Node], chain: list[_Node]
+    ) -> bool:
+        """Bring back from disk the deepest snapshot chain that resumes more of `prompt`
+        than memory (`chain`) does; True when it did. A file that fails its check is
+        dropped by the disk tier, so the next try finds a shorter chain."""
+        for _ in range(3):
+            nodes = self._disk_chain(prompt, last)
+            if not nodes or nodes[-1][1] <= (chain[-1].end if chain else 0):
+                return False
+            if self._load_chain(prompt, nodes, path):
+                return True
+        return False
+
+    def _disk_chain(self, prompt: Sequence[int], last: int) -> list[tuple[str, int]]:
+        """(key, end) of each node from the root to the deepest snapshot on disk that
+        leaves at least one prompt token; every node's KV is on disk or in memory."""
+        assert self.disk is not None
+        best: list[tuple[str, int]] = []
+        keys: list[tuple[str, int]] = []
+        node: _Node | None = self._root
+        for d in range(last + 1):
+            parent = keys[-1][0] if keys else ""
+            if keys and self.disk.has(parent, "snap"):
+                best = list(keys)
+            for n in sorted(self.disk.tail_lengths(parent)):
+                end = d * self.block + n
+                key = node_key(parent, tuple(prompt[d * self.block : end]))
+                fits = n < self.block and (best[-1][1] if best else 0) < end < len(prompt)
+                if fits and self.disk.has(key, "snap") and self.disk.has(key, "kv"):
+                    best = [*keys, (key, end)]
+            if d == last:
+                break
+            block = self._block_of(prompt, d)
+            child = node.children.get(block) if node is not None else None
+            key = child.key if child is not None else node_key(parent, block)
+            if child is None and not self.disk.has(key, "kv"):
+                break
+            keys.append((key, (d + 1) * self.block))
+            node = child
+        return best
+
+    def _load_chain(
+        self, prompt: Sequence[int], nodes: list[tuple[str, int]], path: list[_Node]
+    ) -> bool:
+        """Stage the files of the nodes memory lacks, make room, add the nodes; False
+        (nothing added) when a file fails or the cache has no room."""
+        assert self.disk is not None
+        in_memory = [n for n, (key, _) in zip(path, nodes, strict=False) if n.key == key]
+        missing = nodes[len(in_memory) :]
+        kinds = [(key, "kv") for key, _ in missing] + [(nodes[-1][0], "snap")]
+        if not all(self.disk.stage(key, kind) for key, kind in kinds):
+            self.disk.clear_staged()
+            return False
+        kv = sum(end - (nodes[i - 1][1] if i else 0) for i, (_, end) in enumerate(nodes)
+                 if i >= len(in_memory)) * self.kv_token_bytes  # fmt: skip
+        if not self._make_room(kv + self.snapshot_bytes, in_memory):
+            self.disk.clear_staged()
+            return False
+        node = in_memory[-1] if in_memory else self._root
+        for key, end in missing:
+            node = self._add_child(node, tuple(prompt[node.end : end]))
+            assert node.key == key, "a disk node's tokens"
+            self._loads.append(CacheLoad(node.node_id, key, kv=True, snapshot=False))
+        node.snapshot = True
+        self._snapshots[node.node_id] = node
+        self._reserve(self.snapshot_bytes)
+        self._loads.append(CacheLoad(node.node_id, node.key, kv=False, snapshot=True))
+        return True
+
+    def take_loads(self) -> tuple[CacheLoad, ...]:
+        """The nodes loaded from disk since the last call (the next step's plan)."""
+        loads, self._loads = tuple(self._loads), []
+        return loads
+
     # -- insertion ----------------------------------------------------------------------
     def insert(self, row_id: str, prompt: Sequence[int], position: int) -> CacheSave | None:
         """Add a snapshot after `prompt[:position]`, creating the nodes whose KV is
@@ -200,7 +306,8 @@ class PrefixIndex:
         for n in [*path, *created]:
             n.last_used = self._clock
         blocks = tuple((n.node_id, n.start, n.end) for n in created)
-        return CacheSave(row_id, blocks, node.node_id, position)
+        disk = (*(n.disk_node() for n in created), node.disk_node()) if self.disk else ()
+        return CacheSave(row_id, blocks, node.node_id, position, disk=disk)
 
     @property
     def kv_block_bytes(self) -> int:
@@ -209,6 +316,8 @@ class PrefixIndex:
     def _add_child(self, parent: _Node, tokens: tuple[int, ...]) -> _Node:
         kv_bytes = len(tokens) * self.kv_token_bytes
         node = _Node(self._next_id, parent, tokens, parent.end, kv_bytes)
+        if self.disk is not None:
+            node.key = node_key(parent.key, tokens)
         self._next_id += 1
         (parent.children if len(tokens) == self.block else parent.tails)[tokens] = node
         self._reserve(kv_bytes)
@@ -301,5 +410,7 @@ class PrefixIndex:
         nbytes, self.stats.nbytes = self.stats.nbytes, 0
         self._root = _Node(-1, None, (), 0, 0)
         self._snapshots = {}
-        self._dropped_kv, self._dropped_snapshots = [], []
+        self._dropped_kv, self._dropped_snapshots, self._loads = [], [], []
+        if self.disk is not None:
+            self.disk.clear_staged()
         return nbytes

@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 
 from deltaserve.engine.cache.batch import BatchState
-from deltaserve.engine.cache.prefix_index import CacheDrop, CacheSave
+from deltaserve.engine.cache.prefix_disk import PrefixDisk
+from deltaserve.engine.cache.prefix_index import CacheDrop, CacheLoad, CacheSave
 from deltaserve.engine.cache.prefix_store import PrefixStore
 from deltaserve.engine.cache.ssm import SSMState
 
@@ -27,13 +28,15 @@ class RowStates:
         new_state: Callable[[], BatchState],
         bucket: Callable[[int], int] | None = None,
         prefix_cache: bool = False,
+        prefix_disk: PrefixDisk | None = None,
     ) -> None:
         """bucket: when given, the decode batch is held at bucket(live rows) rows, the
         rest dead (see decode_bucket): a compiled step then sees few distinct shapes.
-        prefix_cache: hold the prefix cache's arrays (engine/cache/prefix_store.py)."""
+        prefix_cache: hold the prefix cache's arrays (engine/cache/prefix_store.py), with
+        `prefix_disk` as their disk tier (None: memory only)."""
         self._new_state = new_state
         self._bucket = bucket
-        self.prefix = PrefixStore(new_state) if prefix_cache else None
+        self.prefix = PrefixStore(new_state, prefix_disk) if prefix_cache else None
         self.decode = new_state()
         self.decode_ids: list[str] = []
         self.prefill: dict[str, BatchState] = {}
@@ -64,6 +67,11 @@ class RowStates:
         """Start `row_id`'s prefill state from cached prefix nodes."""
         assert self.prefix is not None and row_id not in self.prefill, "restore a new row"
         self.prefill[row_id] = self.prefix.restore(chain)
+
+    def load_prefix(self, loads: tuple[CacheLoad, ...]) -> None:
+        """Put nodes read back from the disk tier into the prefix cache."""
+        assert self.prefix is not None
+        self.prefix.load(loads)
 
     def save_prefix(self, save: CacheSave) -> list[mx.array]:
         """Snapshot a prefilling row into the cache; returns the new (lazy) arrays."""
