@@ -40,6 +40,14 @@ def _timed(fn, reps: int = 7, warmup: int = 2) -> dict:
             "total_ms": round(statistics.median(totals), 3)}  # fmt: skip
 
 
+def _set_scan(model, enabled: bool | None) -> None:
+    """Each DeltaNet layer's recurrence for prompts: the scan kernel, the chunked form, or
+    (None) what the platform profile says (GatedDeltaNet.scan_prefill)."""
+    for layer in model.layers:
+        if not layer.is_full_attention:
+            layer.linear_attn.scan_prefill = enabled
+
+
 def model_lines(loaded, sizes: list[int]) -> list[dict]:
     """A fresh [1, L] group: whole model, one DeltaNet layer, one attention layer."""
     from deltaserve.engine.cache.batch import BatchState
@@ -75,13 +83,13 @@ def model_lines(loaded, sizes: list[int]) -> list[dict]:
             return [h, *state.layers[idx].state_arrays()]
 
         for scan in (False, True):  # the DeltaNet recurrence chunked, or as the scan kernel
-            model.set_deltanet_scan(scan)
+            _set_scan(model, scan)
             for what, fn in (("whole_model", whole), ("deltanet_layer", lambda: one(dn_idx)),
                              ("attention_layer", lambda: one(at_idx))):  # fmt: skip
                 line = {"what": what, "length": length, "scan": scan, **_timed(fn)}
                 out.append(line)
                 print(json.dumps(line), flush=True)
-        model.set_deltanet_scan(None)
+        _set_scan(model, None)
     return out
 
 

@@ -10,9 +10,9 @@ stop: the signal, the exit status, seconds to exit, and whether stderr holds C++
 stop is clean when the status is 0 and neither appears. Exits 1 unless every stop was
 clean; the stderr of the first unclean stop is printed in full.
 
-Only the standard library and httpx (which the server needs anyway), so it runs where
-the server runs (e.g. the GPU machine). Arguments after `--` go to `deltaserve serve`
-(e.g. `-- --served-model-name deltaserve-demo`).
+Needs only what the server needs (httpx, and the repository's bench/ for a free port),
+so it runs where the server runs (e.g. the GPU machine). Arguments after `--` go to
+`deltaserve serve` (e.g. `-- --served-model-name deltaserve-demo`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+
+from bench.server_vs_mlxlm import _free_port
 
 REPO = Path(__file__).resolve().parent.parent
 ABORT_LINE = "terminate called"
@@ -63,12 +64,6 @@ class StopResult:
         row = asdict(self)
         del row["stderr"]
         return {**row, "clean": self.clean}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def serve_command(model: str, port: int, extra: Sequence[str] = ()) -> list[str]:
@@ -123,7 +118,7 @@ def stop_once(
     exit_timeout_s: float = 30,
 ) -> StopResult:
     """Start a server, open streams, send `signum`, and report how the process ended."""
-    port = free_port()
+    port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     with tempfile.TemporaryFile("w+") as stderr:
