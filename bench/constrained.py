@@ -52,7 +52,7 @@ def _schemas() -> list[dict]:
 
 
 def _allowed(row, vocab: int) -> list[int]:
-    from deltaserve.engine.token_mask import allowed_ids
+    from deltaserve.engine.structured.token_mask import allowed_ids
 
     return [int(t) for t in allowed_ids(row, vocab)]
 
@@ -219,8 +219,8 @@ def bench_step(
     import mlx.core as mx
 
     from deltaserve.engine.config import EngineConfig
-    from deltaserve.engine.constraint import Constraint
     from deltaserve.engine.engine import LLMEngine
+    from deltaserve.engine.structured.spec import Constraint
     from deltaserve.models.build import load_model
 
     loaded = load_model(path)
@@ -299,7 +299,7 @@ def _apply_ms(rows: int, vocab: int) -> float:
     import mlx.core as mx
     import numpy as np
 
-    from deltaserve.engine.token_mask import apply_token_mask
+    from deltaserve.engine.structured.token_mask import apply_token_mask
 
     logits = mx.random.normal((rows, vocab))
     bits = np.random.default_rng(0).integers(-(2**31), 2**31, (rows, (vocab + 31) // 32))

@@ -98,7 +98,7 @@ def main() -> int:
 
     from bench.engine_throughput import throughput
     from deltaserve.engine.config import EngineConfig
-    from deltaserve.engine.tensor_parallel import follow, join_group, start_engine
+    from deltaserve.engine.parallel.tensor_parallel import follow, join_group, start_engine
     from deltaserve.models.testing import cached_checkpoint
 
     path = args.checkpoint if Path(args.checkpoint).is_dir() else cached_checkpoint(args.checkpoint)

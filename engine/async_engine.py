@@ -23,10 +23,10 @@ from pathlib import Path
 import mlx.core as mx
 
 from deltaserve.engine.api import EngineInfo, EngineStats, EngineSummary
-from deltaserve.engine.cache.prefix_index import PrefixCacheStats
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import LLMEngine
-from deltaserve.engine.tensor_parallel import start_engine
+from deltaserve.engine.parallel.tensor_parallel import start_engine
+from deltaserve.engine.prefix_cache.index import PrefixCacheStats
 from deltaserve.engine.types import GenerationRequest, RequestOutput
 from deltaserve.models.parallel import TensorParallel
 

@@ -45,7 +45,7 @@ class EngineConfig:
 
     max_num_seqs: int = 32  # rows running at once
     # Per-step token budget (decode rows + prefill chunks); 0 = 512 on the CPU, on a GPU
-    # sized from what a prompt chunk costs, measured at start (engine/chunk_cost.py)
+    # sized from what a prompt chunk costs, measured at start (engine/scheduling/chunk_cost.py)
     max_num_batched_tokens: int = 0
     # Longest prefill chunk of one request in one step; 0 = 512 on the CPU, on a GPU sized
     # from what a prompt chunk costs, measured at start
@@ -85,19 +85,19 @@ class EngineConfig:
     # Latency bound: while rows decode, a step's prefill is sized (from measured step
     # times) to take at most this factor x a decode-only step; 0 or unset = token budget only
     max_stall_factor: float | None = 2.0
-    # Prefix cache (engine/cache/prefix_index.py)
+    # Prefix cache (engine/prefix_cache/index.py)
     prefix_cache: bool = True  # resume prompts from the cached state of an earlier prefix
     prefix_cache_bytes: int = 0  # cap on cached state; 0 = half of the row-state budget
     prefix_block_tokens: int = 64  # tokens per cached KV block
     # No snapshot before this many prompt tokens: taking one splits the prefill there (one
     # more forward), which a short prefix does not repay
     prefix_min_tokens: int = 512
-    # Disk tier (engine/cache/prefix_disk.py): every cached block and snapshot is also
+    # Disk tier (engine/prefix_cache/disk.py): every cached block and snapshot is also
     # written to this directory, which a restarted server reads; "" = memory only
     prefix_cache_dir: str = ""
     prefix_cache_disk_gib: float = 16.0  # the directory's bound; least recently used go first
     # A constraint (JSON schema, forced tool calls) whose grammar takes longer than this
-    # to compile is refused with a 400 (engine/grammar.py)
+    # to compile is refused with a 400 (engine/structured/grammar.py)
     grammar_timeout_s: float = 5.0
     # Tensor parallel, when started on several processes by mlx.launch (README "Several
     # GPUs or Macs"): the mx.distributed backend to join; any = the one launched
@@ -134,7 +134,7 @@ class EngineConfig:
 
     def for_device(self, gpu: bool, measured: int = 0) -> EngineConfig:
         """This config with the token budget and chunk size that were left at 0 filled in
-        for the device: `measured` (engine/chunk_cost.py's budget_tokens, from what a
+        for the device: `measured` (engine/scheduling/chunk_cost.py's budget_tokens, from what a
         chunk costs on this device), else GPU_TOKENS or CPU_TOKENS. A GPU's chunk costs
         mostly a fixed part, so the CPU's 512 would cut a GPU's prompts into pieces that
         each pay it."""

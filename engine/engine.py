@@ -23,23 +23,23 @@ from deltaserve.engine.cache.factory import (
     kv_prefix_tokens,
     kv_store_factory,
 )
-from deltaserve.engine.cache.prefix_disk import PrefixDisk, checkpoint_identity
-from deltaserve.engine.cache.prefix_index import PrefixIndex
 from deltaserve.engine.cache.rows import RowStates, decode_bucket
-from deltaserve.engine.chunk_cost import measure_chunk_cost
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.constraints import RowConstraints, RowKey
 from deltaserve.engine.decode import CompiledDecode
-from deltaserve.engine.grammar import GrammarCompiler, grammar_compiler
-from deltaserve.engine.media import prepare_media
+from deltaserve.engine.parallel.step_leader import StepLeader
 from deltaserve.engine.plan import SchedulerOutput
+from deltaserve.engine.prefix_cache.disk import PrefixDisk, checkpoint_identity
+from deltaserve.engine.prefix_cache.index import PrefixIndex
 from deltaserve.engine.request import Request
 from deltaserve.engine.runner import ModelRunner
-from deltaserve.engine.sampler import SampledBatch, Sampler, SamplingRow
-from deltaserve.engine.scheduler import Scheduler
-from deltaserve.engine.step_leader import StepLeader
+from deltaserve.engine.sampling.sampler import SampledBatch, Sampler, SamplingRow
+from deltaserve.engine.scheduling.chunk_cost import measure_chunk_cost
+from deltaserve.engine.scheduling.scheduler import Scheduler
+from deltaserve.engine.structured.grammar import GrammarCompiler, grammar_compiler
+from deltaserve.engine.structured.matchers import RowConstraints, RowKey
 from deltaserve.engine.types import GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
-from deltaserve.engine.vision_inputs import VisionInputs
+from deltaserve.engine.vision.features import VisionInputs
+from deltaserve.engine.vision.media import prepare_media
 from deltaserve.kernels.platform import Platform, resolve_platform, start_platform
 from deltaserve.models.build import LoadedModel
 
@@ -92,7 +92,7 @@ class LLMEngine:
         leader: StepLeader | None = None,
     ) -> None:
         """`clock` times the steps (the scheduler's cost model learns from it). `leader`:
-        this is rank 0 of a tensor-parallel group (engine/tensor_parallel.py); each step's
+        this is rank 0 of a tensor-parallel group (engine/parallel/tensor_parallel.py); each step's
         plan goes to the other ranks first, and steps are not pipelined."""
         self.loaded = loaded
         self.leader = leader
@@ -101,7 +101,7 @@ class LLMEngine:
         self.platform = _platform(config, loaded, leader)
         start_platform(self.platform)
         gpu = not self.platform.is_cpu
-        # On a GPU, what a prompt chunk costs (engine/chunk_cost.py); not with tensor
+        # On a GPU, what a prompt chunk costs (engine/scheduling/chunk_cost.py); not with tensor
         # parallelism, where a forward needs every rank
         self.chunk_cost = None
         if gpu and leader is None and loaded.parallel is None:
@@ -240,8 +240,8 @@ class LLMEngine:
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The process's grammar compiler for this model, registered for the server
-        (deltaserve.engine.grammar.find_compiler), which compiles off this thread; a compile past
-        config.grammar_timeout_s is refused."""
+        (deltaserve.engine.structured.grammar.find_compiler), which compiles off this
+        thread; a compile past config.grammar_timeout_s is refused."""
         cfg = self.loaded.config
         eos = tuple(cfg.eos_token_ids)
         timeout = self.config.grammar_timeout_s

@@ -1,7 +1,7 @@
 """The engine's error for a request it can never run.
 
 Its own module so that engine/types.py (SamplingParams holds a Constraint) and
-engine/constraint.py (which raises it) both import it without importing each other.
+engine/structured/spec.py (which raises it) both import it without importing each other.
 """
 
 from __future__ import annotations

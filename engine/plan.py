@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deltaserve.engine.cache.prefix_index import CacheDrop, CacheLoad, CacheSave
+from deltaserve.engine.prefix_cache.index import CacheDrop, CacheLoad, CacheSave
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from deltaserve.engine.media import PromptMedia, VisionProgress
 from deltaserve.engine.types import (
     GenerationRequest,
     InvalidRequestError,
@@ -14,6 +13,7 @@ from deltaserve.engine.types import (
     SamplingParams,
     TokenLogprob,
 )
+from deltaserve.engine.vision.media import PromptMedia, VisionProgress
 
 
 class Status(Enum):

@@ -10,7 +10,7 @@ from deltaserve.engine.cache.rows import RowStates
 from deltaserve.engine.decode import CompiledDecode
 from deltaserve.engine.plan import PrefillChunk, SchedulerOutput
 from deltaserve.engine.request import Request
-from deltaserve.engine.vision_inputs import VisionInputs
+from deltaserve.engine.vision.features import VisionInputs
 from deltaserve.models.qwen35 import Qwen35Model
 from deltaserve.models.state import ForwardGroup, text_positions
 

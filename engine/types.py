@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from deltaserve.engine.constraint import Constraint
 from deltaserve.engine.errors import InvalidRequestError  # the server imports it from here
+from deltaserve.engine.structured.spec import Constraint
 
 MAX_TOP_LOGPROBS = 20
 
@@ -40,7 +40,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
-    constraint: Constraint | None = None  # output grammar (engine/constraint.py)
+    constraint: Constraint | None = None  # output grammar (engine/structured/spec.py)
     # Thinking budget (Request.forced_token): once this many tokens were generated inside
     # thinking (the prompt opened `<think>`) without `</think>`, the row is made to write
     # thinking_close_ids ("\n</think>\n\n", the server's tokenizer) and then answers.

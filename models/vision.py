@@ -1,4 +1,4 @@
-"""Qwen3.5 vision tower (HF `model.visual`) in MLX (engine/vision_inputs.py splices its
+"""Qwen3.5 vision tower (HF `model.visual`) in MLX (engine/vision/features.py splices its
 features into the prompt).
 
 patches [N, C*T*P*P] in the image processor's order (per image: frames, then 2x2 merge

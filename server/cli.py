@@ -44,7 +44,7 @@ from deltaserve.server.startup import (
 
 if TYPE_CHECKING:  # imported in serve(): mlx loads only after the checks above
     from deltaserve.engine.async_engine import AsyncEngine
-    from deltaserve.engine.tensor_parallel import TensorParallel
+    from deltaserve.engine.parallel.tensor_parallel import TensorParallel
 
 GRACEFUL_SHUTDOWN_S = 1
 logger = logging.getLogger("deltaserve")
@@ -141,9 +141,9 @@ def serve(settings: Settings, checkpoint: Path) -> int:
     """Load the model, start the engine thread and serve until a shutdown signal.
 
     Started by `mlx.launch` on several processes: tensor parallel. Rank 0 serves HTTP and
-    schedules; the other ranks follow its steps (engine/tensor_parallel.py) and exit
+    schedules; the other ranks follow its steps (engine/parallel/tensor_parallel.py) and exit
     when it stops. Returns the exit status (2: the ranks were started differently)."""
-    from deltaserve.engine.tensor_parallel import (
+    from deltaserve.engine.parallel.tensor_parallel import (
         SetupMismatchError,
         follow,
         join_group,

@@ -41,7 +41,7 @@ from deltaserve.server.sse import DONE, KEEPALIVE, openai_error_event, sse_data
 
 router = APIRouter()
 # Engine field names -> this endpoint's request fields, for 400 messages.
-# (engine/media.py still says "messages" for the prompt's image-pad tokens.)
+# (engine/vision/media.py still says "messages" for the prompt's image-pad tokens.)
 _FIELD_NAMES = {"prompt_ids": "prompt", "top_logprobs": "logprobs"}
 CompletionBody = Annotated[CompletionRequest, Depends(json_body(CompletionRequest))]
 

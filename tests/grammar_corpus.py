@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import regex
 
-from deltaserve.engine.constraint import Constraint
-from deltaserve.engine.constraints import RowConstraints
-from deltaserve.engine.grammar import GrammarCompiler, grammar_compiler
-from deltaserve.engine.token_mask import allowed_ids
+from deltaserve.engine.structured.grammar import GrammarCompiler, grammar_compiler
+from deltaserve.engine.structured.matchers import RowConstraints
+from deltaserve.engine.structured.spec import Constraint
+from deltaserve.engine.structured.token_mask import allowed_ids
 from deltaserve.engine.types import SamplingParams
 from deltaserve.models.testing import cached_checkpoint
 from deltaserve.models.testing.tokenizer import EOS_TOKEN_IDS

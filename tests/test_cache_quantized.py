@@ -10,7 +10,7 @@ import pytest
 
 from deltaserve.engine.cache.factory import AnyKV, kv_bytes_per_element_pair, kv_store_factory
 from deltaserve.engine.cache.kv import FullPrecisionKV
-from deltaserve.engine.cache.prefix import PrefixKV
+from deltaserve.engine.cache.start_precision import PrefixKV
 from deltaserve.engine.config import KVCacheConfig
 
 HKV, HQ, D = 2, 4, 64

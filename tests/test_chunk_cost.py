@@ -1,12 +1,12 @@
-"""engine/chunk_cost.py: the start-up measurement of what a prompt chunk costs (run by
+"""engine/scheduling/chunk_cost.py: the start-up measurement of what a prompt chunk costs (run by
 the engine on a GPU; here on the CPU's tiny checkpoint, for its contract)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from deltaserve.engine.chunk_cost import measure_chunk_cost
 from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.scheduling.chunk_cost import measure_chunk_cost
 from deltaserve.models.build import load_model
 from deltaserve.models.testing import cached_checkpoint
 

@@ -27,9 +27,9 @@ from grammar_corpus import (
 from tokenizers import Tokenizer
 
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.constraint import Constraint
 from deltaserve.engine.engine import Completion, LLMEngine
-from deltaserve.engine.token_mask import allowed_ids
+from deltaserve.engine.structured.spec import Constraint
+from deltaserve.engine.structured.token_mask import allowed_ids
 from deltaserve.engine.types import GenerationRequest, InvalidRequestError, SamplingParams
 from deltaserve.models.build import LoadedModel, load_model
 from deltaserve.models.chat_format import THINK_CLOSE_ID

@@ -207,7 +207,7 @@ def test_tower_passes_in_stages_equal_whole_passes(
     ]
     joins = {0: reqs[:1], 2: reqs[1:]}
     whole = _run(LLMEngine(loaded, SMALL), joins)
-    monkeypatch.setattr("deltaserve.engine.media.text_flops_per_token", lambda cfg: 1e-3)
+    monkeypatch.setattr("deltaserve.engine.vision.media.text_flops_per_token", lambda cfg: 1e-3)
     engine = LLMEngine(loaded, SMALL)
     works = []
     execute = engine.runner.execute

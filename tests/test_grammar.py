@@ -25,11 +25,11 @@ from grammar_corpus import (
     validate,
 )
 
-from deltaserve.engine.constraint import Constraint
-from deltaserve.engine.constraints import RowConstraints
-from deltaserve.engine.grammar import GrammarCompiler
-from deltaserve.engine.noise import gumbel_noise
-from deltaserve.engine.token_mask import allowed_ids, apply_token_mask
+from deltaserve.engine.sampling.noise import gumbel_noise
+from deltaserve.engine.structured.grammar import GrammarCompiler
+from deltaserve.engine.structured.matchers import RowConstraints
+from deltaserve.engine.structured.spec import Constraint
+from deltaserve.engine.structured.token_mask import allowed_ids, apply_token_mask
 from deltaserve.engine.types import InvalidRequestError, SamplingParams
 from deltaserve.models.chat_format import THINK_CLOSE_ID
 from deltaserve.models.testing import cached_checkpoint

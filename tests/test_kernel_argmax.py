@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from deltaserve.engine.sampler import Sampler, SamplingRow
+from deltaserve.engine.sampling.sampler import Sampler, SamplingRow
 from deltaserve.engine.types import SamplingParams
 from deltaserve.kernels.argmax import argmax_reference, argmax_rows
 

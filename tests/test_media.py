@@ -11,10 +11,10 @@ import numpy as np
 
 from deltaserve.engine.cache.budget import MemoryBudget, StateCosts
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.media import PromptMedia, VisionPrice, VisionProgress
 from deltaserve.engine.plan import VisionWork
-from deltaserve.engine.scheduler import Scheduler
+from deltaserve.engine.scheduling.scheduler import Scheduler
 from deltaserve.engine.types import GenerationRequest, ImageInput, SamplingParams
+from deltaserve.engine.vision.media import PromptMedia, VisionPrice, VisionProgress
 
 
 def _media(

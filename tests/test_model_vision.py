@@ -1,4 +1,4 @@
-"""The vision tower, 3-D positions and image splicing (the runner's, engine/vision_inputs.py)
+"""The vision tower, 3-D positions and image splicing (the runner's, engine/vision/features.py)
 against transformers' Qwen3.5.
 
 transformers reads the tiny HF checkpoint (tower: depth 1, width 32, 2 heads, 8x8
@@ -20,11 +20,11 @@ import pytest
 from parity_utils import encode, rel_error
 
 from deltaserve.engine.cache.batch import BatchState
-from deltaserve.engine.media import prepare_media
 from deltaserve.engine.plan import PrefillChunk, VisionWork
 from deltaserve.engine.request import Request, choices_of
 from deltaserve.engine.types import GenerationRequest, ImageInput, SamplingParams
-from deltaserve.engine.vision_inputs import VisionInputs
+from deltaserve.engine.vision.features import VisionInputs
+from deltaserve.engine.vision.media import prepare_media
 from deltaserve.models.build import LoadedModel, load_model
 from deltaserve.models.loader import load_checkpoint
 from deltaserve.models.rope_index import decode_positions, mrope_positions

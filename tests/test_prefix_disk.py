@@ -14,10 +14,10 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from deltaserve.engine.cache.prefix_disk import INDEX, PrefixDisk, decode, encode
-from deltaserve.engine.cache.prefix_store import _from_host, _to_host
 from deltaserve.engine.config import EngineConfig, KVCacheConfig
 from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.prefix_cache.disk import INDEX, PrefixDisk, decode, encode
+from deltaserve.engine.prefix_cache.store import _from_host, _to_host
 from deltaserve.engine.types import GenerationRequest, SamplingParams
 from deltaserve.models.build import LoadedModel, load_model
 from deltaserve.models.testing import cached_checkpoint

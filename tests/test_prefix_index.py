@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from deltaserve.engine.cache.budget import MemoryBudget, StateCosts
-from deltaserve.engine.cache.prefix_index import PrefixIndex
+from deltaserve.engine.prefix_cache.index import PrefixIndex
 
 BLOCK, TOKEN, SNAP = 4, 3, 100
 KV = BLOCK * TOKEN

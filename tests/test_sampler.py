@@ -10,8 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from deltaserve.engine.noise import gumbel_noise, row_key, splitmix64
-from deltaserve.engine.sampler import Sampler, SamplingRow
+from deltaserve.engine.sampling.noise import gumbel_noise, row_key, splitmix64
+from deltaserve.engine.sampling.sampler import Sampler, SamplingRow
 from deltaserve.engine.types import SamplingParams
 
 

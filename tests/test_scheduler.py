@@ -8,7 +8,7 @@ from deltaserve.engine.api import QueueFullError
 from deltaserve.engine.cache.budget import MemoryBudget, StateCosts, default_budget_bytes
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.plan import SchedulerOutput
-from deltaserve.engine.scheduler import Scheduler
+from deltaserve.engine.scheduling.scheduler import Scheduler
 from deltaserve.engine.types import GenerationRequest, InvalidRequestError, SamplingParams
 
 EOS = frozenset({0})

@@ -11,11 +11,11 @@ import pytest
 from deltaserve.engine.cache.budget import MemoryBudget, StateCosts
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import LLMEngine
-from deltaserve.engine.media import PromptMedia
 from deltaserve.engine.plan import SchedulerOutput
-from deltaserve.engine.scheduler import MIN_PREFILL_TOKENS, Scheduler
-from deltaserve.engine.step_cost import HEADROOM, MAX_AGE, ChunkCost
+from deltaserve.engine.scheduling.scheduler import MIN_PREFILL_TOKENS, Scheduler
+from deltaserve.engine.scheduling.step_cost import HEADROOM, MAX_AGE, ChunkCost
 from deltaserve.engine.types import GenerationRequest, ImageInput, SamplingParams
+from deltaserve.engine.vision.media import PromptMedia
 from deltaserve.models.build import load_model
 from deltaserve.models.testing import cached_checkpoint
 
@@ -400,7 +400,7 @@ def test_a_measured_fixed_chunk_cost_past_the_bound_takes_the_budget(
     s = Scheduler(cfg, MemoryBudget(10**9, StateCosts(10, 100)), 20000, cost, None, measured)
     _decoding(s, cost)
     s.add(_req("long", 3000), EOS)
-    with caplog.at_level("INFO", logger="deltaserve.engine.scheduler"):
+    with caplog.at_level("INFO", logger="deltaserve.engine.scheduling.scheduler"):
         outs = _prefill_until_done(s, cost, "long/0")
     assert [out.num_tokens - len(out.decode_row_ids) for out in outs[:5]] == [BUDGET - 4] * 5
     assert all(len(out.decode_row_ids) == 4 for out in outs)

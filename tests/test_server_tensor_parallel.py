@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from deltaserve.engine.engine import LLMEngine
-from deltaserve.engine.tensor_parallel import EXIT_LOST
+from deltaserve.engine.parallel.tensor_parallel import EXIT_LOST
 from deltaserve.engine.types import SamplingParams
 from deltaserve.models.build import load_model
 from deltaserve.models.testing import cached_checkpoint

@@ -1,11 +1,17 @@
-"""StepCostModel and StepTimer (engine/step_cost.py) on synthetic step samples: the
+"""StepCostModel and StepTimer (engine/scheduling/step_cost.py) on synthetic step samples: the
 decode line, token and tower prices, outliers, ageing, and which step times settle."""
 
 from __future__ import annotations
 
 import pytest
 
-from deltaserve.engine.step_cost import MAX_AGE, UNBOUNDED, ChunkCost, StepCostModel, StepTimer
+from deltaserve.engine.scheduling.step_cost import (
+    MAX_AGE,
+    UNBOUNDED,
+    ChunkCost,
+    StepCostModel,
+    StepTimer,
+)
 
 
 def test_step_timer_drops_the_first_pipelined_steps_after_lockstep() -> None:

@@ -1,4 +1,4 @@
-"""Tensor parallel (models/parallel.py, engine/tensor_parallel.py).
+"""Tensor parallel (models/parallel.py, engine/parallel/tensor_parallel.py).
 
 The proof: two processes under `mlx.launch` (ring backend, loopback, CPU) give greedy
 outputs token-exact with one process, for a dense, a tied, an MoE and a quantized
@@ -19,8 +19,8 @@ import mlx.core as mx
 import pytest
 
 import tests.tp_scenarios as scenarios
+from deltaserve.engine.parallel.tensor_parallel import Leader, RowInputs, StepPlan, Watchdog
 from deltaserve.engine.plan import PrefillChunk, SchedulerOutput
-from deltaserve.engine.tensor_parallel import Leader, RowInputs, StepPlan, Watchdog
 from deltaserve.models.config import TextConfig
 from deltaserve.models.loader import load_checkpoint, scales_name
 from deltaserve.models.parallel import ShardError, shard_config, shard_tensor, shard_weights

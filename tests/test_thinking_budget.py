@@ -12,9 +12,9 @@ import dataclasses
 import pytest
 
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.constraint import Constraint
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.request import Request
+from deltaserve.engine.structured.spec import Constraint
 from deltaserve.engine.types import GenerationRequest, InvalidRequestError, SamplingParams
 from deltaserve.models.build import LoadedModel, load_model
 from deltaserve.models.chat_format import THINK_CLOSE_ID

@@ -18,9 +18,9 @@ from grammar_corpus import (
     validate,
 )
 
-from deltaserve.engine.constraint import Constraint, ToolSpec
-from deltaserve.engine.grammar import GrammarCompiler
-from deltaserve.engine.tool_grammar import is_text
+from deltaserve.engine.structured.grammar import GrammarCompiler
+from deltaserve.engine.structured.spec import Constraint, ToolSpec
+from deltaserve.engine.structured.tool_grammar import is_text
 from deltaserve.engine.types import InvalidRequestError
 from deltaserve.models.chat_format import TOOL_CALL_OPEN_ID
 from deltaserve.server.frontend.tool_schema import ToolSchemas

@@ -19,7 +19,7 @@ import numpy as np
 
 from deltaserve.engine.config import EngineConfig, KVCacheConfig
 from deltaserve.engine.engine import LLMEngine
-from deltaserve.engine.tensor_parallel import follow, join_group, start_engine
+from deltaserve.engine.parallel.tensor_parallel import follow, join_group, start_engine
 from deltaserve.engine.types import GenerationRequest, SamplingParams
 from deltaserve.models.parallel import TensorParallel
 from deltaserve.models.testing import cached_checkpoint

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from deltaserve.engine.cache.kv import FullPrecisionKV, KVStore
-from deltaserve.engine.cache.prefix import PrefixKV
 from deltaserve.engine.cache.ssm import SSMState
+from deltaserve.engine.cache.start_precision import PrefixKV
 from deltaserve.models.config import TextConfig
 
 LayerStore = KVStore | PrefixKV | SSMState

@@ -6,8 +6,8 @@ from collections.abc import Callable
 from functools import partial
 
 from deltaserve.engine.cache.kv import FullPrecisionKV, KVStore
-from deltaserve.engine.cache.prefix import PrefixKV
 from deltaserve.engine.cache.quantized import AffineKV, TurboQuantKV
+from deltaserve.engine.cache.start_precision import PrefixKV
 from deltaserve.engine.config import KVCacheConfig
 from deltaserve.kernels.turboquant import NORM_DTYPE
 

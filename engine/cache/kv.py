@@ -129,7 +129,7 @@ class KVStore:
         arrays = [a[:, :, : self.size] for a in self.arrays]
         return arrays, self._mask(length)
 
-    # -- split attention: one softmax over several stores (see engine/cache/prefix.py) ----
+    # -- split attention: one softmax over several stores (see engine/cache/start_precision.py) ----
     def scores(self, queries: mx.array, arrays: list[mx.array], scale: float) -> mx.array:
         """Unmasked float32 scores [B, Hkv, rep * L, S] of queries [B, Hq, L, D]."""
         raise NotImplementedError
@@ -196,7 +196,7 @@ class KVStore:
 
     def load(self, parts: list[list[mx.array]]) -> None:
         """Become a B=1 store whose array i is parts[i] joined in time (encoded arrays
-        [1, Hkv, T_j, X], unpadded): a prefix-cache hit (engine/cache/prefix_store.py).
+        [1, Hkv, T_j, X], unpadded): a prefix-cache hit (engine/prefix_cache/store.py).
         The blocks and the free columns go into one buffer in one copy."""
         self.arrays = [_with_headroom(ps) for ps in parts]
         self.left_pad = [0]

@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 
 from deltaserve.engine.cache.batch import BatchState
-from deltaserve.engine.cache.prefix_disk import PrefixDisk
-from deltaserve.engine.cache.prefix_index import CacheDrop, CacheLoad, CacheSave
-from deltaserve.engine.cache.prefix_store import PrefixStore
 from deltaserve.engine.cache.ssm import SSMState
+from deltaserve.engine.prefix_cache.disk import PrefixDisk
+from deltaserve.engine.prefix_cache.index import CacheDrop, CacheLoad, CacheSave
+from deltaserve.engine.prefix_cache.store import PrefixStore
 
 
 class RowStates:
@@ -32,7 +32,7 @@ class RowStates:
     ) -> None:
         """bucket: when given, the decode batch is held at bucket(live rows) rows, the
         rest dead (see decode_bucket): a compiled step then sees few distinct shapes.
-        prefix_cache: hold the prefix cache's arrays (engine/cache/prefix_store.py), with
+        prefix_cache: hold the prefix cache's arrays (engine/prefix_cache/store.py), with
         `prefix_disk` as their disk tier (None: memory only)."""
         self._new_state = new_state
         self._bucket = bucket
@@ -62,7 +62,7 @@ class RowStates:
         for i, row_id in enumerate(row_ids):
             self.prefill[row_id] = cohort.extract(i)
 
-    # -- prefix cache (engine/cache/prefix_store.py) ------------------------------------
+    # -- prefix cache (engine/prefix_cache/store.py) ------------------------------------
     def restore_prefix(self, row_id: str, chain: tuple[int, ...]) -> None:
         """Start `row_id`'s prefill state from cached prefix nodes."""
         assert self.prefix is not None and row_id not in self.prefill, "restore a new row"

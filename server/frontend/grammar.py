@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from deltaserve.engine.constraint import Constraint, ToolSpec
-from deltaserve.engine.grammar import find_compiler
+from deltaserve.engine.structured.grammar import find_compiler
+from deltaserve.engine.structured.spec import Constraint, ToolSpec
 from deltaserve.engine.types import InvalidRequestError
 from deltaserve.models.chat_format import THINK_CLOSE
 

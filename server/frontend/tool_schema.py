@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from deltaserve.engine.tool_grammar import declared_types
+from deltaserve.engine.structured.tool_grammar import declared_types
 
 
 class ToolSchemas:

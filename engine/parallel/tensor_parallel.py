@@ -42,8 +42,8 @@ import numpy as np
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import LLMEngine
-from deltaserve.engine.media import PromptMedia
 from deltaserve.engine.plan import SchedulerOutput
+from deltaserve.engine.vision.media import PromptMedia
 from deltaserve.models.build import load_model
 from deltaserve.models.hub import resolve_checkpoint
 from deltaserve.models.parallel import TensorParallel
@@ -200,7 +200,7 @@ def check_same_setup(parallel: TensorParallel, parts: Sequence[bytes]) -> None:
 
 
 class Leader:
-    """Rank 0's side (the engine's StepLeader, engine/step_leader.py): sends each step's
+    """Rank 0's side (the engine's StepLeader, engine/parallel/step_leader.py): sends each step's
     plan before the step runs (LLMEngine.step), a heartbeat while idle, and stop at
     shutdown; a failed step ends the group (`fail`)."""
 

@@ -1,7 +1,7 @@
 """Allowed-token masks as packed bitmasks, and applying one to a batch of logits.
 
 The layout is llguidance's (and xgrammar's): [N, ceil(V / 32)] int32 words per batch,
-token t allowed when bit t % 32 of word t // 32 is set. engine/constraints.py fills it
+token t allowed when bit t % 32 of word t // 32 is set. engine/structured/matchers.py fills it
 per constrained row; the sampler applies it to all rows' logits in one fused operation.
 """
 

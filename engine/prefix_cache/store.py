@@ -1,4 +1,4 @@
-"""The prefix cache's arrays, under the node ids of engine/cache/prefix_index.py.
+"""The prefix cache's arrays, under the node ids of engine/prefix_cache/index.py.
 
 Per node: its block's KV in every full-attention layer, in the store's encoded form
 (fp, affine or TurboQuant arrays, each [1, Hkv, block, X]: a hit never re-encodes), and,
@@ -12,7 +12,7 @@ arrays themselves (arrays are values: the row's next chunk makes new ones and th
 snapshot stays as it was). Saving copies (fresh_copy): a slice would pin the whole batch
 it came from.
 
-With a disk tier (engine/cache/prefix_disk.py), each save's new arrays are copied to host
+With a disk tier (engine/prefix_cache/disk.py), each save's new arrays are copied to host
 one flush after they were queued (write_back: computed by then, so the engine thread
 rarely waits) and handed to the disk's writer thread; nodes loaded back from disk come in
 through load(), before the step's restores.
@@ -27,9 +27,9 @@ import numpy as np
 
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.kv import KVStore, fresh_copy
-from deltaserve.engine.cache.prefix_disk import DiskNode, PrefixDisk
-from deltaserve.engine.cache.prefix_index import CacheDrop, CacheLoad, CacheSave
 from deltaserve.engine.cache.ssm import SSMState
+from deltaserve.engine.prefix_cache.disk import DiskNode, PrefixDisk
+from deltaserve.engine.prefix_cache.index import CacheDrop, CacheLoad, CacheSave
 
 
 class PrefixStore:

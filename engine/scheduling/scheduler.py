@@ -20,19 +20,19 @@ from collections.abc import Callable
 
 from deltaserve.engine.api import QueueFullError
 from deltaserve.engine.cache.budget import MemoryBudget
-from deltaserve.engine.cache.prefix_index import CacheSave, PrefixIndex
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.media import PromptMedia, VisionPrice
 from deltaserve.engine.plan import SchedulerOutput
-from deltaserve.engine.prefill_plan import MIN_PREFILL_TOKENS, PrefillPlanning
+from deltaserve.engine.prefix_cache.index import CacheSave, PrefixIndex
 from deltaserve.engine.request import Request, Status, choices_of
-from deltaserve.engine.step_cost import UNBOUNDED, ChunkCost, StepCostModel, StepTimer
+from deltaserve.engine.scheduling.prefill_policy import MIN_PREFILL_TOKENS, PrefillPlanning
+from deltaserve.engine.scheduling.step_cost import UNBOUNDED, ChunkCost, StepCostModel, StepTimer
 from deltaserve.engine.types import (
     GenerationRequest,
     InvalidRequestError,
     RequestOutput,
     TokenLogprob,
 )
+from deltaserve.engine.vision.media import PromptMedia, VisionPrice
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ __all__ = ["MIN_PREFILL_TOKENS", "Scheduler"]
 
 class Scheduler(PrefillPlanning):
     """FIFO admission bounded by rows and memory; phase-free chunked prefill (admission
-    and chunking: engine/prefill_plan.py)."""
+    and chunking: engine/scheduling/prefill_policy.py)."""
 
     def __init__(
         self,

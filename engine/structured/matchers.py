@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import llguidance as llg
 import numpy as np
 
-from deltaserve.engine.constraint import Constraint
-from deltaserve.engine.grammar import CompiledGrammar, GrammarCompiler
+from deltaserve.engine.structured.grammar import CompiledGrammar, GrammarCompiler
+from deltaserve.engine.structured.spec import Constraint
 from deltaserve.engine.types import SamplingParams
 
 log = logging.getLogger(__name__)

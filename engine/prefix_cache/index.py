@@ -1,6 +1,6 @@
 """The prefix cache's index: which prompt prefixes have cached row state, and what it costs.
 
-Pure Python (the scheduler owns it; the arrays live in engine/cache/prefix_store.py under
+Pure Python (the scheduler owns it; the arrays live in engine/prefix_cache/store.py under
 the same node ids). A trie of fixed-size token blocks: a node is one block of `block`
 tokens after its parent's, so the path from the root spells a prompt prefix, and looking a
 child up by its token tuple hashes the block (the chain of tuples is the hash chain).
@@ -26,7 +26,7 @@ Memory: every byte is reserved in the engine's MemoryBudget (rows and cache shar
 capped at `max_bytes`. Least recently used snapshots go first when the cache is full or
 when a row must be admitted; a node's KV goes when nothing below it needs it.
 
-Disk tier (engine/cache/prefix_disk.py, when configured): each node has a key, the hash
+Disk tier (engine/prefix_cache/disk.py, when configured): each node has a key, the hash
 chain of its tokens; every save is written through to disk, and a prompt whose memory hit
 is shorter than a snapshot chain on disk loads that chain's missing nodes back (CacheLoad):
 they enter the trie and the budget exactly as a save's nodes do, then resume as a hit.
@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from deltaserve.engine.cache.budget import MemoryBudget
-from deltaserve.engine.cache.prefix_disk import DiskNode, PrefixDisk, node_key
+from deltaserve.engine.prefix_cache.disk import DiskNode, PrefixDisk, node_key
 
 
 @dataclass(eq=False)

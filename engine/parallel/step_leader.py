@@ -1,6 +1,6 @@
 """What LLMEngine needs of rank 0's side of a tensor-parallel group.
 
-engine/tensor_parallel.py's `Leader` has this shape, and that module builds engines; the
+engine/parallel/tensor_parallel.py's `Leader` has this shape, and that module builds engines; the
 engine knows the leader only through this Protocol, so the import goes one way
 (tensor_parallel -> engine).
 """

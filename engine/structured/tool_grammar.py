@@ -18,8 +18,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from deltaserve.engine.constraint import PARAM, ToolSpec
 from deltaserve.engine.errors import InvalidRequestError
+from deltaserve.engine.structured.spec import PARAM, ToolSpec
 from deltaserve.models.chat_format import (
     FUNCTION_CLOSE,
     FUNCTION_OPEN,

@@ -5,7 +5,7 @@ On a GPU a prompt chunk's forward costs mostly its kernel launches, whatever its
 256), so a scheduler that pays that fixed cost for a handful of tokens at a time wastes
 the device. Two forwards of a scratch row (64 and 1,024 tokens, each after a warm-up
 that also compiles their shapes) give the line t(P) = fixed + token * P
-(engine/step_cost.py's ChunkCost). The engine sizes its default token budget from it
+(engine/scheduling/step_cost.py's ChunkCost). The engine sizes its default token budget from it
 (`ChunkCost.budget_tokens`), and the step-cost model uses it where no chunk can meet the
 stall bound (StepCostModel.prefill_allowance). The CPU is not measured: there a chunk
 costs its arithmetic, and the online model prices it.
@@ -18,7 +18,7 @@ import time
 import mlx.core as mx
 
 from deltaserve.engine.cache.batch import BatchState
-from deltaserve.engine.step_cost import ChunkCost
+from deltaserve.engine.scheduling.step_cost import ChunkCost
 from deltaserve.models.build import LoadedModel
 from deltaserve.models.state import ForwardGroup, text_positions
 

@@ -1,7 +1,7 @@
 """What a request's output must match: a constraint spec, checked for shape once here.
 
-Plain data (no grammar engine here): engine/grammar.py compiles a Constraint into a
-grammar, engine/constraints.py runs one matcher per constrained row. Written by the
+Plain data (no grammar engine here): engine/structured/grammar.py compiles a Constraint into a
+grammar, engine/structured/matchers.py runs one matcher per constrained row. Written by the
 server (server/frontend/grammar.py builds it from `response_format` / `tool_choice`).
 """
 

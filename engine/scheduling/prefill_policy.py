@@ -1,5 +1,5 @@
 """The prefill half of the scheduler's policy: admission, who prefills how much, and
-where a chunk ends. Pure Python, as the scheduler (engine/scheduler.py) it is part of.
+where a chunk ends. Pure Python, as the scheduler (engine/scheduling/scheduler.py) it is part of.
 
 Two plans. The usual one (`_plan_prefill`) hands a step's prefill allowance to the
 prompts, oldest first, next to the decode rows. The other (`_plan_jump`) runs prompts that
@@ -19,12 +19,12 @@ from collections import deque
 from dataclasses import replace
 
 from deltaserve.engine.cache.budget import MemoryBudget
-from deltaserve.engine.cache.prefix_index import CacheSave, PrefixIndex
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.media import VisionPrice, VisionProgress
 from deltaserve.engine.plan import PrefillChunk, VisionWork
+from deltaserve.engine.prefix_cache.index import CacheSave, PrefixIndex
 from deltaserve.engine.request import Request, Status
-from deltaserve.engine.step_cost import MIN_CHUNK, StepCostModel
+from deltaserve.engine.scheduling.step_cost import MIN_CHUNK, StepCostModel
+from deltaserve.engine.vision.media import VisionPrice, VisionProgress
 
 # Smallest prefill a step with decode rows gets (so prefill always progresses), and the
 # smallest slice the prefill allowance is split into (so it is not spread over tiny groups).

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from deltaserve.engine.noise import gumbel_noise, row_key
-from deltaserve.engine.token_mask import apply_token_mask
+from deltaserve.engine.sampling.noise import gumbel_noise, row_key
+from deltaserve.engine.structured.token_mask import apply_token_mask
 from deltaserve.engine.types import SamplingParams, TokenLogprob
 from deltaserve.kernels.argmax import argmax_rows
 
@@ -213,7 +213,7 @@ class Sampler:
         self, logits: mx.array, rows: Sequence[SamplingRow], allowed: np.ndarray | None = None
     ) -> SampledBatch:
         """Draw one token per row; logits [N, V] (any float dtype), one row per SamplingRow;
-        `allowed`: the tokens each row may draw, packed (engine/token_mask.py)."""
+        `allowed`: the tokens each row may draw, packed (engine/structured/token_mask.py)."""
         if not rows:  # argmax cannot reduce an empty batch
             return SampledBatch(mx.zeros((0,), dtype=mx.int32))
         plan = self._plan(rows, logits.shape[1])

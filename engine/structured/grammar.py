@@ -38,9 +38,9 @@ from pathlib import Path
 
 import llguidance as llg
 
-from deltaserve.engine.constraint import PARAM, Constraint
 from deltaserve.engine.errors import InvalidRequestError
-from deltaserve.engine.tool_grammar import tool_call_lark
+from deltaserve.engine.structured.spec import PARAM, Constraint
+from deltaserve.engine.structured.tool_grammar import tool_call_lark
 from deltaserve.models.chat_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 log = logging.getLogger(__name__)

@@ -68,7 +68,7 @@ and tower steps together, tokens and token equivalents counted alike, and v = c.
 
 Prefill-only steps that sample a first token give `alone_seconds(P)` = a0 + c0 * P (as
 the decode line, over P; in proportion while flat and past the largest P seen): what a
-step of prompts run ahead of the decode rows costs (engine/prefill_plan.py). Only steps
+step of prompts run ahead of the decode rows costs (engine/scheduling/prefill_policy.py). Only steps
 that sample count (they pay the LM head, a chunk that samples nothing does not); they do
 not age; with none, nothing runs ahead.
 """
@@ -87,7 +87,7 @@ MAX_AGE = 30.0  # seconds: older prompt-token and tower samples are forgotten
 GROWTH = 2  # the allowance is at most this x the largest prefill sample in the window
 PROBE_TOKENS = 16  # prompt tokens (in the window) before they get a cost of their own
 UNBOUNDED = 1 << 30  # an allowance the token budget alone limits
-# Smallest prompt chunk a step with decode rows runs (engine/prefill_plan.py's
+# Smallest prompt chunk a step with decode rows runs (engine/scheduling/prefill_policy.py's
 # MIN_PREFILL_TOKENS); an allowance below it means the bound cannot be met as priced.
 MIN_CHUNK = 16
 ROWS_NEAR = 0.25  # a decode-only sample within this share of D rows (at least 1) knows D
@@ -106,7 +106,7 @@ MIN_BUDGET, MAX_BUDGET, ROUND = 512, 8192, 256
 @dataclass(frozen=True)
 class ChunkCost:
     """A prompt chunk's forward: `fixed_seconds` + `token_seconds` x its tokens, as
-    measured when the engine started (engine/chunk_cost.py; None on the CPU)."""
+    measured when the engine started (engine/scheduling/chunk_cost.py; None on the CPU)."""
 
     fixed_seconds: float
     token_seconds: float
@@ -135,8 +135,9 @@ class StepCostModel:
     """Online fit of step time = a + b * decode_rows + c * prefill_tokens + v * vision."""
 
     def __init__(self, chunk_cost: ChunkCost | None = None) -> None:
-        """chunk_cost: a prompt chunk's forward as measured at start (engine/chunk_cost.py);
-        where it alone breaks the bound, steps take all the prefill they are allowed."""
+        """chunk_cost: a prompt chunk's forward as measured at start
+        (engine/scheduling/chunk_cost.py); where it alone breaks the bound, steps take all
+        the prefill they are allowed."""
         self.chunk_cost = chunk_cost
         self._decode: deque[StepSample] = deque(maxlen=WINDOW)
         self._prefill: deque[StepSample] = deque(maxlen=WINDOW)  # prompt tokens only

@@ -1,5 +1,5 @@
 """Counter-based randomness for the sampler: a row's Gumbel noise is a hash of (row key,
-vocab id), so a seeded row's draws depend on nothing else in the batch (engine/sampler.py).
+vocab id), so a seeded row's draws depend on nothing else in the batch (engine/sampling/sampler.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Tensor-parallel serving: rank 0 plans each step, every rank runs it on its slice."""

@@ -1,0 +1,1 @@
+"""Next-token sampling for a batch of rows with different parameters."""

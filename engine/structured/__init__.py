@@ -1,0 +1,1 @@
+"""Structured output: constraint specs, grammar matchers and the token masks they yield."""
