@@ -65,6 +65,14 @@ class EngineConfig:
     # Decode step as one mx.compile'd call (engine/decode.py); unset: on for Metal/CUDA
     # (launch-bound), off on CPU (no measured win: tiny B=16 206 vs 201 tok/s)
     compile_decode: bool | None = None
+    # Fresh text prompts' first chunk as one mx.compile'd forward per bucketed shape
+    # (engine/compiled_prefill.py); unset: on for Metal/CUDA, where an eager prompt forward
+    # costs its op count whatever its length; off on CPU, where it costs its arithmetic
+    compile_prompt: bool | None = None
+    # Seconds the engine may spend at start tracing the compiled paths' common shapes
+    # (engine/warmup.py), so the first busy minute does not; unset: 60 on Metal/CUDA, 0 on
+    # CPU (nothing compiled there by default)
+    warm_up_seconds: float | None = None
     # Prefill chunks of several prompts as one left-padded group; unset: on for Metal/CUDA
     # (op-bound there), off on CPU (padding costs FLOPs there)
     batch_prefill: bool | None = None

@@ -24,6 +24,7 @@ from deltaserve.engine.cache.factory import (
     kv_store_factory,
 )
 from deltaserve.engine.cache.rows import RowStates, decode_bucket
+from deltaserve.engine.compiled_prefill import CompiledPrefill
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.decode import CompiledDecode
 from deltaserve.engine.parallel.step_leader import StepLeader
@@ -40,11 +41,13 @@ from deltaserve.engine.structured.matchers import RowConstraints, RowKey
 from deltaserve.engine.types import GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
 from deltaserve.engine.vision.features import VisionInputs
 from deltaserve.engine.vision.media import prepare_media
+from deltaserve.engine.warmup import warm_up
 from deltaserve.kernels.platform import Platform, resolve_platform, start_platform
 from deltaserve.models.build import LoadedModel
 
 log = logging.getLogger(__name__)
 TYPICAL_CHAT_TOKENS = 4096  # prompt + answer of a typical chat turn (the start-up summary)
+WARM_UP_GPU_SECONDS = 60.0  # EngineConfig.warm_up_seconds unset on Metal/CUDA (engine/warmup.py)
 
 
 @dataclass
@@ -103,9 +106,12 @@ class LLMEngine:
         gpu = not self.platform.is_cpu
         # On a GPU, what a prompt chunk costs (engine/scheduling/chunk_cost.py); not with tensor
         # parallelism, where a forward needs every rank
+        self.compiled_prompts = (
+            CompiledPrefill(loaded.model) if self.platform.compile_prompt else None
+        )
         self.chunk_cost = None
         if gpu and leader is None and loaded.parallel is None:
-            self.chunk_cost = measure_chunk_cost(loaded)
+            self.chunk_cost = measure_chunk_cost(loaded, self.compiled_prompts)
         measured = self.chunk_cost.budget_tokens() if self.chunk_cost is not None else 0
         self.config = config.for_device(gpu, measured)
         self.pipeline = self.platform.pipeline_steps
@@ -136,7 +142,15 @@ class LLMEngine:
         self.states = RowStates(lambda: BatchState.empty(cfg, kv_factory), bucket, cached, disk)
         batch_prefill = self.platform.batch_prefill
         vision = VisionInputs(loaded.model, loaded.vision, loaded.dtype)
-        self.runner = ModelRunner(loaded.model, self.states, compiled, batch_prefill, vision)
+        self.runner = ModelRunner(
+            loaded.model, self.states, compiled, batch_prefill, vision, self.compiled_prompts
+        )
+        warm = self.config.warm_up_seconds
+        warm = (WARM_UP_GPU_SECONDS if gpu else 0.0) if warm is None else warm
+        if warm > 0 and leader is None and loaded.parallel is None:
+            new_state = partial(BatchState.empty, cfg, kv_factory)
+            chunk = self.config.max_prefill_chunk
+            warm_up(new_state, self.compiled_prompts, compiled, chunk, max_rows, warm)
         # in lockstep the step's tokens are read back at once: no graph needs them lazily
         self.sampler = Sampler(lazy_tokens=self.pipeline)
         self.constraints = RowConstraints(self.grammar_compiler(), cfg.vocab_size, self.eos_ids)

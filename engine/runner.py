@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.rows import RowStates
+from deltaserve.engine.compiled_prefill import CompiledPrefill
 from deltaserve.engine.decode import CompiledDecode
 from deltaserve.engine.plan import PrefillChunk, SchedulerOutput
 from deltaserve.engine.request import Request
@@ -30,6 +32,8 @@ class ModelRunner:
     compiled: the decode batch runs through that compiled step instead of a group.
     batch_prefill: chunks run as few left-padded groups (cohorts) instead of one [1, C]
     group each: on the GPU a prefill forward costs its op count, not its tokens.
+    compiled_prompts: cohorts of fresh text prompts' first chunks run through that
+    compiled forward instead of a group.
     """
 
     def __init__(
@@ -39,6 +43,7 @@ class ModelRunner:
         compiled: CompiledDecode | None = None,
         batch_prefill: bool = False,
         vision: VisionInputs | None = None,
+        compiled_prompts: CompiledPrefill | None = None,
     ) -> None:
         """vision: the image work of prompts with images (None: text only)."""
         self.model = model
@@ -46,6 +51,7 @@ class ModelRunner:
         self.compiled = compiled
         self.batch_prefill = batch_prefill
         self.vision = vision
+        self.compiled_prompts = compiled_prompts
         self._saved: list[mx.array] = []  # prefix-cache copies not yet started
 
     def execute(
@@ -68,22 +74,29 @@ class ModelRunner:
         if out.decode_row_ids and decode_logits is None:
             groups.append(self._decode_group(out, prev_tokens))
         cohorts = self._cohorts(out.prefill)
-        groups += [self._prefill_group(out.prefill, c, rows) for c in cohorts]
+        fresh = {i: self._compiled_prompts(out.prefill, c, rows) for i, c in enumerate(cohorts)}
+        fresh = {i: run for i, run in fresh.items() if run is not None}
+        eager = [c for i, c in enumerate(cohorts) if i not in fresh]
+        groups += [self._prefill_group(out.prefill, c, rows) for c in eager]
         if self.vision is not None:
             self.vision.release(out.prefill, rows, out.freed_row_ids)
         hidden = self.model(groups) if groups else []
-        prefill_hidden = hidden[len(groups) - len(cohorts) :]
+        eager_hidden = iter(hidden[len(groups) - len(eager) :])
+        prefill_hidden = [
+            fresh[i][0] if i in fresh else next(eager_hidden) for i in range(len(cohorts))
+        ]
         last = [hidden[0][:, -1]] if out.decode_row_ids and decode_logits is None else []
         last += self._last_prefill_hidden(out.prefill, cohorts, prefill_hidden)
         logits = self.model.logits(mx.concatenate(last, axis=0)) if last else None
         if decode_logits is not None:
             parts = [decode_logits] + ([logits] if logits is not None else [])
             logits = mx.concatenate(parts, axis=0) if len(parts) > 1 else decode_logits
-        layers = [layer for g in groups[: len(groups) - len(cohorts)] for layer in g.states]
+        layers = [layer for g in groups[: len(groups) - len(eager)] for layer in g.states]
         if decode_logits is not None:
             layers += self.states.decode.layers
-        for cohort, group in zip(cohorts, groups[len(groups) - len(cohorts) :], strict=True):
+        for cohort, group in zip(eager, groups[len(groups) - len(eager) :], strict=True):
             layers += self._scatter(cohort, group)
+        layers += [layer for _, states in fresh.values() for s in states for layer in s.layers]
         # Start computing now (states of every group, even chunks that sample nothing, so
         # no lazy graph carries over to the next step); the sampler's work queues behind.
         pending = [a for layer in layers for a in layer.state_arrays()]
@@ -173,6 +186,28 @@ class ModelRunner:
         # the runner reads a sampling chunk's last position, else only the states
         outputs = "last" if any(c.sample_row_ids for c in members) else "none"
         return ForwardGroup(tokens, positions, state.layers, left_pad, embeds, split, outputs)
+
+    def _compiled_prompts(
+        self, chunks: tuple[PrefillChunk, ...], cohort: _Cohort, rows: dict[str, Request]
+    ) -> tuple[mx.array, list[BatchState]] | None:
+        """A cohort of fresh text prompts' first chunks through the compiled forward: its
+        [P, 1, H] last hidden states and the rows' new states (already their prefill
+        states); None when the cohort must take the eager path."""
+        if self.compiled_prompts is None:
+            return None
+        members = [chunks[i] for i in cohort.chunk_indices]
+        fresh = all(
+            c.start == 0 and not c.restore and not c.snapshot_at and rows[c.row_id].media is None
+            for c in members
+        )
+        template = self.states.prefill_state(members[0].row_id)
+        if not fresh or not self.compiled_prompts.applies(template, len(members)):
+            return None
+        prompts = [rows[c.row_id].prompt_ids[: c.length] for c in members]
+        hidden, states = self.compiled_prompts(prompts, template)
+        for chunk, state in zip(members, states, strict=True):
+            self.states.prefill[chunk.row_id] = state
+        return hidden, states
 
     def _scatter(self, cohort: _Cohort, group: ForwardGroup) -> list:
         """After a batched chunk: each row's state back to its own prefill state."""

@@ -35,7 +35,13 @@ FUSED_KERNEL_DEVICES = {
     "fused_gated_delta_step": ("cuda", "metal"),  # kernels/gated_delta_fused.py
 }
 # Step shapes whose default is on for a GPU (launch- or op-bound) and off on the CPU
-GPU_DEFAULT_ON = ("compile_decode", "compile_prefill", "batch_prefill", "pipeline_steps")
+GPU_DEFAULT_ON = (
+    "compile_decode",
+    "compile_prompt",
+    "compile_prefill",
+    "batch_prefill",
+    "pipeline_steps",
+)
 
 
 class PlatformSwitches(Protocol):
@@ -43,6 +49,7 @@ class PlatformSwitches(Protocol):
     default."""
 
     compile_decode: bool | None
+    compile_prompt: bool | None
     compile_prefill: bool | None
     batch_prefill: bool | None
     pipeline_steps: bool | None
@@ -64,6 +71,7 @@ class Platform:
     blas: str = ""  # the BLAS behind the CPU's matmuls ("" off the CPU)
     # Compiled paths and step shapes (engine/config.py says what each does)
     compile_decode: bool = False  # the decode step as one mx.compile'd call
+    compile_prompt: bool = False  # fresh prompts' first chunk as one mx.compile'd call
     compile_prefill: bool = False  # DeltaNet's prompt-chunk core compiled
     batch_prefill: bool = False  # prompt chunks of several requests as one padded group
     pipeline_steps: bool = False  # step N+1 queued before step N is read back

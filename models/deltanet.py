@@ -310,13 +310,14 @@ class GatedDeltaNet(nn.Module):
         x: mx.array,
         state: RecurrentState,
         mask: mx.array | None,
-        left_pad: tuple[int, ...] | None,
+        left_pad: tuple[int, ...] | mx.array | None,
         split: int = 0,
     ) -> mx.array:
         """x [B, L, H] -> [B, L, H]; mask [B, L] (True = real) keeps pads out of the state.
         split: ForwardGroup.snapshot_at (see `core`)."""
         length = x.shape[1]
-        if self.eager(length, mask, split):
+        if isinstance(left_pad, mx.array) or self.eager(length, mask, split):
+            # pads as data: already inside a compiled forward (engine/compiled_prefill.py)
             return self.out_proj(self.core(self.project(x), state, mask, left_pad, split))
         if self.use_compiled(length):
             return self.prefill_many([x], [state], [left_pad])[0]
@@ -334,7 +335,7 @@ class GatedDeltaNet(nn.Module):
         projected: list[mx.array],
         state: RecurrentState,
         mask: mx.array | None,
-        left_pad: tuple[int, ...] | None,
+        left_pad: tuple[int, ...] | mx.array | None,
         split: int = 0,
     ) -> mx.array:
         """`project`'s outputs [B, L, *] -> out_proj's input [B, L, value_dim], eagerly.

@@ -70,8 +70,10 @@ class ForwardGroup:
     # One state per decoder layer (AttentionState for full-attention layers, else
     # RecurrentState), each holding exactly this group's B rows.
     states: list
-    # Per-row count of padding tokens at the left of this step's input (None = none).
-    left_pad: tuple[int, ...] | None = None
+    # Per-row count of padding tokens at the left of this step's input (None = none); a
+    # [B] int32 array inside a compiled forward (engine/compiled_prefill.py), where the
+    # counts are data, not constants of the trace.
+    left_pad: tuple[int, ...] | mx.array | None = None
     # [B, L, H] input embeddings (vision prompts); overrides `tokens`
     embeds: mx.array | None = None
     # B = 1, unpadded: DeltaNet layers also keep their state after this many columns
@@ -95,7 +97,9 @@ class ForwardGroup:
 
     def token_mask(self) -> mx.array | None:
         """[B, L] bool, True on real tokens; None when the group has no padding."""
-        if self.left_pad is None or not any(self.left_pad):
+        if self.left_pad is None:
+            return None
+        if not isinstance(self.left_pad, mx.array) and not any(self.left_pad):
             return None
         _, length = self.shape
         pad = mx.array(self.left_pad, dtype=mx.int32)[:, None]

@@ -18,6 +18,7 @@ import time
 import mlx.core as mx
 
 from deltaserve.engine.cache.batch import BatchState
+from deltaserve.engine.compiled_prefill import CompiledPrefill
 from deltaserve.engine.scheduling.step_cost import ChunkCost
 from deltaserve.models.build import LoadedModel
 from deltaserve.models.state import ForwardGroup, text_positions
@@ -26,11 +27,11 @@ LENGTHS = (64, 1024)  # the two chunk lengths measured
 RUNS = 3  # timed runs of each, after one that compiles its shapes
 
 
-def measure_chunk_cost(loaded: LoadedModel) -> ChunkCost:
+def measure_chunk_cost(loaded: LoadedModel, compiled: CompiledPrefill | None = None) -> ChunkCost:
     """Time one fresh row's prefill forward (and its last position's logits) at each of
-    LENGTHS: the fastest of RUNS after a first that compiles (on the H200 the second run
-    of the 64-token forward still took ~37 ms against ~16 ms once warm); the state is
-    thrown away."""
+    LENGTHS, through `compiled` when the engine runs prompts that way: the fastest of RUNS
+    after a first that compiles (on the H200 the second run of the 64-token forward still
+    took ~37 ms against ~16 ms once warm); the state is thrown away."""
     model, seconds = loaded.model, []
     for length in LENGTHS:
         tokens = mx.full((1, length), 100, mx.int32)
@@ -38,10 +39,14 @@ def measure_chunk_cost(loaded: LoadedModel) -> ChunkCost:
         times = []
         for _ in range(1 + RUNS):
             state = BatchState.empty(loaded.config)
-            group = ForwardGroup(tokens, positions, state.layers, outputs="last")
             mx.synchronize()
             start = time.perf_counter()
-            hidden = model([group])[0]
+            if compiled is not None and compiled.applies(state, 1):
+                hidden, states = compiled([[100] * length], state)
+                state = states[0]
+            else:
+                group = ForwardGroup(tokens, positions, state.layers, outputs="last")
+                hidden = model([group])[0]
             arrays = [a for layer in state.layers for a in layer.state_arrays()]
             mx.eval(model.logits(hidden[:, -1]), *arrays)
             mx.synchronize()

@@ -1,0 +1,117 @@
+"""Tracing the compiled paths' common shapes before the first request, within a time limit.
+
+A compiled step (engine/decode.py, engine/compiled_prefill.py) is traced, and its kernels
+JIT-compiled, the first time each bucketed shape runs. Left to the first busy minute, that
+lands on the requests of that minute: a fresh server's first 16 concurrent chats waited
+behind one new trace after another (H200, 0.8B: TTFT p99 5.2 s against p50 0.37 s).
+Here the engine runs them at start, most common first: fresh prompts alone at each length
+bucket up to a chunk, the decode batch at each row bucket up to max_num_seqs (first
+capacity), then cohorts of several prompts. What the time limit leaves out is traced on
+first use, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+import mlx.core as mx
+
+from deltaserve.engine.cache.batch import BatchState
+from deltaserve.engine.cache.rows import decode_bucket
+from deltaserve.engine.compiled_prefill import MAX_ROWS, CompiledPrefill, prompt_bucket
+from deltaserve.engine.decode import CompiledDecode
+from deltaserve.models.state import ForwardGroup, text_positions
+
+log = logging.getLogger(__name__)
+
+
+def prompt_lengths(max_chunk: int) -> list[int]:
+    """One length per prompt bucket up to `max_chunk` tokens (its largest member)."""
+    lengths, n = [], 1
+    while True:
+        bucket = prompt_bucket(1, n)[1]
+        lengths.append(min(bucket, max_chunk))
+        if bucket >= max_chunk:
+            return lengths
+        n = bucket + 1
+
+
+def decode_sizes(max_rows: int) -> list[int]:
+    """The decode batch's bucket sizes up to max_rows (engine/cache/rows.py)."""
+    sizes, n = [], 1
+    while n <= max_rows:
+        size = decode_bucket(n, max_rows)
+        sizes.append(size)
+        n = size + 1
+    return sizes
+
+
+def warm_up(
+    new_state: Callable[[], BatchState],
+    prompts: CompiledPrefill | None,
+    decode: CompiledDecode | None,
+    max_chunk: int,
+    max_rows: int,
+    seconds: float,
+) -> int:
+    """Run each shape of `_shapes` until `seconds` have passed; returns how many ran. The
+    states are thrown away."""
+    start, done = time.perf_counter(), 0
+    for run in _shapes(new_state, prompts, decode, max_chunk, max_rows):
+        if time.perf_counter() - start > seconds:
+            break
+        run()
+        done += 1
+    log.info(
+        "warm-up: %d compiled shapes traced in %.1f s (the rest on first use)",
+        done,
+        time.perf_counter() - start,
+    )
+    return done
+
+
+def _shapes(
+    new_state: Callable[[], BatchState],
+    prompts: CompiledPrefill | None,
+    decode: CompiledDecode | None,
+    max_chunk: int,
+    max_rows: int,
+) -> Iterator[Callable[[], None]]:
+    """Runs of one shape each, the most common first."""
+    lengths = prompt_lengths(max_chunk)
+    if prompts is not None and prompts.applies(new_state(), 1):
+        for length in lengths:
+            yield lambda length=length: _prompts(prompts, new_state, 1, length)
+    if decode is not None and CompiledDecode.supports(new_state()):
+        for rows in decode_sizes(max_rows):
+            yield lambda rows=rows: _decode(decode, new_state, rows)
+    if prompts is not None and prompts.applies(new_state(), 1):
+        rows = 2
+        while rows <= min(MAX_ROWS, max_rows):
+            for length in lengths:
+                if rows * length <= max_chunk:
+                    yield lambda rows=rows, length=length: _prompts(
+                        prompts, new_state, rows, length
+                    )
+            rows *= 2
+
+
+def _prompts(
+    prompts: CompiledPrefill, new_state: Callable[[], BatchState], rows: int, length: int
+) -> None:
+    hidden, states = prompts([[100] * length] * rows, new_state())
+    mx.eval(hidden, *[a for s in states for layer in s.layers for a in layer.state_arrays()])
+
+
+def _decode(decode: CompiledDecode, new_state: Callable[[], BatchState], rows: int) -> None:
+    """A decode step of `rows` rows of 16 tokens each (the first KV capacity)."""
+    state = new_state()
+    tokens = mx.full((1, 16), 100, mx.int32)
+    group = ForwardGroup(tokens, text_positions([0], 16), state.layers, outputs="none")
+    decode.model([group])
+    for _ in range(rows - 1):
+        state.merge(state.extract(0))
+    logits = decode(mx.zeros((rows, 1), mx.int32), [16] * rows, state)
+    mx.eval(logits, *[a for layer in state.layers for a in layer.state_arrays()])

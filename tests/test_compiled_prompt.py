@@ -1,0 +1,160 @@
+"""Fresh prompts' first chunk as one compiled forward (engine/compiled_prefill.py), run on
+the CPU: the hidden state and every layer's row state equal an eager forward of each
+prompt alone, for every KV kind, and the engine's tokens do not change with it on."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from deltaserve.engine.cache.batch import BatchState
+from deltaserve.engine.cache.factory import kv_store_factory
+from deltaserve.engine.cache.kv import KVStore
+from deltaserve.engine.compiled_prefill import MAX_ROWS, CompiledPrefill, prompt_bucket
+from deltaserve.engine.config import EngineConfig, KVCacheConfig
+from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.types import GenerationRequest, SamplingParams
+from deltaserve.engine.warmup import decode_sizes, prompt_lengths, warm_up
+from deltaserve.models.build import LoadedModel, load_model
+from deltaserve.models.state import ForwardGroup, text_positions
+from deltaserve.models.testing import cached_checkpoint
+
+KINDS = {
+    "fp": KVCacheConfig(),
+    "affine8": KVCacheConfig(kind="affine", bits=8),
+    "tq_k8v3": KVCacheConfig(kind="turboquant", key_bits=8, value_bits=3),
+}
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-moe"])
+def loaded(request: pytest.FixtureRequest) -> LoadedModel:
+    return load_model(str(cached_checkpoint(request.param)))
+
+
+def test_buckets() -> None:
+    assert prompt_bucket(1, 1) == (1, 16)
+    assert prompt_bucket(3, 17) == (4, 32)
+    assert prompt_bucket(5, 128) == (8, 128)
+    assert prompt_bucket(2, 129) == (2, 256)
+    assert prompt_bucket(16, 300) == (16, 384)
+
+
+def _eager(loaded: LoadedModel, prompt: list[int], kv: KVCacheConfig) -> tuple:
+    state = BatchState.empty(loaded.config, kv_store_factory(kv))
+    tokens = mx.array([prompt], dtype=mx.int32)
+    group = ForwardGroup(tokens, text_positions([0], len(prompt)), state.layers, outputs="last")
+    return loaded.model([group])[0], state
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> None:
+    """Float arrays to 2e-4. Packed integer codes (quantized KV) exactly, except a rare
+    value on a quantization boundary that the compiled graph's fused float ops round to
+    the neighbouring level (seen: 2 of 736 words)."""
+    if np.issubdtype(got.dtype, np.integer):
+        assert got.shape == want.shape and np.mean(got != want) < 0.01
+    else:
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+def _valid(layer) -> list[np.ndarray]:
+    """A layer's row state as numpy: a KV store's used columns, DeltaNet's conv + ssm."""
+    if isinstance(layer, KVStore):
+        return [np.array(a[:, :, layer.left_pad[0] : layer.size]) for a in layer.arrays]
+    return [np.array(layer.conv), np.array(layer.ssm)]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_compiled_prompts_equal_eager_alone(loaded: LoadedModel, kind: str) -> None:
+    """Prompts of different lengths in one bucket (left-padded, a dead row) give each
+    prompt's hidden state and row state of an eager forward of that prompt alone."""
+    kv = KINDS[kind]
+    template = BatchState.empty(loaded.config, kv_store_factory(kv))
+    compiled = CompiledPrefill(loaded.model)
+    assert compiled.applies(template, 3) and not compiled.applies(template, MAX_ROWS + 1)
+    rng = np.random.default_rng(len(kind))
+    prompts = [[int(t) for t in rng.integers(100, 200000, size=n)] for n in (5, 23, 1)]
+    hidden, states = compiled(prompts, template)
+    assert hidden.shape[:2] == (3, 1) and len(states) == 3
+    for p, prompt in enumerate(prompts):
+        want_hidden, want = _eager(loaded, prompt, kv)
+        np.testing.assert_allclose(
+            np.array(hidden[p, -1]), np.array(want_hidden[0, -1]), rtol=2e-4, atol=2e-4
+        )
+        for got_layer, want_layer in zip(states[p].layers, want.layers, strict=True):
+            if isinstance(got_layer, KVStore):
+                assert got_layer.lengths() == want_layer.lengths() == [len(prompt)]
+                assert got_layer.capacity > got_layer.size  # room for the next append
+            for g, w in zip(_valid(got_layer), _valid(want_layer), strict=True):
+                _close(g, w)
+
+
+def _requests(count: int) -> list[GenerationRequest]:
+    rng = np.random.default_rng(3)
+    out = []
+    for i in range(count):
+        prompt = tuple(int(t) for t in rng.integers(100, 200000, size=[3, 40, 17, 90][i % 4]))
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        out.append(GenerationRequest(f"r{i}", prompt, params))
+    return out
+
+
+def _drive(engine: LLMEngine, requests: list[GenerationRequest]) -> dict[str, list[int]]:
+    """Requests join two per step; r2 aborts at step 3. Tokens per request id."""
+    tokens: dict[str, list[int]] = {}
+    step, pending = 0, list(requests)
+    while engine.has_work() or pending:
+        for req in pending[:2]:
+            engine.add_request(req)
+        pending = pending[2:]
+        if step == 3:
+            engine.abort("r2")
+        for delta in engine.step():
+            tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+        step += 1
+    return tokens
+
+
+@pytest.mark.parametrize("batch_prefill", [False, True])
+def test_engine_tokens_unchanged(loaded: LoadedModel, batch_prefill: bool) -> None:
+    """The engine with compiled prompts (alone or as batched cohorts, beside the
+    compiled decode; prompts longer than a chunk continue eagerly) gives the tokens of the
+    eager path, with joins and an abort."""
+    base = EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=64, max_prefill_chunk=48, compile_decode=True,
+        batch_prefill=batch_prefill,
+    )  # fmt: skip
+    requests = _requests(8)
+    plain = _drive(LLMEngine(loaded, dataclasses.replace(base, compile_prompt=False)), requests)
+    engine = LLMEngine(loaded, dataclasses.replace(base, compile_prompt=True))
+    assert engine.runner.compiled_prompts is not None
+    assert _drive(engine, requests) == plain
+
+
+def test_prefix_kv_stays_eager(loaded: LoadedModel) -> None:
+    """kv_cache.start > 0 (PrefixKV) has no traced form: such prompts run eagerly."""
+    kv = KVCacheConfig(kind="affine", bits=8, start=16)
+    state = BatchState.empty(loaded.config, kv_store_factory(kv))
+    assert not CompiledPrefill.applies(state, 1)
+
+
+def test_warm_up_traces_each_shape_and_keeps_tokens(loaded: LoadedModel) -> None:
+    """warm_up_seconds > 0 on the CPU (with the compiled paths on) traces the prompt and
+    decode buckets at start; the engine's tokens are those of a cold engine."""
+    base = EngineConfig(
+        max_num_seqs=4, max_num_batched_tokens=64, max_prefill_chunk=48, compile_decode=True,
+        compile_prompt=True, batch_prefill=True,
+    )  # fmt: skip
+    assert prompt_lengths(48) == [16, 32, 48] and prompt_lengths(300) == [16, 32, 64, 128, 256, 300]
+    assert decode_sizes(4) == [1, 2, 4] and decode_sizes(13) == [1, 2, 4, 8, 12, 13]
+    new_state = partial(BatchState.empty, loaded.config)
+    engine = LLMEngine(loaded, base)
+    ran = warm_up(new_state, engine.compiled_prompts, engine.runner.compiled, 48, 4, 600.0)
+    assert ran == 3 + 3 + 1  # [1, L] x 3, decode x 3, [2, 16] (2 x 16 tokens <= the chunk)
+    assert warm_up(new_state, engine.compiled_prompts, None, 48, 4, 0.0) == 0  # no time
+    requests = _requests(4)
+    warm = LLMEngine(loaded, dataclasses.replace(base, warm_up_seconds=600.0))
+    assert _drive(warm, requests) == _drive(engine, requests)
