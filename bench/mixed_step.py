@@ -1,6 +1,6 @@
 """What a mixed step (decode rows + one prompt chunk) costs, and where its time goes.
 
-    python -m bench.mixed_step --shape 0.8B --rows 8 64 --sizes 16 64 256
+    python -m bench.mixed_step --shape 0.8B --rows 8 64 --sizes 16 64 256 [--fresh]
 
 Model level: a fresh [1, L] prompt group through the whole model and through one layer
 of each kind, timed as graph building (the Python call until it returns lazy arrays)
@@ -93,15 +93,19 @@ def model_lines(loaded, sizes: list[int]) -> list[dict]:
     return out
 
 
-def engine_lines(path: str, rows: int, sizes: list[int], prompt: int, reps: int) -> list[dict]:
-    """Alternate decode-only and mixed steps while a `prompt`-token prompt prefills."""
+def engine_lines(
+    path: str, rows: int, sizes: list[int], prompt: int, reps: int, fresh: bool = False
+) -> list[dict]:
+    """Alternate decode-only and mixed steps while a `prompt`-token prompt prefills, or
+    with `fresh`, each mixed step's chunk a new `size`-token prompt (a chat arriving:
+    its first and only chunk; it samples one token and leaves)."""
     from deltaserve.engine.config import EngineConfig
     from deltaserve.engine.engine import LLMEngine
     from deltaserve.engine.types import GenerationRequest, SamplingParams
     from deltaserve.models.build import load_model
 
     loaded = load_model(path)
-    config = EngineConfig(max_num_seqs=max(64, rows + 1), max_stall_factor=0)
+    config = EngineConfig(max_num_seqs=max(64, rows + 1), max_stall_factor=0, warm_up_seconds=0)
     engine = LLMEngine(loaded, config)
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True)
@@ -133,10 +137,15 @@ def engine_lines(path: str, rows: int, sizes: list[int], prompt: int, reps: int)
     builds: dict[int, list[float]] = defaultdict(list)
     for rep in range(2):  # the first pass traces every shape; the second is measured
         long_ids = tuple(rng.randrange(1000, 50000) for _ in range(prompt))
-        engine.add_request(GenerationRequest(f"p{rep}", long_ids, params))
+        if not fresh:
+            engine.add_request(GenerationRequest(f"p{rep}", long_ids, params))
         cycle = [s for size in sizes for s in (0, size)]
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         for k in range(reps * len(cycle)):
             forced["tokens"] = cycle[k % len(cycle)]
+            if fresh and forced["tokens"]:
+                ids = tuple(rng.randrange(1000, 50000) for _ in range(forced["tokens"]))
+                engine.add_request(GenerationRequest(f"f{rep}.{k}", ids, one))
             mx.synchronize()
             start = time.perf_counter()
             engine.step()
@@ -144,13 +153,14 @@ def engine_lines(path: str, rows: int, sizes: list[int], prompt: int, reps: int)
             if rep:
                 walls[forced["tokens"]].append(1e3 * (time.perf_counter() - start))
                 builds[forced["tokens"]].append(1e3 * cpu["s"])
-        engine.abort(f"p{rep}")
+        if not fresh:
+            engine.abort(f"p{rep}")
         engine.step()
     decode = statistics.median(walls[0])
     out = []
     for size in [0, *sizes]:
         line = {
-            "what": "engine_step", "rows": rows, "chunk": size,
+            "what": "engine_step", "rows": rows, "chunk": size, "fresh": fresh,
             "wall_ms": round(statistics.median(walls[size]), 3),
             "execute_cpu_ms": round(statistics.median(builds[size]), 3),
             "x_decode": round(statistics.median(walls[size]) / decode, 2), "n": len(walls[size]),
@@ -170,6 +180,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--skip-model", action="store_true")
+    ap.add_argument(
+        "--fresh", action="store_true", help="each chunk a new prompt (a chat arriving)"
+    )
     args = ap.parse_args()
     from deltaserve.models.build import load_model
     from deltaserve.models.testing import cached_checkpoint
@@ -179,7 +192,7 @@ def main() -> None:
     if not args.skip_model:
         model_lines(load_model(path), args.sizes)
     for rows in args.rows:
-        engine_lines(path, rows, args.sizes, args.prompt, args.reps)
+        engine_lines(path, rows, args.sizes, args.prompt, args.reps, args.fresh)
 
 
 if __name__ == "__main__":
