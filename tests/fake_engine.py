@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +34,15 @@ from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
 from deltaserve.engine.api import EngineInfo, EngineStats
+from deltaserve.engine.async_engine import AsyncEngine
+from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.types import GenerationRequest, RequestOutput, TokenLogprob
 from deltaserve.kernels.platform import Platform
 from deltaserve.models.eos import resolve_eos_ids
+from deltaserve.models.testing import cached_checkpoint
 from deltaserve.server.app import create_app
 from deltaserve.server.frontend.tokenizer import TextTokenizer
-from deltaserve.server.settings import Settings
+from deltaserve.server.settings import ModelSettings, SamplingDefaults, ServerSettings, Settings
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC_PATH = Path("/work/shared/reference/openai-openapi.yaml")
@@ -302,3 +306,23 @@ def parse_sse(body: bytes) -> list[Any]:
             payload = match.group(1)
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+@contextmanager
+def served_checkpoint(
+    shape: str, config: EngineConfig, name: str
+) -> Iterator[tuple[AsyncEngine, TextTokenizer, LiveServer]]:
+    """The real engine on a cached test checkpoint, served over HTTP (served as `name`,
+    1 s keepalive, default sampling); stopped on exit."""
+    engine = AsyncEngine.start(str(cached_checkpoint(shape)), config, name=name)
+    try:
+        tokenizer = TextTokenizer(engine.model_path, engine.eos_token_ids)
+        settings = Settings(
+            model=ModelSettings(path=str(engine.model_path), served_name=name),
+            server=ServerSettings(keepalive=1.0),
+            sampling=SamplingDefaults(),
+        )
+        with LiveServer(create_app(engine, tokenizer, settings)) as live:
+            yield engine, tokenizer, live
+    finally:
+        engine.shutdown()

@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from fake_engine import LiveServer
+from fake_engine import LiveServer, served_checkpoint
 from PIL import Image
 
 from deltaserve.engine.async_engine import AsyncEngine
@@ -23,17 +23,11 @@ from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.types import GenerationRequest, SamplingParams
 from deltaserve.models.chat_format import IM_END_ID, THINK_CLOSE_ID
-from deltaserve.models.testing import cached_checkpoint
-from deltaserve.server.app import create_app
 from deltaserve.server.frontend.messages import image_refs
 from deltaserve.server.frontend.tokenizer import TextTokenizer
 from deltaserve.server.images import load_images, processor_config
 from deltaserve.server.settings import (
     ImageSettings,
-    ModelSettings,
-    SamplingDefaults,
-    ServerSettings,
-    Settings,
 )
 
 MODEL = "tiny"
@@ -41,26 +35,24 @@ CONFIG = EngineConfig(max_num_seqs=64, max_num_batched_tokens=256, max_prefill_c
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[AsyncEngine]:
-    eng = AsyncEngine.start(str(cached_checkpoint("tiny")), CONFIG, name=MODEL)
-    yield eng
-    eng.shutdown()
+def served() -> Iterator[tuple[AsyncEngine, TextTokenizer, LiveServer]]:
+    with served_checkpoint("tiny", CONFIG, MODEL) as parts:
+        yield parts
 
 
 @pytest.fixture(scope="module")
-def tokenizer(engine: AsyncEngine) -> TextTokenizer:
-    return TextTokenizer(engine.model_path, engine.eos_token_ids)
+def engine(served: tuple[AsyncEngine, TextTokenizer, LiveServer]) -> AsyncEngine:
+    return served[0]
 
 
 @pytest.fixture(scope="module")
-def server(engine: AsyncEngine, tokenizer: TextTokenizer) -> Iterator[LiveServer]:
-    settings = Settings(
-        model=ModelSettings(path=str(engine.model_path), served_name=MODEL),
-        server=ServerSettings(keepalive=1.0),
-        sampling=SamplingDefaults(),
-    )
-    with LiveServer(create_app(engine, tokenizer, settings)) as live:
-        yield live
+def tokenizer(served: tuple[AsyncEngine, TextTokenizer, LiveServer]) -> TextTokenizer:
+    return served[1]
+
+
+@pytest.fixture(scope="module")
+def server(served: tuple[AsyncEngine, TextTokenizer, LiveServer]) -> LiveServer:
+    return served[2]
 
 
 def _running_rows(base: str) -> float:

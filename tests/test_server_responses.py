@@ -12,14 +12,11 @@ from collections.abc import Iterator
 import jsonschema
 import openai
 import pytest
-from fake_engine import LiveServer
+from fake_engine import LiveServer, served_checkpoint
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
-from deltaserve.models.testing import cached_checkpoint
-from deltaserve.server.app import create_app
 from deltaserve.server.frontend.tokenizer import TextTokenizer
-from deltaserve.server.settings import ModelSettings, SamplingDefaults, ServerSettings, Settings
 
 MODEL = "tiny"
 CONFIG = EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, max_prefill_chunk=128)
@@ -41,26 +38,24 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[AsyncEngine]:
-    eng = AsyncEngine.start(str(cached_checkpoint("tiny")), CONFIG, name=MODEL)
-    yield eng
-    eng.shutdown()
+def served() -> Iterator[tuple[AsyncEngine, TextTokenizer, LiveServer]]:
+    with served_checkpoint("tiny", CONFIG, MODEL) as parts:
+        yield parts
 
 
 @pytest.fixture(scope="module")
-def tokenizer(engine: AsyncEngine) -> TextTokenizer:
-    return TextTokenizer(engine.model_path, engine.eos_token_ids)
+def engine(served: tuple[AsyncEngine, TextTokenizer, LiveServer]) -> AsyncEngine:
+    return served[0]
 
 
 @pytest.fixture(scope="module")
-def client(engine: AsyncEngine, tokenizer: TextTokenizer) -> Iterator[openai.OpenAI]:
-    settings = Settings(
-        model=ModelSettings(path=str(engine.model_path), served_name=MODEL),
-        server=ServerSettings(keepalive=1.0),
-        sampling=SamplingDefaults(),
-    )
-    with LiveServer(create_app(engine, tokenizer, settings)) as live:
-        yield openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+def tokenizer(served: tuple[AsyncEngine, TextTokenizer, LiveServer]) -> TextTokenizer:
+    return served[1]
+
+
+@pytest.fixture(scope="module")
+def client(served: tuple[AsyncEngine, TextTokenizer, LiveServer]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served[2].url}/v1", api_key="unused", max_retries=0)
 
 
 def test_greedy_response_equals_chat_and_stream(client: openai.OpenAI) -> None:
