@@ -78,9 +78,11 @@ def openai_error_event(err: APIError) -> bytes:
 class Ticker(Generic[T]):
     """Reads an async iterator, returning TICK whenever `interval` s pass without an item.
 
-    The pending read survives a tick (it runs in its own task), so a slow source such as
-    a long prefill is never cancelled mid-read just because a keep-alive went out. Once
-    `stop` is set, reads raise ShuttingDown instead of waiting for the source.
+    One pump task per ticker reads the source into a queue, and a read waits on that
+    queue: a tick never cancels the source mid-read (a long prefill keeps its pending
+    read), and an item costs a queue hand-off, not a task and an asyncio.wait of its own
+    (bench/server_overhead.py). Once `stop` is set, reads raise ShuttingDown instead of
+    waiting for the source.
     """
 
     def __init__(
@@ -89,14 +91,24 @@ class Ticker(Generic[T]):
         self._source = source
         self._interval = interval
         self._stop = stop
-        self._pending: asyncio.Task[tuple[bool, T | None]] | None = None
-        self._stop_wait: asyncio.Task[bool] | None = None  # one per ticker, not per read
+        # (what, value): ("item", T), ("end", None), ("error", exc) or ("stop", None)
+        self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._pump: asyncio.Task[None] | None = None
+        self._stop_wait: asyncio.Task[None] | None = None  # one per ticker, not per read
 
-    async def _read(self) -> tuple[bool, T | None]:
+    async def _pump_source(self) -> None:
         try:
-            return True, await anext(self._source)
-        except StopAsyncIteration:
-            return False, None
+            async for item in self._source:
+                self._queue.put_nowait(("item", item))
+        except Exception as exc:  # the reader re-raises it
+            self._queue.put_nowait(("error", exc))
+        else:
+            self._queue.put_nowait(("end", None))
+
+    async def _watch_stop(self) -> None:
+        assert self._stop is not None
+        await self._stop.wait()
+        self._queue.put_nowait(("stop", None))
 
     async def next(self) -> T | _Tick:
         """The next item, or TICK once the interval passed without one.
@@ -106,34 +118,38 @@ class Ticker(Generic[T]):
         """
         if self._stop is not None and self._stop.is_set():
             raise ShuttingDown
-        if self._pending is None:
-            self._pending = asyncio.ensure_future(self._read())
-        waiting: set[asyncio.Future[Any]] = {self._pending}
-        if self._stop is not None:
-            if self._stop_wait is None:
-                self._stop_wait = asyncio.ensure_future(self._stop.wait())
-            waiting.add(self._stop_wait)
-        await asyncio.wait(waiting, timeout=self._interval, return_when=asyncio.FIRST_COMPLETED)
-        if self._stop is not None and self._stop.is_set():
+        if self._pump is None:
+            self._pump = asyncio.ensure_future(self._pump_source())
+            if self._stop is not None:
+                self._stop_wait = asyncio.ensure_future(self._watch_stop())
+        try:
+            what, value = self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            try:
+                async with asyncio.timeout(self._interval):
+                    what, value = await self._queue.get()
+            except TimeoutError:
+                return TICK
+        if what == "item":
+            return value
+        if what == "error":
+            raise value
+        self._queue.put_nowait((what, value))  # the end (or the stop) stays the answer
+        if what == "stop":
             raise ShuttingDown
-        if not self._pending.done():
-            return TICK
-        task, self._pending = self._pending, None
-        has_item, item = task.result()
-        if not has_item:
-            raise StopAsyncIteration
-        return item  # type: ignore[return-value]
+        raise StopAsyncIteration
 
     async def aclose(self) -> None:
-        """Cancel a pending read, then close the source (its finally blocks run)."""
+        """Stop the pump (cancelling a pending read), then close the source (its finally
+        blocks run)."""
         if self._stop_wait is not None:
             self._stop_wait.cancel()
             self._stop_wait = None
-        if self._pending is not None:
-            self._pending.cancel()
+        if self._pump is not None:
+            self._pump.cancel()
             with contextlib.suppress(BaseException):
-                await self._pending
-            self._pending = None
+                await self._pump
+            self._pump = None
         aclose = getattr(self._source, "aclose", None)
         if aclose is not None:
             with contextlib.suppress(Exception):
