@@ -32,12 +32,17 @@ from deltaserve.kernels.gated_delta_reference import (
     gated_delta_reference,
     gated_delta_step,
 )
-from deltaserve.kernels.gated_delta_scan import gated_delta_scan, scan_supported
+from deltaserve.kernels.gated_delta_scan import (
+    gated_delta_scan,
+    gated_delta_scan_states,
+    scan_supported,
+)
 from deltaserve.kernels.platform import current_platform
 
 __all__ = [
     "gated_delta",
     "gated_delta_chunked",
+    "gated_delta_states",
     "gated_delta_reference",
     "gated_delta_step",
 ]
@@ -300,3 +305,31 @@ def gated_delta(
     if _use_metal_fast(k, v, mask):
         return _gated_delta_fast(q, k, v, g, beta, state)
     return gated_delta_chunked(q, k, v, g, beta, state, mask)
+
+
+def gated_delta_states(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array | None,
+    scan: bool = False,
+) -> tuple[mx.array, mx.array]:
+    """`gated_delta` over L unpadded tokens that also keeps the state after each one.
+
+    Returns y [B, L, Hv, Dv] and states [B, L, Hv, Dv, Dk] float32, where states[:, t] is
+    the state after tokens 0..t: a speculative verify chunk (last token + k drafts) whose
+    row accepts a drafts keeps slot a and never replays. scan: on CUDA, one scan kernel
+    that writes every slot (kernels/gated_delta_scan.py); otherwise one decode step per
+    token (`gated_delta_step_fused`: L is k + 1 <= 4 here, so the loop is short).
+    """
+    if scan and current_platform().device == "cuda" and scan_supported(k, v):
+        return gated_delta_scan_states(q, k, v, g, beta, state)
+    ys, states = [], []
+    for t in range(v.shape[1]):
+        cols = (x[:, t : t + 1] for x in (q, k, v, g, beta))
+        y, state = gated_delta_step_fused(*cols, state)
+        ys.append(y)
+        states.append(state)
+    return mx.concatenate(ys, axis=1), mx.stack(states, axis=1)
