@@ -8,6 +8,7 @@ Row ops (all return or keep an independent store, never a view of another batch)
   merge   join rows: left-pad the shorter store so right edges align
   filter  keep some rows; drop leading columns that are padding for every survivor
   extract copy one row out as a B=1 store with no padding
+  rollback forget each row's own number of newest tokens (rejected speculative drafts)
 
 Subclasses say how keys/values are encoded into stored arrays (full precision, affine
 4/8-bit, TurboQuant) and how attention reads them; the row ops are shared here.
@@ -238,6 +239,38 @@ class KVStore:
             p + size - other.size for p in other.left_pad
         ]
         self.arrays, self.size = arrays, size
+
+    def rollback(self, drop: list[int]) -> None:
+        """Forget the newest drop[b] tokens of each row b, as if it had never seen them
+        (the drafts a speculative verify rejected; rows reject different counts).
+
+        The part every row drops moves the shared right edge left (no copy). A row that
+        drops `extra` more keeps its columns but shifted right by `extra`, its left pad
+        growing by as much: one batched gather per stored array over the columns that
+        hold any row's tokens. Why shift rather than leave holes: every attention path
+        (dense, affine, TurboQuant, their kernels) already masks a left pad and nothing
+        else; a per-row hole would need a second mask everywhere. Rows that drop the
+        common count (typically most) gather onto themselves. Encoded columns are moved
+        as stored, so quantized kinds need nothing of their own.
+        """
+        assert len(drop) == self.num_rows, "one drop count per row"
+        lengths = self.lengths()
+        assert all(0 <= d <= n for d, n in zip(drop, lengths, strict=True)), (drop, lengths)
+        common = min(drop, default=0)
+        self.size -= common
+        extra = [d - common for d in drop]
+        if any(extra) and self.arrays is not None:
+            lo = min(self.left_pad)  # columns before lo are padding for every row
+            shift = mx.array(extra, dtype=mx.int32)[:, None, None, None]
+            cols = mx.arange(lo, self.size, dtype=mx.int32)[None, None, :, None]
+            src = mx.maximum(cols - shift, lo)  # [B, 1, n, 1]; below a row's pad: masked
+            for a in self.arrays:
+                window = a[:, :, lo : self.size]
+                index = mx.broadcast_to(
+                    src - lo, (a.shape[0], a.shape[1], src.shape[2], a.shape[3])
+                )
+                a[:, :, lo : self.size] = mx.take_along_axis(window, index, axis=2)
+        self.left_pad = [p + e for p, e in zip(self.left_pad, extra, strict=True)]
 
     def pad_rows(self, count: int) -> None:
         """Append `count` dead rows: no tokens (every column is their padding) and zero
