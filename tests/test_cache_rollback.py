@@ -176,3 +176,20 @@ def test_verify_then_rollback_equals_kept_only_run(
         got = batch_logits[b, -1]
         assert _rel(got, want) < (REL_TOL if kind == "full" else 1e-3)
         assert mx.argmax(got).item() == mx.argmax(want).item()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_step_padding_after_real_tokens(kind: str) -> None:
+    """A step that pads a row already holding tokens (the MTP head's uneven chunks): the
+    row's tokens move over the padding, and its stored tokens are its old ones followed by
+    its real new ones, exactly as stored."""
+    store = _filled_store(kind, [10, 6])
+    before = [_tokens(store, b) for b in range(2)]
+    keys = mx.random.normal((2, 2, 3, 64), key=mx.random.key(11))
+    store.attend(mx.zeros((2, 4, 3, 64)), keys, keys, 0.125, (0, 2))
+    assert store.lengths() == [13, 7]
+    ref = KINDS[kind]()
+    ref.attend(mx.zeros((1, 4, 1, 64)), keys[1:, :, 2:], keys[1:, :, 2:], 0.125, None)
+    new = _tokens(ref, 0)
+    for got, old, added in zip(_tokens(store, 1), before[1], new, strict=False):
+        assert mx.array_equal(got, mx.concatenate([old, added], axis=2)).item(), kind
