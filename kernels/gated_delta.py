@@ -32,17 +32,12 @@ from deltaserve.kernels.gated_delta_reference import (
     gated_delta_reference,
     gated_delta_step,
 )
-from deltaserve.kernels.gated_delta_scan import (
-    gated_delta_scan,
-    gated_delta_scan_states,
-    scan_supported,
-)
+from deltaserve.kernels.gated_delta_scan import gated_delta_scan, scan_supported
 from deltaserve.kernels.platform import current_platform
 
 __all__ = [
     "gated_delta",
     "gated_delta_chunked",
-    "gated_delta_states",
     "gated_delta_reference",
     "gated_delta_step",
 ]
@@ -287,6 +282,7 @@ def gated_delta(
     state: mx.array | None,
     mask: mx.array | None = None,
     scan: bool = False,
+    every_state: bool = False,
 ) -> tuple[mx.array, mx.array]:
     """Gated-DeltaNet over a block of L tokens; shapes in the module docstring.
 
@@ -297,7 +293,12 @@ def gated_delta(
     A masked step leaves the state exactly unchanged and yields y = 0.
     scan: on CUDA, L > 1 runs as one sequential-scan kernel (kernels/gated_delta_scan.py)
     instead of the chunked form's ~100 small kernels; ignored on other backends.
+    every_state (unmasked input): the state after each token instead of the last, states
+    [B, L, Hv, Dv, Dk] float32, states[:, t] after tokens 0..t (`_every_state`).
     """
+    if every_state:
+        assert mask is None, "every_state of masked input"
+        return _every_state((q, k, v, g, beta), state, scan)
     if scan and v.shape[1] > 1 and current_platform().device == "cuda" and scan_supported(k, v):
         return gated_delta_scan(q, k, v, g, beta, state, mask)
     if v.shape[1] == 1:
@@ -307,29 +308,19 @@ def gated_delta(
     return gated_delta_chunked(q, k, v, g, beta, state, mask)
 
 
-def gated_delta_states(
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
-    g: mx.array,
-    beta: mx.array,
-    state: mx.array | None,
-    scan: bool = False,
+def _every_state(
+    qkvgb: tuple[mx.array, ...], state: mx.array | None, scan: bool
 ) -> tuple[mx.array, mx.array]:
-    """`gated_delta` over L unpadded tokens that also keeps the state after each one.
-
-    Returns y [B, L, Hv, Dv] and states [B, L, Hv, Dv, Dk] float32, where states[:, t] is
-    the state after tokens 0..t: a speculative verify chunk (last token + k drafts) whose
-    row accepts a drafts keeps slot a and never replays. scan: on CUDA, one scan kernel
-    that writes every slot (kernels/gated_delta_scan.py); otherwise one decode step per
-    token (`gated_delta_step_fused`: L is k + 1 <= 4 here, so the loop is short).
-    """
+    """`gated_delta(every_state=True)`: a speculative verify chunk (last token + k drafts)
+    whose row accepts a drafts keeps slot a and never replays. scan: on CUDA, one scan
+    kernel that writes every slot (kernels/gated_delta_scan.py); otherwise one decode
+    step per token (L is k + 1 <= 4 here, so the loop is short)."""
+    _, k, v, _, _ = qkvgb
     if scan and current_platform().device == "cuda" and scan_supported(k, v):
-        return gated_delta_scan_states(q, k, v, g, beta, state)
+        return gated_delta_scan(*qkvgb, state, every_state=True)
     ys, states = [], []
     for t in range(v.shape[1]):
-        cols = (x[:, t : t + 1] for x in (q, k, v, g, beta))
-        y, state = gated_delta_step_fused(*cols, state)
+        y, state = gated_delta_step_fused(*(x[:, t : t + 1] for x in qkvgb), state)
         ys.append(y)
         states.append(state)
     return mx.concatenate(ys, axis=1), mx.stack(states, axis=1)

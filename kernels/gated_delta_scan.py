@@ -35,7 +35,7 @@ from deltaserve.kernels.gated_delta_fused import _CUDA_HEADER
 from deltaserve.kernels.gated_delta_reference import gated_delta_reference
 from deltaserve.kernels.platform import current_platform
 
-__all__ = ["gated_delta_scan", "gated_delta_scan_states", "scan_supported"]
+__all__ = ["gated_delta_scan", "scan_supported"]
 
 # As kernels/gated_delta_fused.py (whose row_sum header it shares): LANES lanes per state
 # row, float4s interleaved so a warp's loads read whole rows; BLOCK / LANES rows per
@@ -120,7 +120,7 @@ _CUDA_SOURCE = """
 """
 
 # Writes this row of the state s to `out`: after the last token (gated_delta_scan), or
-# after every token into its own slot (gated_delta_scan_states, OUT = that token's slot).
+# after every token into its own slot (every_state, OUT = that token's slot).
 _STORE = """
 #pragma unroll
   for (int i = 0; i < NV4; ++i) {
@@ -186,16 +186,14 @@ def _check_shapes(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.a
 
 def _launch(
     kernel: Callable[..., list[mx.array]],
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
-    g: mx.array,
-    beta: mx.array,
+    qkvgb: tuple[mx.array, ...],
     state: mx.array | None,
     mask: mx.array | None,
     state_shape: tuple[int, ...],
 ) -> tuple[mx.array, mx.array]:
-    """Run one of the kernels over [B, L] tokens; its second output has `state_shape`."""
+    """Run one of the kernels over [B, L] tokens (q, k, v, g, beta); its second output
+    has `state_shape`."""
+    q, k, v, g, beta = qkvgb
     b, length, hv, dv = v.shape
     hk, dk = k.shape[2], k.shape[3]
     if not scan_supported(k, v):
@@ -230,33 +228,22 @@ def gated_delta_scan(
     beta: mx.array,
     state: mx.array | None,
     mask: mx.array | None = None,
+    every_state: bool = False,
 ) -> tuple[mx.array, mx.array]:
     """L tokens for all rows and heads (shapes in the module docstring): the CUDA kernel
     on CUDA, the per-step reference loop elsewhere. Returns y [B, L, Hv, Dv] in v.dtype
-    and the new state [B, Hv, Dv, Dk] float32."""
+    and the new state [B, Hv, Dv, Dk] float32.
+
+    every_state (unmasked input): the state after EVERY token instead, [B, L, Hv, Dv, Dk],
+    slot t being the state after tokens 0..t (a speculative verify: a row that accepts
+    t drafts keeps slot t, no replay); the kernel variant writes each slot."""
     _check_shapes(q, k, v, g, beta)
     if current_platform().device != "cuda":
-        return gated_delta_reference(q, k, v, g, beta, state, mask)
-    b, _, hv, dv = v.shape
-    state_shape = (b, hv, dv, k.shape[3])
-    return _launch(_kernel(mask is not None), q, k, v, g, beta, state, mask, state_shape)
-
-
-def gated_delta_scan_states(
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
-    g: mx.array,
-    beta: mx.array,
-    state: mx.array | None,
-) -> tuple[mx.array, mx.array]:
-    """As `gated_delta_scan` (unmasked), but the state after EVERY token: y [B, L, Hv, Dv]
-    and states [B, L, Hv, Dv, Dk] float32, states[:, t] being the state after tokens
-    0..t (a speculative verify: accepting t drafts keeps slot t, no replay). The CUDA
-    kernel on CUDA, the per-step reference loop elsewhere."""
-    _check_shapes(q, k, v, g, beta)
-    if current_platform().device != "cuda":
-        return gated_delta_reference(q, k, v, g, beta, state, every_state=True)
+        return gated_delta_reference(q, k, v, g, beta, state, mask, every_state)
     b, length, hv, dv = v.shape
-    states_shape = (b, length, hv, dv, k.shape[3])
-    return _launch(_states_kernel(), q, k, v, g, beta, state, None, states_shape)
+    if every_state:
+        assert mask is None, "every_state of masked input"
+        shape = (b, length, hv, dv, k.shape[3])
+        return _launch(_states_kernel(), (q, k, v, g, beta), state, None, shape)
+    shape = (b, hv, dv, k.shape[3])
+    return _launch(_kernel(mask is not None), (q, k, v, g, beta), state, mask, shape)

@@ -25,7 +25,7 @@ import mlx.nn as nn
 
 from deltaserve.kernels import deltanet_decode as dn_decode
 from deltaserve.kernels import fastmath
-from deltaserve.kernels.gated_delta import gated_delta, gated_delta_states
+from deltaserve.kernels.gated_delta import gated_delta
 from deltaserve.kernels.platform import current_platform
 from deltaserve.models.config import TextConfig
 from deltaserve.models.fused import fuse_into
@@ -117,7 +117,7 @@ def deltanet_core(
     g = -mx.exp(a_log) * mx.logaddexp(a, mx.zeros_like(a))  # log-decay <= 0
     if every_state:
         assert mask is None, "state slots of padded input"
-        y, ssm = gated_delta_states(q, k, v, g, beta, ssm, dims.scan)
+        y, ssm = gated_delta(q, k, v, g, beta, ssm, None, dims.scan, every_state=True)
         tail = mx.stack([full[:, t + 1 : t + kernel] for t in range(length)], axis=1)
     else:
         y, ssm = gated_delta(q, k, v, g, beta, ssm, mask, dims.scan)

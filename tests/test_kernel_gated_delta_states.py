@@ -1,5 +1,5 @@
 """The DeltaNet recurrence with the state kept after every token (a speculative verify
-chunk), kernels/gated_delta.gated_delta_states, against the per-step reference.
+chunk), kernels/gated_delta.gated_delta(every_state=True), against the per-step reference.
 
 On the CPU both paths are plain MLX (one decode step per token); on a CUDA machine
 (bench/gpu_tests.sh) `scan=True` runs the scan kernel that writes every slot, and the
@@ -11,8 +11,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from deltaserve.kernels.gated_delta import gated_delta_reference, gated_delta_states
-from deltaserve.kernels.gated_delta_scan import gated_delta_scan_states
+from deltaserve.kernels.gated_delta import gated_delta, gated_delta_reference
+from deltaserve.kernels.gated_delta_scan import gated_delta_scan
 from tests.test_kernel_gated_delta import make_inputs
 
 HAS_CUDA = mx.default_device() != mx.cpu and mx.cuda.is_available()
@@ -34,7 +34,7 @@ def _close(a: mx.array, b: mx.array) -> None:
 def test_slot_t_is_state_after_first_t_plus_1_tokens(shape: tuple[int, ...], scan: bool) -> None:
     """states[:, t] equals the state of feeding tokens 0..t alone; y equals the loop's."""
     x = make_inputs(*shape, seed=sum(shape))
-    y, states = gated_delta_states(*x, scan=scan)
+    y, states = gated_delta(*x, scan=scan, every_state=True)
     assert states.shape == (shape[0], shape[1], *x[5].shape[1:])
     y_ref, _ = gated_delta_reference(*x)
     _close(y, y_ref)
@@ -49,14 +49,14 @@ def test_reference_every_state_matches_states() -> None:
     """The reference loop's every_state output is the same stack of states."""
     x = make_inputs(2, 3, 2, 2, 32, seed=4)
     _, every = gated_delta_reference(*x, every_state=True)
-    _, states = gated_delta_states(*x)
+    _, states = gated_delta(*x, every_state=True)
     _close(states, every)
 
 
 def test_fresh_rows_start_from_zeros() -> None:
     """state None is the zero state, as for gated_delta."""
     q, k, v, g, beta, _ = make_inputs(1, 3, 2, 2, 32, seed=9)
-    _, states = gated_delta_states(q, k, v, g, beta, None)
+    _, states = gated_delta(q, k, v, g, beta, None, every_state=True)
     _, ref = gated_delta_reference(q, k, v, g, beta, None, every_state=True)
     _close(states, ref)
 
@@ -76,6 +76,6 @@ def test_kernel_is_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(scan, "gated_delta_reference", broken)
     monkeypatch.setattr(dispatch, "gated_delta_step_fused", broken)
-    y, states = gated_delta_scan_states(*x)
+    y, states = gated_delta_scan(*x, every_state=True)
     _close(y, ref[0])
     _close(states, ref[1])
