@@ -7,5 +7,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -c 'import mlx.core as mx; assert mx.default_device() != mx.cpu, "no GPU"' || exit 1
 exec python3 -m pytest -q -p no:cacheprovider "$@" \
-    tests/test_kernel_gated_delta_scan.py tests/test_kernel_gated_delta_fused.py \
+    tests/test_kernel_gated_delta_scan.py tests/test_kernel_gated_delta_states.py \
+    tests/test_kernel_gated_delta_fused.py \
     tests/test_kernel_deltanet_decode.py tests/test_kernel_rms_norm.py

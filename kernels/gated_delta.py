@@ -282,6 +282,7 @@ def gated_delta(
     state: mx.array | None,
     mask: mx.array | None = None,
     scan: bool = False,
+    every_state: bool = False,
 ) -> tuple[mx.array, mx.array]:
     """Gated-DeltaNet over a block of L tokens; shapes in the module docstring.
 
@@ -292,7 +293,12 @@ def gated_delta(
     A masked step leaves the state exactly unchanged and yields y = 0.
     scan: on CUDA, L > 1 runs as one sequential-scan kernel (kernels/gated_delta_scan.py)
     instead of the chunked form's ~100 small kernels; ignored on other backends.
+    every_state (unmasked input): the state after each token instead of the last, states
+    [B, L, Hv, Dv, Dk] float32, states[:, t] after tokens 0..t (`_every_state`).
     """
+    if every_state:
+        assert mask is None, "every_state of masked input"
+        return _every_state((q, k, v, g, beta), state, scan)
     if scan and v.shape[1] > 1 and current_platform().device == "cuda" and scan_supported(k, v):
         return gated_delta_scan(q, k, v, g, beta, state, mask)
     if v.shape[1] == 1:
@@ -300,3 +306,21 @@ def gated_delta(
     if _use_metal_fast(k, v, mask):
         return _gated_delta_fast(q, k, v, g, beta, state)
     return gated_delta_chunked(q, k, v, g, beta, state, mask)
+
+
+def _every_state(
+    qkvgb: tuple[mx.array, ...], state: mx.array | None, scan: bool
+) -> tuple[mx.array, mx.array]:
+    """`gated_delta(every_state=True)`: a speculative verify chunk (last token + k drafts)
+    whose row accepts a drafts keeps slot a and never replays. scan: on CUDA, one scan
+    kernel that writes every slot (kernels/gated_delta_scan.py); otherwise one decode
+    step per token (L is k + 1 <= 4 here, so the loop is short)."""
+    _, k, v, _, _ = qkvgb
+    if scan and current_platform().device == "cuda" and scan_supported(k, v):
+        return gated_delta_scan(*qkvgb, state, every_state=True)
+    ys, states = [], []
+    for t in range(v.shape[1]):
+        y, state = gated_delta_step_fused(*(x[:, t : t + 1] for x in qkvgb), state)
+        ys.append(y)
+        states.append(state)
+    return mx.concatenate(ys, axis=1), mx.stack(states, axis=1)

@@ -51,11 +51,13 @@ def gated_delta_reference(
     beta: mx.array,
     state: mx.array | None,
     mask: mx.array | None = None,
+    every_state: bool = False,
 ) -> tuple[mx.array, mx.array]:
-    """Plain per-step loop in float32 (test oracle only: O(L) small ops, slow)."""
+    """Plain per-step loop in float32 (test oracle only: O(L) small ops, slow).
+    every_state: return the state after each token, [B, L, Hv, Dv, Dk], not the last."""
     out_dtype = v.dtype
     q, k, v, g, beta, s = _as_f32(q, k, v, g, beta, state)
-    ys = []
+    ys, states = [], []
     for t in range(v.shape[1]):
         s_new = s * mx.exp(g[:, t])[..., None, None]
         kv_mem = (s_new * k[:, t, :, None, :]).sum(-1)  # [B, Hv, Dv]
@@ -68,7 +70,8 @@ def gated_delta_reference(
             y = mx.where(m[..., None], y, 0.0)
         s = s_new
         ys.append(y)
-    return mx.stack(ys, axis=1).astype(out_dtype), s
+        states.append(s)
+    return mx.stack(ys, axis=1).astype(out_dtype), mx.stack(states, axis=1) if every_state else s
 
 
 def _step_core(

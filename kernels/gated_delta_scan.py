@@ -114,17 +114,25 @@ _CUDA_SOURCE = """
     if (lane == 0) {
       y[gh * Dv + row] = static_cast<Tv>(a * sq + delta * kq);
     }
+    __STORE_STEP__
   }
+  __STORE_FINAL__
+"""
 
+# Writes this row of the state s to `out`: after the last token (gated_delta_scan), or
+# after every token into its own slot (every_state, OUT = that token's slot).
+_STORE = """
 #pragma unroll
   for (int i = 0; i < NV4; ++i) {
     const int c = 4 * (lane + i * LANES);
-    dst[c] = s[i].x;
-    dst[c + 1] = s[i].y;
-    dst[c + 2] = s[i].z;
-    dst[c + 3] = s[i].w;
+    OUT[c] = s[i].x;
+    OUT[c + 1] = s[i].y;
+    OUT[c + 2] = s[i].z;
+    OUT[c + 3] = s[i].w;
   }
 """
+# The slot of token t: states_out [B, L, Hv, Dv, Dk] at (b, t, h, row).
+_SLOT = "(states_out + ((gh * Dv + row) * Dk))"
 
 _INPUTS = ["q", "k", "v", "g", "beta", "state_in", "steps"]
 _OUTPUTS = ["y", "state_out"]
@@ -133,11 +141,31 @@ _OUTPUTS = ["y", "state_out"]
 @functools.cache
 def _kernel(masked: bool) -> Callable[..., list[mx.array]]:
     """The CUDA kernel, built once per mask flavour."""
+    source = _CUDA_SOURCE.replace("__SKIP__", "!mask[bt]" if masked else "false")
+    source = source.replace("__STORE_STEP__", "")
+    source = source.replace("__STORE_FINAL__", _STORE.replace("OUT", "dst"))
     return mx.fast.cuda_kernel(
         name="deltaserve_gdn_scan" + ("_masked" if masked else ""),
         input_names=_INPUTS + (["mask"] if masked else []),
         output_names=_OUTPUTS,
-        source=_CUDA_SOURCE.replace("__SKIP__", "!mask[bt]" if masked else "false"),
+        source=source,
+        header=_CUDA_HEADER,
+    )
+
+
+@functools.cache
+def _states_kernel() -> Callable[..., list[mx.array]]:
+    """The CUDA kernel that writes the state after every token (unmasked inputs only:
+    a verify chunk has no padding); `dst` / `state_out` go unused."""
+    source = _CUDA_SOURCE.replace("__SKIP__", "false")
+    source = source.replace("__STORE_STEP__", _STORE.replace("OUT", _SLOT))
+    source = source.replace("__STORE_FINAL__", "")
+    source = source.replace("float* dst = state_out + s_off;", "")
+    return mx.fast.cuda_kernel(
+        name="deltaserve_gdn_scan_states",
+        input_names=_INPUTS,
+        output_names=["y", "states_out"],
+        source=source,
         header=_CUDA_HEADER,
     )
 
@@ -148,26 +176,26 @@ def scan_supported(k: mx.array, v: mx.array) -> bool:
     return dk % (4 * _LANES) == 0 and v.shape[2] % hk == 0
 
 
-def gated_delta_scan(
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
-    g: mx.array,
-    beta: mx.array,
-    state: mx.array | None,
-    mask: mx.array | None = None,
-) -> tuple[mx.array, mx.array]:
-    """L tokens for all rows and heads (shapes in the module docstring): the CUDA kernel
-    on CUDA, the per-step reference loop elsewhere. Returns y [B, L, Hv, Dv] in v.dtype
-    and the new state [B, Hv, Dv, Dk] float32."""
-    b, length, hv, dv = v.shape
-    hk, dk = k.shape[2], k.shape[3]
+def _check_shapes(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array) -> None:
+    b, length, hv, _ = v.shape
     if q.shape != k.shape or k.shape[:2] != (b, length):
         raise ValueError(f"q {q.shape} and k {k.shape} must both be [B, L, Hk, Dk] of v {v.shape}")
     if g.shape != (b, length, hv) or beta.shape != (b, length, hv):
         raise ValueError(f"g {g.shape} and beta {beta.shape} must be [B, L, Hv]")
-    if current_platform().device != "cuda":
-        return gated_delta_reference(q, k, v, g, beta, state, mask)
+
+
+def _launch(
+    kernel: Callable[..., list[mx.array]],
+    qkvgb: tuple[mx.array, ...],
+    state: mx.array | None,
+    mask: mx.array | None,
+    state_shape: tuple[int, ...],
+) -> tuple[mx.array, mx.array]:
+    """Run one of the kernels over [B, L] tokens (q, k, v, g, beta); its second output
+    has `state_shape`."""
+    q, k, v, g, beta = qkvgb
+    b, length, hv, dv = v.shape
+    hk, dk = k.shape[2], k.shape[3]
     if not scan_supported(k, v):
         raise ValueError(f"no DeltaNet scan kernel for k {k.shape}, v {v.shape}")
     if state is None:
@@ -181,12 +209,41 @@ def gated_delta_scan(
     template += [("LANES", _LANES), ("BLOCK", _BLOCK)]
     template += [(f"T{c}", x.dtype) for c, x in zip("qkvgb", inputs, strict=False)]
     rows = _BLOCK // _LANES
-    y, s = _kernel(mask is not None)(
+    y, s = kernel(
         inputs=inputs,
         template=template,
         grid=(b * hv * -(-dv // rows) * _BLOCK, 1, 1),
         threadgroup=(_BLOCK, 1, 1),
-        output_shapes=[v.shape, state.shape],
+        output_shapes=[v.shape, state_shape],
         output_dtypes=[v.dtype, mx.float32],
     )
     return y, s
+
+
+def gated_delta_scan(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array | None,
+    mask: mx.array | None = None,
+    every_state: bool = False,
+) -> tuple[mx.array, mx.array]:
+    """L tokens for all rows and heads (shapes in the module docstring): the CUDA kernel
+    on CUDA, the per-step reference loop elsewhere. Returns y [B, L, Hv, Dv] in v.dtype
+    and the new state [B, Hv, Dv, Dk] float32.
+
+    every_state (unmasked input): the state after EVERY token instead, [B, L, Hv, Dv, Dk],
+    slot t being the state after tokens 0..t (a speculative verify: a row that accepts
+    t drafts keeps slot t, no replay); the kernel variant writes each slot."""
+    _check_shapes(q, k, v, g, beta)
+    if current_platform().device != "cuda":
+        return gated_delta_reference(q, k, v, g, beta, state, mask, every_state)
+    b, length, hv, dv = v.shape
+    if every_state:
+        assert mask is None, "every_state of masked input"
+        shape = (b, length, hv, dv, k.shape[3])
+        return _launch(_states_kernel(), (q, k, v, g, beta), state, None, shape)
+    shape = (b, hv, dv, k.shape[3])
+    return _launch(_kernel(mask is not None), (q, k, v, g, beta), state, mask, shape)

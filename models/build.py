@@ -14,8 +14,9 @@ from deltaserve.models.config import TextConfig
 from deltaserve.models.hub import resolve_checkpoint
 from deltaserve.models.layers import EXPERT_PROJECTIONS, SparseMoE
 from deltaserve.models.loader import Checkpoint, CheckpointError, biases_name, load_checkpoint
+from deltaserve.models.mtp import MTPHead, log_missing_head
 from deltaserve.models.parallel import TensorParallel, shard_config, shard_weights
-from deltaserve.models.qwen35 import Qwen35Model
+from deltaserve.models.qwen35 import DecoderLayer, Qwen35Model
 from deltaserve.models.vision import VisionConfig, VisionTower, load_vision
 
 
@@ -33,7 +34,7 @@ class LoadedModel:
     path: Path  # resolved local directory (tokenizer files live here)
     dtype: mx.Dtype  # activations / unquantized weights
     quantized: bool  # weights kept as MLX affine-quantized matmuls
-    checkpoint: Checkpoint = field(repr=False)  # MTP tensors stay here for later use
+    checkpoint: Checkpoint = field(repr=False)
     # The vision tower (in `dtype`) and its config; both None for a text-only checkpoint
     # (no vision_config, or a conversion that dropped the vision tensors).
     vision: VisionTower | None = field(default=None, repr=False)
@@ -41,6 +42,9 @@ class LoadedModel:
     # This process's place in a tensor-parallel group (None: the whole model here); then
     # `config` holds the per-rank sizes (models/parallel.shard_config)
     parallel: TensorParallel | None = None
+    # The MTP head (models/mtp.py), built from the checkpoint's mtp.* tensors; None when
+    # it has none or under tensor parallelism (the head is not sharded)
+    mtp: MTPHead | None = field(default=None, repr=False)
 
     def weight_bytes(self) -> int:
         """Bytes of the language model's weights (what a decode step reads)."""
@@ -90,10 +94,34 @@ def load_model(
     vision = load_vision(raw_config, ckpt.vision_weights, model_dtype)
     if vision is not None:
         ckpt.vision_weights = {}  # the tower holds them now (dequantized / reshaped copies)
+    mtp = build_mtp_head(cfg, ckpt)
+    if mtp is None:
+        log_missing_head(ckpt.path)
     return LoadedModel(
         model, cfg, ckpt.path, model_dtype, bool(ckpt.quantization), ckpt,
-        vision, vision.config if vision is not None else None, parallel,
+        vision, vision.config if vision is not None else None, parallel, mtp,
     )  # fmt: skip
+
+
+def build_mtp_head(cfg: TextConfig, ckpt: Checkpoint) -> MTPHead | None:
+    """The MTP head from the checkpoint's mtp.* tensors (quantized ones stay quantized, as
+    in the trunk); None when it has none. The tensors move into the head."""
+    if not ckpt.mtp_weights:
+        return None
+    head = MTPHead(cfg)
+    quantization = {
+        name.removeprefix("mtp."): spec
+        for name, spec in (ckpt.quantization or {}).items()
+        if name.startswith("mtp.")
+    }
+    if quantization:
+        _quantize_experts_of(head.layers, ckpt.mtp_weights, quantization)
+        _quantize_like(head, quantization)
+    head.load_weights(list(ckpt.mtp_weights.items()), strict=True)
+    mx.eval(head.parameters())
+    head.fuse_projections()
+    ckpt.mtp_weights = {}
+    return head
 
 
 def _raw_config(path_or_id: str) -> dict:
@@ -102,31 +130,40 @@ def _raw_config(path_or_id: str) -> dict:
 
 def _quantize_experts(model: Qwen35Model, ckpt: Checkpoint) -> None:
     """Give each MoE layer whose stacked experts the checkpoint quantized the packed form
-    (QuantizedSwitchExperts, gather_qmm): they stay as small as in the checkpoint.
+    (QuantizedSwitchExperts, gather_qmm): they stay as small as in the checkpoint."""
+    quantization = ckpt.quantization or {}
+    handled = _quantize_experts_of(model.layers, ckpt.weights, quantization)
+    stray = [n for n in quantization if ".experts." in n and not n.startswith("mtp.")]
+    stray = [n for n in stray if n.removesuffix(".weight") not in handled]
+    if stray:
+        raise CheckpointError(f"quantized expert tensors outside any MoE layer: {stray}")
+
+
+def _quantize_experts_of(
+    layers: list[DecoderLayer], weights: dict[str, mx.array], quantization: dict
+) -> set[str]:
+    """`_quantize_experts` for `layers` (named layers.{i}) over `weights`; returns the
+    expert tensor names it took.
 
     The loader names a stacked packed weight X with X.scales / X.biases beside it; in the
     module tree X is then a submodule, so its packed weight is renamed X.weight (and its
     quantization entry with it: scales_name / biases_name still find the same tensors).
     """
-    quantization = ckpt.quantization or {}
     handled: set[str] = set()
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(layers):
         if not isinstance(layer.mlp, SparseMoE):
             continue
         names = {p: f"layers.{i}.mlp.experts.{p}" for p in EXPERT_PROJECTIONS}
         specs = {p: quantization.get(name) for p, name in names.items()}
         if all(spec is None for spec in specs.values()):
             continue
-        _check_expert_specs(names, specs, ckpt.weights)
+        _check_expert_specs(names, specs, weights)
         layer.mlp.quantize_experts(specs)
         for name in names.values():
-            ckpt.weights[f"{name}.weight"] = ckpt.weights.pop(name)
+            weights[f"{name}.weight"] = weights.pop(name)
             quantization[f"{name}.weight"] = quantization.pop(name)
             handled.add(name)
-    stray = [n for n in quantization if ".experts." in n and not n.startswith("mtp.")]
-    stray = [n for n in stray if n.removesuffix(".weight") not in handled]
-    if stray:
-        raise CheckpointError(f"quantized expert tensors outside any MoE layer: {stray}")
+    return handled
 
 
 def _check_expert_specs(names: dict[str, str], specs: dict, weights: dict) -> None:

@@ -87,13 +87,16 @@ def deltanet_core(
     norm_w: mx.array,
     mask: mx.array | None = None,
     left_pad: mx.array | None = None,
+    every_state: bool = False,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """Projections in, out_proj input out; a pure function of arrays (so it compiles).
 
     qkv [B, L, conv_dim], z [B, L, value_dim], beta_in / a_in [B, L, Hv] (projection
     outputs); conv_state [B, K-1, conv_dim]; ssm [B, Hv, Dv, Dk] float32; conv_w [C, K];
     mask [B, L] bool and left_pad [B] int32 (both or neither). Returns y [B, L, value_dim]
-    (in qkv's dtype), the new conv tail and the new recurrent state.
+    (in qkv's dtype), the new conv tail and the new recurrent state. every_state
+    (unmasked input): the conv tail and state after each column instead, [B, L, K-1, C]
+    and [B, L, Hv, Dv, Dk] (RecurrentState.slots).
     """
     b, length, _ = qkv.shape
     kernel = conv_w.shape[-1]
@@ -112,10 +115,16 @@ def deltanet_core(
     beta = fastmath.sigmoid(beta_in.astype(mx.float32))
     a = a_in.astype(mx.float32) + dt_bias
     g = -mx.exp(a_log) * mx.logaddexp(a, mx.zeros_like(a))  # log-decay <= 0
-    y, ssm = gated_delta(q, k, v, g, beta, ssm, mask, dims.scan)
+    if every_state:
+        assert mask is None, "state slots of padded input"
+        y, ssm = gated_delta(q, k, v, g, beta, ssm, None, dims.scan, every_state=True)
+        tail = mx.stack([full[:, t + 1 : t + kernel] for t in range(length)], axis=1)
+    else:
+        y, ssm = gated_delta(q, k, v, g, beta, ssm, mask, dims.scan)
+        tail = full[:, -(kernel - 1) :]
     z = z.reshape(b, length, dims.num_v_heads, dims.head_v_dim)
     y = gated_rms_norm(y, z, norm_w, dims.norm_eps).reshape(b, length, -1)
-    return y, full[:, -(kernel - 1) :], ssm
+    return y, tail, ssm
 
 
 @cache
@@ -312,23 +321,27 @@ class GatedDeltaNet(nn.Module):
         mask: mx.array | None,
         left_pad: tuple[int, ...] | mx.array | None,
         split: int = 0,
+        slots: bool = False,
     ) -> mx.array:
         """x [B, L, H] -> [B, L, H]; mask [B, L] (True = real) keeps pads out of the state.
-        split: ForwardGroup.snapshot_at (see `core`)."""
+        split: ForwardGroup.snapshot_at; slots: ForwardGroup.state_slots (see `core`)."""
         length = x.shape[1]
-        if isinstance(left_pad, mx.array) or self.eager(length, mask, split):
+        if isinstance(left_pad, mx.array) or self.eager(length, mask, split, slots):
             # pads as data: already inside a compiled forward (engine/compiled_prefill.py)
-            return self.out_proj(self.core(self.project(x), state, mask, left_pad, split))
+            projected = self.project(x)
+            return self.out_proj(self.core(projected, state, mask, left_pad, split, slots))
         if self.use_compiled(length):
             return self.prefill_many([x], [state], [left_pad])[0]
         return self._decode_fused(x, state)
 
-    def eager(self, length: int, mask: mx.array | None, split: int = 0) -> bool:
-        """Whether an input takes `core`, the eager path (a split always does), rather than
-        the compiled prefill or the fused decode kernel; its projections may then run
-        packed with other groups' (models/qwen35.py)."""
+    def eager(
+        self, length: int, mask: mx.array | None, split: int = 0, slots: bool = False
+    ) -> bool:
+        """Whether an input takes `core`, the eager path (a split or state slots always
+        do), rather than the compiled prefill or the fused decode kernel; its projections
+        may then run packed with other groups' (models/qwen35.py)."""
         fused = length == 1 and mask is None and self.use_fused_decode()
-        return bool(split) or (not fused and not self.use_compiled(length))
+        return bool(split) or slots or (not fused and not self.use_compiled(length))
 
     def core(
         self,
@@ -337,14 +350,25 @@ class GatedDeltaNet(nn.Module):
         mask: mx.array | None,
         left_pad: tuple[int, ...] | mx.array | None,
         split: int = 0,
+        slots: bool = False,
     ) -> mx.array:
         """`project`'s outputs [B, L, *] -> out_proj's input [B, L, value_dim], eagerly.
         split > 0 (unpadded input): the core runs on columns [0, split) and then on the
-        rest, and the state between the two is kept as state.checkpoint."""
+        rest, and the state between the two is kept as state.checkpoint. slots
+        (unpadded input): the state after every column is kept as state.slots, and the
+        state itself becomes the last slot."""
         qkv = projected[0]
         conv_state, ssm = self._states(state, qkv.shape[0], qkv.dtype)
         masked = () if mask is None else (mask, mx.array(left_pad, dtype=mx.int32))
         weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
+        if slots:
+            assert mask is None and not split, "state slots of unpadded input only"
+            y, conv, ssm = deltanet_core(
+                self.core_dims(), *projected, conv_state, ssm, *weights, every_state=True
+            )
+            state.slots = (conv, ssm)
+            state.conv, state.ssm = conv[:, -1], ssm[:, -1]
+            return y
         if not split:
             y, state.conv, state.ssm = deltanet_core(
                 self.core_dims(), *projected, conv_state, ssm, *weights, *masked

@@ -29,11 +29,19 @@ class DecoderLayer(nn.Module):
     slice, so their outputs are partial sums, all-reduced before each residual add."""
 
     def __init__(
-        self, cfg: TextConfig, layer_idx: int, parallel: TensorParallel | None = None
+        self,
+        cfg: TextConfig,
+        layer_idx: int,
+        parallel: TensorParallel | None = None,
+        full_attention: bool | None = None,
     ) -> None:
+        """full_attention: the mixer kind, when not the layer pattern's (the MTP head's
+        layer is full attention whatever its index)."""
         super().__init__()
         self.parallel = parallel
-        self.is_full_attention = cfg.is_full_attention(layer_idx)
+        if full_attention is None:
+            full_attention = cfg.is_full_attention(layer_idx)
+        self.is_full_attention = full_attention
         if self.is_full_attention:
             self.self_attn = GatedAttention(cfg)
         else:
@@ -62,7 +70,9 @@ class DecoderLayer(nn.Module):
         if self.is_full_attention:
             out = self.self_attn(h, ctx.rope, ctx.cos_sin, state, group.left_pad, last_only)
         else:
-            out = self.linear_attn(h, state, ctx.mask, group.left_pad, group.snapshot_at)
+            out = self.linear_attn(
+                h, state, ctx.mask, group.left_pad, group.snapshot_at, group.state_slots
+            )
             out = out[:, -1:] if last_only else out
         return (x[:, -1:] if last_only else x) + self._reduce(out)
 
@@ -91,7 +101,7 @@ class DecoderLayer(nn.Module):
             if self.is_full_attention:
                 y = mixer.core(parts, ctx.rope, ctx.cos_sin, state, g.left_pad)
             else:
-                y = mixer.core(parts, state, ctx.mask, g.left_pad, g.snapshot_at)
+                y = mixer.core(parts, state, ctx.mask, g.left_pad, g.snapshot_at, g.state_slots)
             cores.append(y.reshape(n, -1))
         out = self._reduce(mixer.output(mx.concatenate(cores)))
         return [x + o.reshape(x.shape) for x, o in zip(xs, _split(out, sizes), strict=True)]
@@ -100,7 +110,9 @@ class DecoderLayer(nn.Module):
         """Whether the group's mixer input may be packed with others' (mix_packed)."""
         if self.is_full_attention:
             return True
-        return self.linear_attn.eager(group.shape[1], ctx.mask, group.snapshot_at)
+        return self.linear_attn.eager(
+            group.shape[1], ctx.mask, group.snapshot_at, group.state_slots
+        )
 
     def feed_forward(self, x: mx.array) -> mx.array:
         """Residual + MLP over tokens x [N, H] (any leading shape is flattened)."""
@@ -184,7 +196,11 @@ class Qwen35Model(nn.Module):
         pack_token_wise, the groups on the eager path share their projections."""
         done: dict[int, mx.array] = {}
         if not layer.is_full_attention and layer.linear_attn.use_compiled(2):
-            many = [i for i, g in enumerate(groups) if g.shape[1] > 1 and not g.snapshot_at]
+            many = [
+                i
+                for i, g in enumerate(groups)
+                if g.shape[1] > 1 and not g.snapshot_at and not g.state_slots
+            ]
             if len(many) > 1:
                 states = [groups[i].states[idx] for i in many]
                 merged = layer.mix_many(

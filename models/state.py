@@ -43,11 +43,15 @@ class RecurrentState(Protocol):
     The model reads both before the layer runs and writes both after.
     checkpoint: (conv, ssm) as they were after the first ForwardGroup.snapshot_at columns,
     written by a forward that has them (a prefix-cache snapshot inside a chunk).
+    slots: (conv [B, L, K-1, conv_dim], ssm [B, L, Hv, Dv, Dk]) after EACH of the L
+    columns, written by a forward with ForwardGroup.state_slots (a speculative verify:
+    a row that accepts a drafts keeps slot a, with no replay forward).
     """
 
     conv: mx.array | None
     ssm: mx.array | None
     checkpoint: tuple[mx.array, mx.array] | None
+    slots: tuple[mx.array, mx.array] | None
 
 
 LayerState = AttentionState | RecurrentState
@@ -85,10 +89,15 @@ class ForwardGroup:
     # for the last query, or only its state, and outside any packing (packed with rows
     # that need their output, the chunk's last attention and MLP would run for them).
     outputs: Outputs = "all"
+    # Unpadded rows (a speculative verify chunk: each row's last token + its k drafts):
+    # DeltaNet layers also keep their state after every column (RecurrentState.slots)
+    state_slots: bool = False
 
     def __post_init__(self) -> None:
         if self.outputs not in get_args(Outputs):
             raise ValueError(f"outputs must be one of {get_args(Outputs)}, got {self.outputs!r}")
+        if self.state_slots and (self.snapshot_at or (self.left_pad and any(self.left_pad))):
+            raise ValueError("state_slots needs an unpadded group without snapshot_at")
 
     @property
     def shape(self) -> tuple[int, int]:

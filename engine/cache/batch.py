@@ -47,6 +47,19 @@ class BatchState:
         for mine, theirs in zip(self.layers, other.layers, strict=True):
             mine.merge(theirs)
 
+    def keep_verified(self, kept: list[int], fed: int) -> None:
+        """After a verify forward that fed `fed` columns to every row (ForwardGroup.
+        state_slots): row b keeps its first kept[b] (1 <= kept[b] <= fed: its last
+        token and the drafts it accepted). KV layers forget the other columns, DeltaNet
+        layers take the state after column kept[b] - 1; no forward is replayed."""
+        assert all(1 <= k <= fed for k in kept), (kept, fed)
+        drop = [fed - k for k in kept]
+        for layer in self.layers:
+            if isinstance(layer, SSMState):
+                layer.select_slots([k - 1 for k in kept])
+            else:
+                layer.rollback(drop)
+
     def pad_rows(self, count: int) -> None:
         """Append `count` dead rows to every layer (KVStore and SSMState only)."""
         for layer in self.layers:

@@ -8,6 +8,10 @@ Row ops (all return or keep an independent store, never a view of another batch)
   merge   join rows: left-pad the shorter store so right edges align
   filter  keep some rows; drop leading columns that are padding for every survivor
   extract copy one row out as a B=1 store with no padding
+  rollback forget each row's own number of newest tokens (rejected speculative drafts)
+
+A step may pad a row that already holds tokens (the MTP head's chunks of uneven length):
+that row's tokens then move right over the padding, which joins its left pad.
 
 Subclasses say how keys/values are encoded into stored arrays (full precision, affine
 4/8-bit, TurboQuant) and how attention reads them; the row ops are shared here.
@@ -120,12 +124,20 @@ class KVStore:
         if not self.left_pad:
             self.left_pad = [0] * batch
         assert len(self.left_pad) == batch, "store rows and group rows differ"
+        moved = [0] * batch
         if left_pad is not None and any(left_pad):
             for b, pad in enumerate(left_pad):
-                # Padding inside the step is only allowed before a row's first token.
-                assert pad == 0 or self.left_pad[b] == self.size, "padding after real tokens"
-                self.left_pad[b] += pad
+                if self.left_pad[b] == self.size:  # no tokens yet: plain left padding
+                    self.left_pad[b] += pad
+                else:  # padding after real tokens (the MTP head's uneven chunks)
+                    moved[b] = pad
+        size = self.size
         self._append(self.encode(keys, values))
+        if any(moved):
+            # The row's stored tokens move right over the step's padding columns, which
+            # thereby become left padding: one gather, only in steps that need it.
+            self._move_right(moved, [size + m for m in moved])
+            self.left_pad = [p + m for p, m in zip(self.left_pad, moved, strict=True)]
         arrays = [a[:, :, : self.size] for a in self.arrays]
         return arrays, self._mask(length)
 
@@ -238,6 +250,45 @@ class KVStore:
             p + size - other.size for p in other.left_pad
         ]
         self.arrays, self.size = arrays, size
+
+    def rollback(self, drop: list[int]) -> None:
+        """Forget the newest drop[b] tokens of each row b, as if it had never seen them
+        (the drafts a speculative verify rejected; rows reject different counts).
+
+        The part every row drops moves the shared right edge left (no copy). A row that
+        drops `extra` more keeps its columns but shifted right by `extra`, its left pad
+        growing by as much: one batched gather per stored array over the columns that
+        hold any row's tokens. Why shift rather than leave holes: every attention path
+        (dense, affine, TurboQuant, their kernels) already masks a left pad and nothing
+        else; a per-row hole would need a second mask everywhere. Rows that drop the
+        common count (typically most) gather onto themselves. Encoded columns are moved
+        as stored, so quantized kinds need nothing of their own.
+        """
+        assert len(drop) == self.num_rows, "one drop count per row"
+        lengths = self.lengths()
+        assert all(0 <= d <= n for d, n in zip(drop, lengths, strict=True)), (drop, lengths)
+        common = min(drop, default=0)
+        self.size -= common
+        extra = [d - common for d in drop]
+        if any(extra):
+            self._move_right(extra, [self.size] * len(extra))
+        self.left_pad = [p + e for p, e in zip(self.left_pad, extra, strict=True)]
+
+    def _move_right(self, shift: list[int], stop: list[int]) -> None:
+        """Row b's columns below stop[b] take the values shift[b] columns to their left
+        (what moves in from beyond the row's pad is padding: the caller grows left_pad by
+        shift[b]); columns from stop[b] on stay. One gather per stored array, over the
+        columns that hold any row's tokens."""
+        if self.arrays is None:
+            return
+        lo = min(self.left_pad)  # columns before lo are padding for every row
+        by = mx.array(shift, dtype=mx.int32)[:, None, None, None]
+        end = mx.array(stop, dtype=mx.int32)[:, None, None, None]
+        cols = mx.arange(lo, self.size, dtype=mx.int32)[None, None, :, None]
+        src = mx.where(cols < end, mx.maximum(cols - by, lo), cols) - lo  # [B, 1, n, 1]
+        for a in self.arrays:
+            index = mx.broadcast_to(src, (a.shape[0], a.shape[1], src.shape[2], a.shape[3]))
+            a[:, :, lo : self.size] = mx.take_along_axis(a[:, :, lo : self.size], index, axis=2)
 
     def pad_rows(self, count: int) -> None:
         """Append `count` dead rows: no tokens (every column is their padding) and zero

@@ -21,6 +21,9 @@ class SSMState:
         # (conv, ssm) inside the last forward (ForwardGroup.snapshot_at): read by the
         # prefix store's save of that step, then cleared
         self.checkpoint: tuple[mx.array, mx.array] | None = None
+        # (conv [B, L, K-1, C], ssm [B, L, Hv, Dv, Dk]) after each column of the last
+        # verify forward (ForwardGroup.state_slots): read by `select_slots`, then cleared
+        self.slots: tuple[mx.array, mx.array] | None = None
         self._num_rows = num_rows
 
     @property
@@ -39,6 +42,17 @@ class SSMState:
             return
         self.conv = take_rows(self.conv, keep)
         self.ssm = take_rows(self.ssm, keep)
+
+    def select_slots(self, slot: list[int]) -> None:
+        """After a verify forward: row b takes its state after column slot[b] (it kept
+        slot[b] + 1 of the columns; the rest were rejected drafts). One gather per
+        array; the slots are dropped."""
+        assert self.slots is not None, "select_slots without a verify forward"
+        conv, ssm = self.slots
+        assert len(slot) == conv.shape[0] and all(0 <= s < conv.shape[1] for s in slot), slot
+        rows, picked = mx.arange(len(slot)), mx.array(slot, dtype=mx.int32)
+        self.conv, self.ssm = conv[rows, picked], ssm[rows, picked]
+        self.slots = None
 
     def extract(self, row: int) -> SSMState:
         """An independent B=1 copy of `row`."""

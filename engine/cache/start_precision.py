@@ -150,6 +150,18 @@ class PrefixKV:
             self.prefix = [fresh_copy(a[idx]) for a in self.prefix]
         self.plen = [self.plen[i] for i in keep]
 
+    def rollback(self, drop: list[int]) -> None:
+        """KVStore.rollback over both parts: a row's newest tokens leave the quantized
+        part first, and what is left to drop leaves its prefix (plen shrinks; the
+        columns beyond plen are masked, so their stale values never count)."""
+        inner = self.inner.lengths() if self.inner.left_pad else [0] * self.num_rows
+        from_inner = [min(d, n) for d, n in zip(drop, inner, strict=True)]
+        if self.inner.left_pad:
+            self.inner.rollback(from_inner)
+        for b, (d, n) in enumerate(zip(drop, from_inner, strict=True)):
+            assert d - n <= self.plen[b], "dropping more tokens than the row holds"
+            self.plen[b] -= d - n
+
     def extract(self, row: int) -> PrefixKV:
         """An independent B=1 copy of `row`."""
         out = PrefixKV(self.start, self.inner.extract(row))
