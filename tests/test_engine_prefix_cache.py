@@ -108,9 +108,9 @@ def test_chat_turn_snapshot_inside_a_chunk(loaded: LoadedModel, inside: bool) ->
     engine.scheduler.snapshot_in_chunk = inside
     execute, chunks = engine.runner.execute, []
 
-    def recording(out, rows, prev):  # noqa: ANN001, ANN202
-        chunks.extend((c.start, c.length, c.snapshot_at) for c in out.prefill)
-        return execute(out, rows, prev)
+    def recording(plan):  # noqa: ANN001, ANN202
+        chunks.extend((c.start, c.length, c.snapshot_at) for c in plan.prefill)
+        return execute(plan)
 
     engine.runner.execute = recording
     engine.add_request(GenerationRequest("t1", tuple(first), _greedy(), prefix_hint=45))

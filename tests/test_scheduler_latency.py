@@ -7,11 +7,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from plan_utils import sampled
 
 from deltaserve.engine.cache.budget import MemoryBudget, StateCosts
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import LLMEngine
-from deltaserve.engine.plan import SchedulerOutput
+from deltaserve.engine.plan import StepPlan
 from deltaserve.engine.scheduling.scheduler import MIN_PREFILL_TOKENS, Scheduler
 from deltaserve.engine.scheduling.step_cost import HEADROOM, MAX_AGE, ChunkCost
 from deltaserve.engine.types import GenerationRequest, ImageInput, SamplingParams
@@ -40,7 +41,7 @@ class FakeCost:
     def decode_only(self, num_decode: int) -> float:
         return self.base + self.per_row * num_decode
 
-    def seconds(self, out: SchedulerOutput) -> float:
+    def seconds(self, out: StepPlan) -> float:
         num_prefill = sum(c.length for c in out.prefill)
         num_vision = sum(c.vision_tokens for c in out.prefill)
         tower = self.per_vision * num_vision
@@ -60,11 +61,11 @@ def _req(rid: str, prompt_len: int, max_tokens: int = 4) -> GenerationRequest:
     )
 
 
-def _step(s: Scheduler, cost: FakeCost) -> SchedulerOutput:
+def _step(s: Scheduler, cost: FakeCost) -> StepPlan:
     """One step that takes the fake machine's time (planned and updated in lockstep)."""
     out = s.schedule()
     cost.now += cost.seconds(out)
-    s.update(out, [7] * len(out.sample_row_ids), [None] * len(out.sample_row_ids))
+    s.update(out, sampled(out))
     return out
 
 
@@ -76,7 +77,7 @@ def _decoding(s: Scheduler, cost: FakeCost, rows: int = 4, steps: int = 5) -> No
         _step(s, cost)
 
 
-def _prefill_until_done(s: Scheduler, cost: FakeCost, row_id: str) -> list[SchedulerOutput]:
+def _prefill_until_done(s: Scheduler, cost: FakeCost, row_id: str) -> list[StepPlan]:
     outs = []
     while row_id not in s.rows or s.rows[row_id].is_prefilling:
         outs.append(_step(s, cost))
@@ -176,7 +177,7 @@ def test_short_prompt_runs_ahead_of_the_decode_rows() -> None:
     _decoding(s, cost)  # the rows' first step, a 32-token prefill, sampled: learned
     s.add(_req("short", 24), EOS)
     ahead = _step(s, cost)
-    assert not ahead.decode_row_ids and ahead.sample_row_ids == ["short/0"]
+    assert not ahead.decode_row_ids and ahead.sample_row_ids == ("short/0",)
     s.add(_req("next", 24), EOS)
     after = _step(s, cost)
     assert len(after.decode_row_ids) == 5 and [c.row_id for c in after.prefill] == ["next/0"]
@@ -278,7 +279,7 @@ def test_prompt_cut_by_snapshots_does_not_run_ahead(
     out = _step(s, cost)
     assert (not out.decode_row_ids) == ahead
     if ahead:
-        assert out.sample_row_ids == ["short/0"]
+        assert out.sample_row_ids == ("short/0",)
 
 
 @pytest.mark.parametrize("gpu_defaults", [False, True])
@@ -294,14 +295,14 @@ def test_engine_tokens_unchanged_by_prompts_run_ahead_of_the_rows(
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = [tuple(100 + 7 * i + j for j in range(5 + 9 * i)) for i in range(6)]
 
-    def run(factor: float) -> tuple[dict[str, list[int]], list[SchedulerOutput]]:
+    def run(factor: float) -> tuple[dict[str, list[int]], list[StepPlan]]:
         cost = FakeCost(per_row=0.005)  # a decode row costs more than a step's base
         gpu = {"compile_decode": True, "batch_prefill": True} if gpu_defaults else {}
         config = EngineConfig(max_stall_factor=factor, pipeline_steps=pipeline, **gpu)
         engine = LLMEngine(loaded, config, clock=cost)
         plan, outs = engine.scheduler.schedule, []
 
-        def timed() -> SchedulerOutput:
+        def timed() -> StepPlan:
             out = plan()
             cost.now += cost.seconds(out)
             outs.append(out)

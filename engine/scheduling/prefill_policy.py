@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from deltaserve.engine.cache.budget import MemoryBudget
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.plan import PrefillChunk, VisionWork
+from deltaserve.engine.plan import NewRow, PrefillChunk, VisionWork
 from deltaserve.engine.prefix_cache.index import CacheSave, PrefixIndex
 from deltaserve.engine.request import Request, Status
 from deltaserve.engine.scheduling.step_cost import MIN_CHUNK, StepCostModel
@@ -43,6 +43,7 @@ class PrefillPlanning:
     decoding: list[Request]
     rows: dict[str, Request]
     snapshot_in_chunk: bool
+    _new_rows: list[NewRow]
     _saves: list[CacheSave]
     _price: VisionPrice
     _ahead_seconds: float  # predicted cost of the jump just planned (0: none)
@@ -209,7 +210,9 @@ class PrefillPlanning:
         return [r.max_total_tokens() for r in (*self.rows.values(), *joining)]
 
     def _admit(self, req: Request) -> Request:
+        prompt_ids = tuple(req.prompt_ids)  # one tuple for every choice
         for r in (req, *req.children):
+            self._new_rows.append(NewRow(r.row_id, prompt_ids, r.params, r.index, r.media))
             r.reserved_bytes = self.budget.row_bytes(r.max_total_tokens())
             self.budget.reserve(r.reserved_bytes)
             r.status = Status.FORKED if r is not req else Status.RUNNING

@@ -1,7 +1,8 @@
 """Scheduling policy: admission, chunked prefill under a token budget, finishing, abort.
 
 Pure Python: no mx.array here. Row state lives with the runner; the scheduler tells it,
-through SchedulerOutput, which rows exist, which run, and which were freed or forked.
+through each StepPlan, which rows exist (a new one with its prompt), which run, and which
+were freed or forked.
 
 Latency bound: the scheduler times its own steps (schedule() to update(), with the
 engine's clock) and feeds a StepCostModel, which sizes the prefill of steps that hold
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from deltaserve.engine.api import QueueFullError
 from deltaserve.engine.cache.budget import MemoryBudget
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.plan import SchedulerOutput
+from deltaserve.engine.plan import NewRow, StepPlan, StepResult
 from deltaserve.engine.prefix_cache.index import CacheSave, PrefixIndex
 from deltaserve.engine.request import Request, Status, choices_of
 from deltaserve.engine.scheduling.prefill_policy import MIN_PREFILL_TOKENS, PrefillPlanning
@@ -61,6 +62,7 @@ class Scheduler(PrefillPlanning):
         self.prefilling: list[Request] = []  # running rows still consuming their prompt
         self.decoding: list[Request] = []  # decode batch, in row order
         self.rows: dict[str, Request] = {}  # every row that holds state (row_id -> request)
+        self._new_rows: list[NewRow] = []  # admitted since the last plan
         self._freed: list[str] = []
         self._forks: list[tuple[str, str]] = []
         self._promote_next: list[Request] = []  # final chunk scheduled; decode from next step
@@ -116,7 +118,7 @@ class Scheduler(PrefillPlanning):
         return len(self.rows)
 
     # -- the step -----------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> StepPlan:
         """Plan one step under the token budget.
 
         Every decoding row runs one token. Prefill gets an allowance: the rest of the token
@@ -138,7 +140,8 @@ class Scheduler(PrefillPlanning):
             chunks, decoding = self._plan_prefill(self._prefill_allowance()), self.decoding
             self._ahead_seconds = 0.0
         num_prefill = sum(c.length for c in chunks)
-        out = SchedulerOutput(
+        out = StepPlan(
+            new_rows=tuple(self._new_rows),
             decode_row_ids=tuple(r.row_id for r in decoding),
             decode_token_ids=tuple(
                 -1 if r.row_id in self._pending else r.output_ids[-1] for r in decoding
@@ -170,7 +173,7 @@ class Scheduler(PrefillPlanning):
         self._pending = {r: i for i, r in enumerate(out.sample_row_ids)}
         self._pending_step = self._num_steps
         self._num_steps += 1
-        self._freed, self._forks = [], []
+        self._new_rows, self._freed, self._forks = [], [], []
         return out
 
     def _prefill_allowance(self) -> int:
@@ -221,25 +224,21 @@ class Scheduler(PrefillPlanning):
         self._promise = allowance
 
     # -- after the forward ----------------------------------------------------------------
-    def update(
-        self,
-        out: SchedulerOutput,
-        tokens: list[int],
-        logprobs: list[TokenLogprob | None],
-    ) -> list[RequestOutput]:
+    def update(self, out: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Append the step's sampled tokens and finish rows; returns the deltas."""
         self._observe_step_time(out)
         if out.step == self._pending_step:
             self._pending = {}  # planned and updated in lockstep: every token is known
         outputs = []
-        for row_id, token, lp in zip(out.sample_row_ids, tokens, logprobs, strict=True):
+        rows = zip(result.row_ids, result.token_ids, result.logprobs, strict=True)
+        for row_id, token, lp in rows:
             req = self.rows.get(row_id)
             if req is None or req.is_finished:
                 continue  # finished while this step was in flight: its token is dropped
             outputs.append(self._append(req, token, lp))
         return outputs
 
-    def _observe_step_time(self, out: SchedulerOutput) -> None:
+    def _observe_step_time(self, out: StepPlan) -> None:
         """Feed the step's wall time (StepTimer) to the cost model."""
         done = self._clock()
         seconds, settled = self._timer.completed(out.step, done)
@@ -309,5 +308,6 @@ class Scheduler(PrefillPlanning):
         self.budget.clear()
         self.prefilling, self.decoding, self._pending = [], [], {}
         self._promote_next, self._freed, self._forks, self._saves = [], [], [], []
+        self._new_rows = []
         self._ahead_seconds = 0.0
         return outputs
