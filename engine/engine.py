@@ -28,7 +28,7 @@ from deltaserve.engine.cache.rows import RowStates, decode_bucket
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.decode import CompiledDecode
 from deltaserve.engine.parallel.step_leader import StepLeader
-from deltaserve.engine.plan import StepPlan, StepResult
+from deltaserve.engine.plan import StepPlan
 from deltaserve.engine.prefix_cache.disk import PrefixDisk, checkpoint_identity
 from deltaserve.engine.prefix_cache.index import PrefixIndex
 from deltaserve.engine.request import row_id_of
@@ -119,12 +119,20 @@ class LLMEngine:
         self._log_budget()
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.prefix_cache = self._prefix_index()
-        self.scheduler = Scheduler(
-            self.config, self.budget, self.max_context, clock, self.prefix_cache, self.chunk_cost
-        )
+        self.constraints = RowConstraints(self.grammar_compiler(), cfg.vocab_size, self.eos_ids)
         # An eager DeltaNet prefill keeps a snapshot's state mid-chunk at the cost of one
         # more core call; compiled, the snapshot ends the chunk (the compiled call stays one)
-        self.scheduler.snapshot_in_chunk = not self.platform.compile_prefill
+        in_chunk = not self.platform.compile_prefill
+        self.scheduler = Scheduler(
+            self.config,
+            self.budget,
+            self.max_context,
+            clock,
+            self.prefix_cache,
+            self.chunk_cost,
+            snapshot_in_chunk=in_chunk,
+            on_release=(self.constraints.release,),  # a row's matcher goes with it
+        )
         kv_factory = kv_store_factory(self.config.kv_cache)
         compiled = self._compiled_decode()
         # A compiled step retraces per batch size: hold the decode batch at bucket sizes.
@@ -137,7 +145,6 @@ class LLMEngine:
         vision = VisionInputs(loaded.model, loaded.vision, loaded.dtype)
         # in lockstep the step's tokens are read back at once: no graph needs them lazily
         sampler = Sampler(lazy_tokens=self.pipeline)
-        self.constraints = RowConstraints(self.grammar_compiler(), cfg.vocab_size, self.eos_ids)
         self.runner = ModelRunner(
             loaded.model, self.states, sampler, compiled, batch_prefill, vision, self.constraints
         )
@@ -250,12 +257,7 @@ class LLMEngine:
         return grammar_compiler(self.loaded.path, cfg.vocab_size, eos, timeout)
 
     def abort(self, request_id: str) -> list[RequestOutput]:
-        return self._released(self.scheduler.abort(request_id))
-
-    def _released(self, deltas: list[RequestOutput]) -> list[RequestOutput]:
-        """Drop the grammar matchers of the choices that these deltas finish."""
-        self.constraints.release(row_id_of(d.request_id, d.index) for d in deltas if d.finished)
-        return deltas
+        return self.scheduler.abort(request_id)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
@@ -275,7 +277,7 @@ class LLMEngine:
             if plan.is_empty:  # it only frees rows
                 return deltas
             result = self.runner.read_back(self.runner.sample(output))
-            return deltas + self._update(plan, result)
+            return deltas + self.scheduler.update(plan, result)
 
     def _guard(self) -> contextlib.AbstractContextManager[None]:
         """With tensor parallelism, a step's collectives and read-back wait on the other
@@ -311,15 +313,11 @@ class LLMEngine:
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return []
-        return self._update(inflight.plan, self.runner.read_back(inflight.sampled))
-
-    def _update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        return self._released(self.scheduler.update(plan, result))
+        return self.scheduler.update(inflight.plan, self.runner.read_back(inflight.sampled))
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """A step raised: every request ends with the error; states start over."""
         self._inflight = None
-        self.constraints.clear()
         self.runner.reset()
         if self.leader is not None:
             self.leader.fail(error)

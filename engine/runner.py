@@ -137,8 +137,7 @@ class ModelRunner:
         """Queue the step's forward (mx.async_eval) and return the logits of the rows
         that sample. Decode inputs still pending (StepPlan.decode_sources) are gathered
         from the last sampled step's tokens, possibly not computed yet."""
-        self.rows.apply(plan)
-        self.states.sync(plan.decode_row_ids, plan.freed_row_ids, plan.forks, plan.decode_rows_wait)
+        self._apply_rows(plan)
         if plan.cache_loads:
             self.states.load_prefix(plan.cache_loads)
         for chunk in plan.prefill:
@@ -153,7 +152,7 @@ class ModelRunner:
         cohorts = self._cohorts(plan.prefill)
         groups += [self._prefill_group(plan.prefill, c) for c in cohorts]
         if self.vision is not None:
-            self.vision.release(plan.prefill, rows, plan.freed_row_ids)
+            self.vision.release(plan.prefill, rows)
         hidden = self.model(groups) if groups else []
         prefill_hidden = hidden[len(groups) - len(cohorts) :]
         last = [hidden[0][:, -1]] if plan.decode_row_ids and decode_logits is None else []
@@ -177,6 +176,15 @@ class ModelRunner:
         pending += features  # a tower pass whose tokens come in a later chunk
         mx.async_eval(*pending, *([logits] if logits is not None else []))
         return ModelOutput(plan.step, plan.sample_row_ids, logits)
+
+    def _apply_rows(self, plan: StepPlan) -> None:
+        """The plan's row changes, in one place: a freed row's inputs, tokens, state and
+        vision features go; new rows come; forks copy; the decode batch takes its order."""
+        self.rows.apply(plan)
+        if self.vision is not None:
+            self.vision.forget(plan.freed_row_ids)
+        hold = plan.decode_rows_wait
+        self.states.sync(plan.decode_row_ids, plan.freed_row_ids, plan.forks, hold)
 
     def sample(self, output: ModelOutput) -> SampledStep:
         """Queue one draw per sampling row, under its grammar's mask. Called once the

@@ -48,11 +48,12 @@ class FakeCost:
         return self.decode_only(len(out.decode_row_ids)) + self.per_token * num_prefill + tower
 
 
-def _scheduler(cost: FakeCost, **kw) -> Scheduler:
+def _scheduler(cost: FakeCost, snapshot_in_chunk: bool = False, **kw) -> Scheduler:
     cfg = EngineConfig(
         **{"max_num_seqs": 16, "max_num_batched_tokens": BUDGET, "max_prefill_chunk": 512, **kw}
     )
-    return Scheduler(cfg, MemoryBudget(10**9, StateCosts(10, 100)), 20000, clock=cost)
+    budget = MemoryBudget(10**9, StateCosts(10, 100))
+    return Scheduler(cfg, budget, 20000, clock=cost, snapshot_in_chunk=snapshot_in_chunk)
 
 
 def _req(rid: str, prompt_len: int, max_tokens: int = 4) -> GenerationRequest:
@@ -271,8 +272,7 @@ def test_prompt_cut_by_snapshots_does_not_run_ahead(
     the chunk there unless the forward keeps it inside (snapshot_in_chunk, one at most);
     one at its very end does not cut it."""
     cost = FakeCost()
-    s = _scheduler(cost)
-    s.snapshot_in_chunk = in_chunk
+    s = _scheduler(cost, snapshot_in_chunk=in_chunk)
     _decoding(s, cost)
     s.add(_req("short", 24), EOS)
     s.waiting[0].snapshot_at = list(snapshots)
@@ -374,7 +374,7 @@ def test_stale_token_cost_is_not_used_after_the_load_changed() -> None:
     s = _scheduler(cost)
     _decoding(s, cost)
     s.add(_req("text", 600, max_tokens=1), EOS)  # done on its first token: 4 rows stay
-    while s.waiting or s.prefilling:
+    while s.waiting or s.state.prefilling:
         _step(s, cost)
     assert s.step_cost.prefill_allowance(4, 2.0) == 238  # learned: 0.05 ms a token
     for _ in range(3):
@@ -401,7 +401,7 @@ def test_a_measured_fixed_chunk_cost_past_the_bound_takes_the_budget(
     s = Scheduler(cfg, MemoryBudget(10**9, StateCosts(10, 100)), 20000, cost, None, measured)
     _decoding(s, cost)
     s.add(_req("long", 3000), EOS)
-    with caplog.at_level("INFO", logger="deltaserve.engine.scheduling.scheduler"):
+    with caplog.at_level("INFO", logger="deltaserve.engine.scheduling.prefill_policy"):
         outs = _prefill_until_done(s, cost, "long/0")
     assert [out.num_tokens - len(out.decode_row_ids) for out in outs[:5]] == [BUDGET - 4] * 5
     assert all(len(out.decode_row_ids) == 4 for out in outs)

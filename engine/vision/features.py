@@ -124,20 +124,21 @@ class VisionInputs:
         spliced = mx.concatenate(table, axis=0)[mx.array(take)]
         return mx.where(mx.array(is_image)[..., None], spliced, embeds)
 
-    def release(
-        self, chunks: Sequence[PrefillChunk], rows: Mapping[str, NewRow], freed: Sequence[str]
-    ) -> None:
-        """Forget features every chunk of their image has used, and those of freed rows
-        (the step's graph keeps what it still reads)."""
-        done = set(freed)
+    def release(self, chunks: Sequence[PrefillChunk], rows: Mapping[str, NewRow]) -> None:
+        """Forget features every chunk of their image has used (the step's graph keeps
+        what it still reads)."""
         for chunk in chunks:
-            media = rows[chunk.row_id].media if chunk.row_id in rows else None
+            media = rows[chunk.row_id].media
             if media is None:
                 continue
             end = chunk.start + chunk.length
             for i, (_, b) in enumerate(media.spans):
                 if b <= end:
                     self._features.pop((chunk.row_id, i), None)
+
+    def forget(self, row_ids: Sequence[str]) -> None:
+        """Drop the features and passes of freed rows."""
+        done = set(row_ids)
         for table in (self._features, self._passes):
             for key in [k for k in table if k[0] in done]:
                 del table[key]
