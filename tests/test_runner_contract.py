@@ -138,3 +138,26 @@ def test_a_rows_inputs_come_once_and_again_for_a_new_row_of_the_same_id() -> Non
     s.add(GenerationRequest("a", (4, 5), GREEDY), frozenset())
     again = s.schedule()
     assert [(r.row_id, r.prompt_ids) for r in again.new_rows] == [("a/0", (4, 5))]
+
+
+def test_finish_abort_and_fail_all_release_each_row_through_the_table() -> None:
+    """Every way a choice ends runs the row table's release hook once per choice (a
+    waiting one's too), gives its budget share back, and frees a held row on the workers."""
+    released: list[str] = []
+    budget = MemoryBudget(10**9, StateCosts(kv_bytes_per_token=10, ssm_bytes_per_row=100))
+    s = Scheduler(CONFIG, budget, max_context=4096, on_release=(released.extend,))
+    s.add(GenerationRequest("a", (1, 2, 3), GREEDY, 2), frozenset())
+    s.add(GenerationRequest("b", (4, 5), SamplingParams(max_tokens=1)), frozenset())
+    plan = s.schedule()
+    s.update(plan, sampled(plan))  # b finishes on its first token
+    assert released == ["b/0"] and s.schedule().freed_row_ids == ("b/0",)
+    s.abort("a")
+    assert sorted(released) == ["a/0", "a/1", "b/0"] and budget.reserved == 0
+    assert set(s.schedule().freed_row_ids) == {"a/0", "a/1"}
+    released.clear()
+    s.add(GenerationRequest("c", (1, 2), GREEDY), frozenset())
+    s.schedule()
+    s.add(GenerationRequest("d", (3,), GREEDY, 2), frozenset())  # still waiting
+    assert [d.finish_reason for d in s.fail_all("boom")] == ["error"] * 3
+    assert sorted(released) == ["c/0", "d/0", "d/1"]
+    assert budget.reserved == 0 and not s.has_work() and not s.schedule().freed_row_ids
