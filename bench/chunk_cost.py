@@ -40,7 +40,7 @@ def _prefill(engine: LLMEngine, request_id: str, pick: Callable[[int], int], tim
     """Run steps until `request_id` is done; step k runs a chunk of pick(k) tokens (0: a
     decode-only step) and its wall time goes to times[pick(k)]."""
     forced = {"tokens": 0}
-    engine.scheduler._prefill_allowance = lambda: forced["tokens"]
+    engine.scheduler.stall.allowance = lambda: forced["tokens"]
     step = 0
     while any(r.request_id == request_id for r in engine.scheduler.rows.values()) or (
         engine.scheduler.waiting

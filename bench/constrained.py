@@ -279,7 +279,7 @@ def _steady_steps(engine, rows: int, steps: int, temperature: float, spec) -> di
     step_s, mask_s = [], []
     while engine.has_work():
         sched = engine.scheduler
-        steady = len(sched.decoding) == rows and not (sched.waiting or sched.prefilling)
+        steady = len(sched.state.decoding) == rows and not (sched.waiting or sched.state.prefilling)
         timed["s"] = 0.0
         start = time.perf_counter()
         engine.step()

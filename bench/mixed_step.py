@@ -113,16 +113,16 @@ def engine_lines(
         ids = tuple(rng.randrange(1000, 50000) for _ in range(rng.randrange(32, 200)))
         engine.add_request(GenerationRequest(f"r{i}", ids, params))
     t0 = time.perf_counter()
-    while len(engine.scheduler.decoding) < rows:
+    while len(engine.scheduler.state.decoding) < rows:
         start = time.perf_counter()
         engine.step()
         print(json.dumps({"warm_step_ms": round(1e3 * (time.perf_counter() - start), 1),
-                          "decoding": len(engine.scheduler.decoding),
+                          "decoding": len(engine.scheduler.state.decoding),
                           "t": round(time.perf_counter() - t0, 1)}), flush=True)  # fmt: skip
     for _ in range(8):
         engine.step()
     forced = {"tokens": 0}
-    engine.scheduler._prefill_allowance = lambda: forced["tokens"]
+    engine.scheduler.stall.allowance = lambda: forced["tokens"]
     execute = engine.runner.execute
     cpu = {"s": 0.0}
 

@@ -164,17 +164,17 @@ def engine_step_lines(path: str, batch: int, prompt: int, gen: int, compiled: bo
                 setattr(runner.states, name, _timing(inner, phases, "row_state_ops"))
         execute = engine.runner.execute
 
-        def wrapped(out, rows, prev, execute=execute, timed=timed):
+        def wrapped(out, execute=execute, timed=timed):
             mx.synchronize()
             start = time.perf_counter()
-            logits = execute(out, rows, prev)
-            if logits is not None:
-                mx.eval(logits)
+            output = execute(out)
+            if output.logits is not None:
+                mx.eval(output.logits)
             mx.synchronize()
             if timed:
                 tokens = sum(c.length for c in out.prefill)
                 steps.append((tokens, len(out.decode_row_ids), time.perf_counter() - start))
-            return logits
+            return output
 
         engine.runner.execute = wrapped
         params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)

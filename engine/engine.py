@@ -1,4 +1,4 @@
-"""The synchronous engine: one step = schedule -> execute -> sample -> update.
+"""The synchronous engine: one step = schedule -> execute -> update.
 
 Used directly for offline generation (benchmarks, tests) and driven by the engine thread
 of AsyncEngine for serving. Not thread-safe: exactly one thread calls into it.
@@ -6,6 +6,7 @@ of AsyncEngine for serving. Not thread-safe: exactly one thread calls into it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -28,16 +29,16 @@ from deltaserve.engine.compiled_prefill import CompiledPrefill
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.decode import CompiledDecode
 from deltaserve.engine.parallel.step_leader import StepLeader
-from deltaserve.engine.plan import SchedulerOutput
+from deltaserve.engine.plan import StepPlan
 from deltaserve.engine.prefix_cache.disk import PrefixDisk, checkpoint_identity
 from deltaserve.engine.prefix_cache.index import PrefixIndex
-from deltaserve.engine.request import Request
-from deltaserve.engine.runner import ModelRunner
-from deltaserve.engine.sampling.sampler import SampledBatch, Sampler, SamplingRow
+from deltaserve.engine.request import row_id_of
+from deltaserve.engine.runner import ModelRunner, SampledStep
+from deltaserve.engine.sampling.sampler import Sampler
 from deltaserve.engine.scheduling.chunk_cost import measure_chunk_cost
 from deltaserve.engine.scheduling.scheduler import Scheduler
 from deltaserve.engine.structured.grammar import GrammarCompiler, grammar_compiler
-from deltaserve.engine.structured.matchers import RowConstraints, RowKey
+from deltaserve.engine.structured.matchers import RowConstraints
 from deltaserve.engine.types import GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
 from deltaserve.engine.vision.features import VisionInputs
 from deltaserve.engine.vision.media import prepare_media
@@ -54,10 +55,8 @@ WARM_UP_GPU_SECONDS = 60.0  # EngineConfig.warm_up_seconds unset on Metal/CUDA (
 class _InFlight:
     """A step whose forward and sampling are queued but not read back yet."""
 
-    out: SchedulerOutput
-    sampled: SampledBatch | None
-    rows: list[SamplingRow]
-    keys: list[RowKey]  # (request_id, choice) of each row, for the grammar matchers
+    plan: StepPlan
+    sampled: SampledStep
 
 
 @dataclass
@@ -126,12 +125,20 @@ class LLMEngine:
         self._log_budget()
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.prefix_cache = self._prefix_index()
-        self.scheduler = Scheduler(
-            self.config, self.budget, self.max_context, clock, self.prefix_cache, self.chunk_cost
-        )
+        self.constraints = RowConstraints(self.grammar_compiler(), cfg.vocab_size, self.eos_ids)
         # An eager DeltaNet prefill keeps a snapshot's state mid-chunk at the cost of one
         # more core call; compiled, the snapshot ends the chunk (the compiled call stays one)
-        self.scheduler.snapshot_in_chunk = not self.platform.compile_prefill
+        in_chunk = not self.platform.compile_prefill
+        self.scheduler = Scheduler(
+            self.config,
+            self.budget,
+            self.max_context,
+            clock,
+            self.prefix_cache,
+            self.chunk_cost,
+            snapshot_in_chunk=in_chunk,
+            on_release=(self.constraints.release,),  # a row's matcher goes with it
+        )
         kv_factory = kv_store_factory(self.config.kv_cache)
         compiled = self._compiled_decode()
         # A compiled step retraces per batch size: hold the decode batch at bucket sizes.
@@ -142,18 +149,18 @@ class LLMEngine:
         self.states = RowStates(lambda: BatchState.empty(cfg, kv_factory), bucket, cached, disk)
         batch_prefill = self.platform.batch_prefill
         vision = VisionInputs(loaded.model, loaded.vision, loaded.dtype)
+        # in lockstep the step's tokens are read back at once: no graph needs them lazily
+        sampler = Sampler(lazy_tokens=self.pipeline)
         self.runner = ModelRunner(
-            loaded.model, self.states, compiled, batch_prefill, vision, self.compiled_prompts
-        )
+            loaded.model, self.states, sampler, compiled, batch_prefill, vision,
+            self.constraints, self.compiled_prompts,
+        )  # fmt: skip
         warm = self.config.warm_up_seconds
         warm = (WARM_UP_GPU_SECONDS if gpu else 0.0) if warm is None else warm
         if warm > 0 and leader is None and loaded.parallel is None:
             new_state = partial(BatchState.empty, cfg, kv_factory)
             chunk = self.config.max_prefill_chunk
             warm_up(new_state, self.compiled_prompts, compiled, chunk, max_rows, warm)
-        # in lockstep the step's tokens are read back at once: no graph needs them lazily
-        self.sampler = Sampler(lazy_tokens=self.pipeline)
-        self.constraints = RowConstraints(self.grammar_compiler(), cfg.vocab_size, self.eos_ids)
         self._inflight: _InFlight | None = None
 
     def _budget_bytes(self) -> int:
@@ -250,7 +257,8 @@ class LLMEngine:
         compiled = self.constraints.compile(request.params.constraint)
         self.scheduler.add(request, self.eos_ids, media)
         if compiled is not None:
-            self.constraints.add(request.request_id, request.n, compiled, request.params)
+            row_ids = [row_id_of(request.request_id, i) for i in range(request.n)]
+            self.constraints.add(row_ids, compiled, request.params)
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The process's grammar compiler for this model, registered for the server
@@ -262,98 +270,68 @@ class LLMEngine:
         return grammar_compiler(self.loaded.path, cfg.vocab_size, eos, timeout)
 
     def abort(self, request_id: str) -> list[RequestOutput]:
-        return self._released(self.scheduler.abort(request_id))
-
-    def _released(self, deltas: list[RequestOutput]) -> list[RequestOutput]:
-        """Drop the grammar matchers of the choices that these deltas finish."""
-        self.constraints.release((d.request_id, d.index) for d in deltas if d.finished)
-        return deltas
+        return self.scheduler.abort(request_id)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step and return every delta it produced.
+        """Run one engine step, schedule -> execute -> update, and return its deltas. A
+        step that overlaps the next (_overlaps) is read back in the next call instead."""
+        with self._guard():
+            plan = self.scheduler.schedule()
+            if self.leader is not None:
+                self.leader.publish(plan)
+            if self._overlaps(plan):
+                return self._pipelined(plan)
+            deltas = self._drain()  # a pipelined step still in flight comes first
+            output = self.runner.execute(plan)
+            if plan.is_empty:  # it only frees rows
+                return deltas
+            result = self.runner.read_back(self.runner.sample(output))
+            return deltas + self.scheduler.update(plan, result)
 
-        Pipelined (config.pipeline_steps): step N is planned and its graph queued
-        (mx.async_eval) before step N-1's tokens are read back, so Python's scheduling and
-        graph building overlap the device; decode rows take their input from N-1's lazy
-        sampled tokens. A row that finished at N-1 computes one discarded token at N.
-        Steps with prompt work next to decoding rows run in lockstep (see _step).
-        """
+    def _guard(self) -> contextlib.AbstractContextManager[None]:
+        """With tensor parallelism, a step's collectives and read-back wait on the other
+        ranks: a hung rank ends the group instead of hanging it."""
         if self.leader is None:
-            return self._step()
-        # the step's collectives and read-back wait on the other ranks: a hung rank ends
-        # the group instead of hanging it
-        with self.leader.watchdog.guard("a step's collectives"):
-            return self._step()
+            return contextlib.nullcontext()
+        return self.leader.watchdog.guard("a step's collectives")
 
-    def _step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
-        if self.leader is not None:
-            self.leader.publish(out, self.scheduler.rows)
-        prev = self._inflight
-        prev_tokens = prev.sampled.tokens if prev is not None and prev.sampled else None
-        requests = [self.scheduler.rows[r] for r in out.sample_row_ids]
-        # A step with prompt work next to decoding rows runs in lockstep: the scheduler
-        # sizes that work from measured step times, and a pipelined step's measured time
-        # held part of the next step's prefill (CPU step logs: ~0.017 s per next-step
-        # token against 0.009 s per own token; in lockstep 0.032 own, ~0 next), so
-        # prompt tokens were priced at a third and such steps overshot the stall bound.
-        # So does one that samples a prompt's first token: read back now, not after the
-        # next step's graph is built (and a max_tokens=1 row then plans no wasted step).
-        first = any(c.sample_row_ids for c in out.prefill)
-        lockstep = not self.pipeline or bool(out.prefill and (out.decode_row_ids or first))
-        deltas = self._complete_inflight() if lockstep else []
-        logits = self.runner.execute(out, self.scheduler.rows, prev_tokens)
-        deltas += self._complete_inflight()  # pipelined: reads N-1 back while N computes
-        if not out.is_empty:
-            self._inflight = _InFlight(out, *self._sample(logits, requests))
-        if lockstep:
-            deltas += self._complete_inflight()
+    def _overlaps(self, plan: StepPlan) -> bool:
+        """Whether `plan` runs pipelined (config.pipeline_steps). A step with prompt work
+        next to decoding rows runs in lockstep: the scheduler sizes that work from measured
+        step times, and a pipelined step's measured time held part of the next step's
+        prefill, so prompt tokens were priced low and such steps overshot the stall bound.
+        So does one that samples a prompt's first token: read back now, not after the next
+        step's graph is built (and a max_tokens=1 row then plans no wasted step)."""
+        first = any(c.sample_row_ids for c in plan.prefill)
+        return self.pipeline and not (plan.prefill and (plan.decode_row_ids or first))
+
+    def _pipelined(self, plan: StepPlan) -> list[RequestOutput]:
+        """Step N's forward is queued (mx.async_eval) before step N-1's tokens are read
+        back, so Python's scheduling and graph building overlap the device; decode rows
+        take their input from N-1's lazy sampled tokens. N samples after N-1's update, so
+        seeds, penalties and grammar masks see every earlier token. A row that finished
+        at N-1 computes one discarded token at N."""
+        output = self.runner.execute(plan)
+        deltas = self._drain()  # N-1 read back while N computes
+        if not plan.is_empty:
+            self._inflight = _InFlight(plan, self.runner.sample(output))
         return deltas
 
-    def _sample(
-        self, logits: mx.array | None, requests: list[Request]
-    ) -> tuple[SampledBatch | None, list[SamplingRow], list[RowKey]]:
-        if logits is None:
-            return None, [], []
-        # Built after the previous step's tokens were appended: seeds and penalties see
-        # every earlier token whether or not the steps are pipelined.
-        rows = [
-            SamplingRow(r.params, r.prompt_ids, r.output_ids, r.index, r.forced_token())
-            for r in requests
-        ]
-        keys = [(r.request_id, r.index) for r in requests]
-        # Computed while the device runs this step's forward (queued by the runner).
-        mask = self.constraints.masks(keys) if len(self.constraints) else None
-        sampled = self.sampler.sample(logits, rows, mask.bits if mask is not None else None)
-        mx.async_eval(*sampled.arrays())
-        return sampled, rows, keys
-
-    def _complete_inflight(self) -> list[RequestOutput]:
+    def _drain(self) -> list[RequestOutput]:
         """Read back the step in flight (blocks until computed) and apply its tokens."""
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return []
-        if inflight.sampled is None:
-            deltas = self.scheduler.update(inflight.out, [], [])
-        else:
-            tokens, logprobs = inflight.sampled.to_python(inflight.rows)
-            self.constraints.accept(inflight.keys, tokens)
-            deltas = self._released(self.scheduler.update(inflight.out, tokens, logprobs))
-        self.runner.flush_saves()  # behind the tokens just read (ModelRunner.flush_saves)
-        return deltas
+        return self.scheduler.update(inflight.plan, self.runner.read_back(inflight.sampled))
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """A step raised: every request ends with the error; states start over."""
         self._inflight = None
-        self.constraints.clear()
-        self.runner.discard_saves()
-        self.states.reset()
-        if self.runner.vision is not None:
-            self.runner.vision.clear()
+        self.runner.reset()
         if self.leader is not None:
             self.leader.fail(error)
         return self.scheduler.fail_all(error)

@@ -1,7 +1,12 @@
-"""One step's plan: what the scheduler decided and the runner executes.
+"""The contract between the scheduler and the runner: one step's plan, and its result.
 
-Plain data (no mx.array), written by the scheduler, read by the runner and by the
-scheduler's update() once the step's tokens are known.
+A StepPlan is all a worker needs to run a step: a row's prompt, images and sampling
+parameters come once, in `new_rows`, the first time the row appears; after that plans
+name the row by id. So the runner never reads scheduler state, and a tensor-parallel
+follower runs the very plan rank 0 runs. Plain data (no mx.array), frozen.
+
+A StepResult is what the step computed, read back: the runner writes it, the
+scheduler's update() reads it.
 """
 
 from __future__ import annotations
@@ -9,21 +14,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deltaserve.engine.prefix_cache.index import CacheDrop, CacheLoad, CacheSave
+from deltaserve.engine.types import SamplingParams, TokenLogprob
+from deltaserve.engine.vision.media import PromptMedia, VisionWork
+
+__all__ = ["NewRow", "PrefillChunk", "StepPlan", "StepResult", "VisionWork"]
 
 
-@dataclass(frozen=True)
-class VisionWork:
-    """Blocks [start, stop) of one image's vision-tower pass (start 0: the patch
-    embedding runs first; stop = depth: the merger runs after, giving the features)."""
+@dataclass(frozen=True, eq=False)
+class NewRow:
+    """A row's first plan: what the worker keeps until the row is freed. Written by the
+    scheduler when it admits the row (a request's n > 1 choices come together)."""
 
-    image: int  # index into the row's images
-    start: int
-    stop: int
+    row_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    index: int  # choice index: seeds the row's draws
+    media: PromptMedia | None = None  # the prompt's images (None: text only)
 
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """prompt_ids[start : start + length] of one row, run as its own [1, length] group."""
+    """prompt_ids[start : start + length] of one row, run as its own [1, length] group.
+    Written by the scheduler's chunking policy."""
 
     row_id: str
     start: int
@@ -43,33 +55,49 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
-class SchedulerOutput:
-    """One step's plan. Written by the scheduler, read by the runner and update()."""
+class StepPlan:
+    """One step. Written by Scheduler.schedule(); run by ModelRunner.execute on every
+    rank; read back by Scheduler.update(). `StepPlan()` is a plan that runs nothing."""
 
-    decode_row_ids: tuple[str, ...]  # decode batch, in batch order: one token per row
-    # Input of each decode row: its last token id when known, else -1 and then
-    # decode_sources[i] is the row's index in the previous step's sampled tokens (that step
-    # is still in flight when this one is built: see LLMEngine.step).
-    decode_token_ids: tuple[int, ...]
-    decode_sources: tuple[int, ...]
-    decode_positions: tuple[int, ...]  # rotary position of each decode row's input token
-    prefill: tuple[PrefillChunk, ...]  # prefill chunks, one group each
-    freed_row_ids: tuple[str, ...]  # finished/aborted since last step: drop their state
-    forks: tuple[tuple[str, str], ...]  # (child, parent): copy parent's prefilled state
-    num_tokens: int  # tokens run this step (<= max_num_batched_tokens)
     step: int = 0  # sequence number of this plan
+    # Rows seen for the first time (their prompt, images, sampling parameters): the
+    # worker keeps them until they appear in freed_row_ids
+    new_rows: tuple[NewRow, ...] = ()
+    freed_row_ids: tuple[str, ...] = ()  # finished/aborted since the last plan: drop them
+    forks: tuple[tuple[str, str], ...] = ()  # (child, parent): copy parent's prefilled state
+    decode_row_ids: tuple[str, ...] = ()  # decode batch, in batch order: one token per row
+    # Input of each decode row: its last token id when known, else -1 and then
+    # decode_sources[i] is the row's index in the previous plan's sampled tokens (that
+    # step is still in flight when this one is built: see LLMEngine.step).
+    decode_token_ids: tuple[int, ...] = ()
+    decode_sources: tuple[int, ...] = ()
+    decode_positions: tuple[int, ...] = ()  # rotary position of each decode row's input
+    # The decode batch sits this step out (prompts run ahead of it: the scheduler's
+    # run-ahead policy): its rows keep their state and place; decode_row_ids is empty.
+    decode_rows_wait: bool = False
+    prefill: tuple[PrefillChunk, ...] = ()  # prefill chunks, one group each
+    num_tokens: int = 0  # tokens run this step (<= max_num_batched_tokens)
     cache_saves: tuple[CacheSave, ...] = ()  # rows to snapshot after their chunk ran
     cache_drop: CacheDrop | None = None  # prefix-cache arrays to free after the step
     cache_loads: tuple[CacheLoad, ...] = ()  # prefix-cache nodes read back from disk
-    # The decode batch sits this step out (prompts run ahead of it: PrefillPlanning.
-    # _plan_jump): its rows keep their state and place; decode_row_ids is empty.
-    decode_rows_wait: bool = False
 
     @property
-    def sample_row_ids(self) -> list[str]:
+    def sample_row_ids(self) -> tuple[str, ...]:
         """Rows that sample this step, in logits order (decode rows, then final chunks)."""
-        return list(self.decode_row_ids) + [r for c in self.prefill for r in c.sample_row_ids]
+        return self.decode_row_ids + tuple(r for c in self.prefill for r in c.sample_row_ids)
 
     @property
     def is_empty(self) -> bool:
+        """Whether the step runs no model work (it may still free or add rows)."""
         return not self.decode_row_ids and not self.prefill
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A step's sampled tokens, read back. Written by the runner (ModelRunner.read_back),
+    read by Scheduler.update(); one entry per sampling row, in plan order."""
+
+    step: int = 0  # the plan's sequence number
+    row_ids: tuple[str, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob | None, ...] = ()

@@ -16,6 +16,11 @@ from deltaserve.engine.types import (
 from deltaserve.engine.vision.media import PromptMedia, VisionProgress
 
 
+def row_id_of(request_id: str, index: int) -> str:
+    """The row id of choice `index` of a request: unique among live rows."""
+    return f"{request_id}/{index}"
+
+
 class Status(Enum):
     WAITING = "waiting"  # queued; holds no row and no memory
     FORKED = "forked"  # choice > 0 of an n > 1 request: waits for its parent's prefill
@@ -61,7 +66,7 @@ class Request:
     @property
     def row_id(self) -> str:
         """Unique id of this choice's row."""
-        return f"{self.request_id}/{self.index}"
+        return row_id_of(self.request_id, self.index)
 
     @property
     def key_ids(self) -> list[int] | tuple[int, ...]:
@@ -99,26 +104,9 @@ class Request:
         return min(self.num_prompt + self.params.max_tokens, self.max_context)
 
     def forced_token(self) -> int | None:
-        """The token this row must write next instead of sampling, or None.
-
-        The thinking budget: output starts inside thinking, so once max_thinking_tokens
-        tokens were generated without `</think>` among them, the next steps write
-        thinking_close_ids one token each (a pure function of output_ids, which hold every
-        earlier token when a step samples, pipelined or not). A constrained row's forcing
-        ends at `</think>`: its grammar starts there and owns every later token.
-        """
-        p = self.params
-        if p.max_thinking_tokens is None:
-            return None
-        j = len(self.output_ids) - p.max_thinking_tokens  # position in the close sequence
-        close = p.thinking_close_ids
-        if not 0 <= j < len(close):
-            return None
-        if p.thinking_end_id in self.output_ids[: p.max_thinking_tokens]:
-            return None  # the model closed its thinking within the budget
-        if p.constraint is not None and p.thinking_end_id in close[:j]:
-            return None
-        return close[j]
+        """The token this row must write next instead of sampling (SamplingParams.
+        forced_token), or None."""
+        return self.params.forced_token(self.output_ids)
 
     def finish_check(self, token: int) -> str | None:
         """Finish reason after `token` was appended, or None to keep going."""

@@ -1,8 +1,17 @@
-"""Runner: turn a SchedulerOutput into one mixed-group forward and the logits to sample."""
+"""Runner: run a StepPlan as one mixed-group forward, sample, and read the tokens back.
+
+The runner knows a row only through the plans: `WorkerRows` keeps what a row's NewRow
+said (prompt, images, sampling parameters) and the tokens it has sampled, until a plan
+frees it. Three calls per step, split so the engine can pipeline them (LLMEngine.step):
+execute (the forward, queued with mx.async_eval), sample (queued behind it), read_back
+(blocks; returns the StepResult). A tensor-parallel follower calls execute only.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import mlx.core as mx
 
@@ -10,24 +19,93 @@ from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.rows import RowStates
 from deltaserve.engine.compiled_prefill import CompiledPrefill
 from deltaserve.engine.decode import CompiledDecode
-from deltaserve.engine.plan import PrefillChunk, SchedulerOutput
-from deltaserve.engine.request import Request
+from deltaserve.engine.plan import NewRow, PrefillChunk, StepPlan, StepResult
+from deltaserve.engine.sampling.sampler import SampledBatch, Sampler, SamplingRow
+from deltaserve.engine.structured.matchers import TokenMask
 from deltaserve.engine.vision.features import VisionInputs
 from deltaserve.models.qwen35 import Qwen35Model
 from deltaserve.models.state import ForwardGroup, text_positions
+
+
+class TokenMasks(Protocol):
+    """The grammar hook (RowConstraints): which tokens each sampling row may draw, and
+    the tokens they drew, to advance the grammar."""
+
+    def __len__(self) -> int: ...
+
+    def masks(self, row_ids: Sequence[str]) -> TokenMask | None: ...
+
+    def accept(self, row_ids: Sequence[str], tokens: Sequence[int]) -> None: ...
+
+
+class WorkerRows:
+    """Each live row as the plans introduced it, and the tokens it has sampled."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, NewRow] = {}
+        self.output_ids: dict[str, list[int]] = {}
+
+    def apply(self, plan: StepPlan) -> None:
+        """Drop the plan's freed rows, then take its new ones (an id may be reused)."""
+        for row_id in plan.freed_row_ids:
+            self.rows.pop(row_id, None)
+            self.output_ids.pop(row_id, None)
+        for row in plan.new_rows:
+            self.rows[row.row_id] = row
+            self.output_ids[row.row_id] = []
+
+    def sampling_rows(self, row_ids: Sequence[str]) -> list[SamplingRow]:
+        """What the sampler reads of each row, with every token read back so far."""
+        out = []
+        for row_id in row_ids:
+            row, output = self.rows[row_id], self.output_ids[row_id]
+            forced = row.params.forced_token(output)
+            out.append(SamplingRow(row.params, row.prompt_ids, output, row.index, forced))
+        return out
+
+    def append(self, row_ids: Sequence[str], tokens: Sequence[int]) -> None:
+        """Record sampled tokens (rows freed since are skipped)."""
+        for row_id, token in zip(row_ids, tokens, strict=True):
+            output = self.output_ids.get(row_id)
+            if output is not None:
+                output.append(token)
+
+    def clear(self) -> None:
+        self.rows.clear()
+        self.output_ids.clear()
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    """A step's forward, queued: logits [N, V] (lazy) of the rows that sample, in plan
+    order (a final chunk's row repeats for each of its forks). Written by execute()."""
+
+    step: int
+    row_ids: tuple[str, ...]
+    logits: mx.array | None  # None when nothing samples
+
+
+@dataclass(frozen=True)
+class SampledStep:
+    """A step's sampled tokens, queued (lazy). Written by sample(), read by read_back()."""
+
+    step: int
+    row_ids: tuple[str, ...]
+    batch: SampledBatch | None  # None when nothing sampled
+    rows: tuple[SamplingRow, ...]
 
 
 @dataclass
 class _Cohort:
     """Prefill chunks that run as one left-padded [P, L] group."""
 
-    chunk_indices: list[int]  # positions in SchedulerOutput.prefill
+    chunk_indices: list[int]  # positions in StepPlan.prefill
     row_ids: list[str]
 
 
 class ModelRunner:
     """Builds groups (the decode batch [B, 1] and the step's prefill chunks), runs the
-    model once, and returns logits [N, V] for the rows that sample.
+    model once, samples the rows that sample, and reads their tokens back.
 
     compiled: the decode batch runs through that compiled step instead of a group.
     batch_prefill: chunks run as few left-padded groups (cohorts) instead of one [1, C]
@@ -40,53 +118,57 @@ class ModelRunner:
         self,
         model: Qwen35Model,
         states: RowStates,
+        sampler: Sampler,
         compiled: CompiledDecode | None = None,
         batch_prefill: bool = False,
         vision: VisionInputs | None = None,
+        masks: TokenMasks | None = None,
         compiled_prompts: CompiledPrefill | None = None,
     ) -> None:
-        """vision: the image work of prompts with images (None: text only)."""
+        """vision: the image work of prompts with images (None: text only). masks: the
+        grammar hook of constrained rows (None: none)."""
         self.model = model
         self.states = states
+        self.sampler = sampler
         self.compiled = compiled
         self.batch_prefill = batch_prefill
         self.vision = vision
+        self.masks = masks
+        self.rows = WorkerRows()
         self.compiled_prompts = compiled_prompts
         self._saved: list[mx.array] = []  # prefix-cache copies not yet started
+        self._last_tokens: mx.array | None = None  # the last sampled step's tokens [N]
 
-    def execute(
-        self, out: SchedulerOutput, rows: dict[str, Request], prev_tokens: mx.array | None
-    ) -> mx.array | None:
-        """Run the step; logits follow out.sample_row_ids (a final chunk's row repeats
-        for each of its forks). None when nothing samples this step. `prev_tokens`: the
-        previous step's sampled tokens [N] (possibly not computed yet), for decode rows
-        whose input is still pending."""
-        hold = out.decode_rows_wait
-        self.states.sync(out.decode_row_ids, out.freed_row_ids, out.forks, hold)
-        if out.cache_loads:
-            self.states.load_prefix(out.cache_loads)
-        for chunk in out.prefill:
+    def execute(self, plan: StepPlan) -> ModelOutput:
+        """Queue the step's forward (mx.async_eval) and return the logits of the rows
+        that sample. Decode inputs still pending (StepPlan.decode_sources) are gathered
+        from the last sampled step's tokens, possibly not computed yet."""
+        self._apply_rows(plan)
+        if plan.cache_loads:
+            self.states.load_prefix(plan.cache_loads)
+        for chunk in plan.prefill:
             if chunk.restore:
                 self.states.restore_prefix(chunk.row_id, chunk.restore)
-        features = self.vision.encode(out.prefill, rows) if self.vision is not None else []
-        decode_logits = self._compiled_decode(out, prev_tokens)
+        rows = self.rows.rows
+        features = self.vision.encode(plan.prefill, rows) if self.vision is not None else []
+        decode_logits = self._compiled_decode(plan)
         groups = []
-        if out.decode_row_ids and decode_logits is None:
-            groups.append(self._decode_group(out, prev_tokens))
-        cohorts = self._cohorts(out.prefill)
-        fresh = {i: self._compiled_prompts(out.prefill, c, rows) for i, c in enumerate(cohorts)}
+        if plan.decode_row_ids and decode_logits is None:
+            groups.append(self._decode_group(plan))
+        cohorts = self._cohorts(plan.prefill)
+        fresh = {i: self._compiled_prompts(plan.prefill, c) for i, c in enumerate(cohorts)}
         fresh = {i: run for i, run in fresh.items() if run is not None}
         eager = [c for i, c in enumerate(cohorts) if i not in fresh]
-        groups += [self._prefill_group(out.prefill, c, rows) for c in eager]
+        groups += [self._prefill_group(plan.prefill, c) for c in eager]
         if self.vision is not None:
-            self.vision.release(out.prefill, rows, out.freed_row_ids)
+            self.vision.release(plan.prefill, rows)
         hidden = self.model(groups) if groups else []
         eager_hidden = iter(hidden[len(groups) - len(eager) :])
         prefill_hidden = [
             fresh[i][0] if i in fresh else next(eager_hidden) for i in range(len(cohorts))
         ]
-        last = [hidden[0][:, -1]] if out.decode_row_ids and decode_logits is None else []
-        last += self._last_prefill_hidden(out.prefill, cohorts, prefill_hidden)
+        last = [hidden[0][:, -1]] if plan.decode_row_ids and decode_logits is None else []
+        last += self._last_prefill_hidden(plan.prefill, cohorts, prefill_hidden)
         logits = self.model.logits(mx.concatenate(last, axis=0)) if last else None
         if decode_logits is not None:
             parts = [decode_logits] + ([logits] if logits is not None else [])
@@ -100,46 +182,87 @@ class ModelRunner:
         # Start computing now (states of every group, even chunks that sample nothing, so
         # no lazy graph carries over to the next step); the sampler's work queues behind.
         pending = [a for layer in layers for a in layer.state_arrays()]
-        for save in out.cache_saves:  # after _scatter: each row's own state is current
+        for save in plan.cache_saves:  # after _scatter: each row's own state is current
             self._saved += self.states.save_prefix(save)
-        if out.cache_drop is not None:
-            self.states.drop_prefix(out.cache_drop)
+        if plan.cache_drop is not None:
+            self.states.drop_prefix(plan.cache_drop)
         pending += features  # a tower pass whose tokens come in a later chunk
         mx.async_eval(*pending, *([logits] if logits is not None else []))
-        return logits
+        return ModelOutput(plan.step, plan.sample_row_ids, logits)
+
+    def _apply_rows(self, plan: StepPlan) -> None:
+        """The plan's row changes, in one place: a freed row's inputs, tokens, state and
+        vision features go; new rows come; forks copy; the decode batch takes its order."""
+        self.rows.apply(plan)
+        if self.vision is not None:
+            self.vision.forget(plan.freed_row_ids)
+        hold = plan.decode_rows_wait
+        self.states.sync(plan.decode_row_ids, plan.freed_row_ids, plan.forks, hold)
+
+    def sample(self, output: ModelOutput) -> SampledStep:
+        """Queue one draw per sampling row, under its grammar's mask. Called once the
+        previous step is read back: seeds, penalties, forced tokens and masks see every
+        earlier token whether or not steps are pipelined. The masks are computed while the
+        device runs the forward (queued by execute)."""
+        if output.logits is None:
+            self._last_tokens = None
+            return SampledStep(output.step, (), None, ())
+        rows = self.rows.sampling_rows(output.row_ids)
+        masks = self.masks
+        mask = masks.masks(output.row_ids) if masks is not None and len(masks) else None
+        batch = self.sampler.sample(output.logits, rows, mask.bits if mask is not None else None)
+        mx.async_eval(*batch.arrays())
+        self._last_tokens = batch.tokens
+        return SampledStep(output.step, output.row_ids, batch, tuple(rows))
+
+    def read_back(self, sampled: SampledStep) -> StepResult:
+        """Wait for a step's tokens, record them (rows, grammar), and start the step's
+        prefix-cache copies (flush_saves)."""
+        if sampled.batch is None:
+            self.flush_saves()
+            return StepResult(sampled.step)
+        tokens, logprobs = sampled.batch.to_python(sampled.rows)
+        self.rows.append(sampled.row_ids, tokens)
+        if self.masks is not None:
+            self.masks.accept(sampled.row_ids, tokens)
+        self.flush_saves()
+        return StepResult(sampled.step, sampled.row_ids, tuple(tokens), tuple(logprobs))
 
     def flush_saves(self) -> None:
-        """Start computing the prefix-cache copies of the steps run so far. The engine
-        calls it once a step's tokens are read back, so the copies run while the next
-        step is planned and built, not ahead of the step's sampled tokens: a long prompt's
-        snapshot is hundreds of small copies (CPU, small shape, 2,524 tokens: 172, 20-26
-        ms right after the forward), in the step that samples its first token. The arrays
-        are values of the states as saved, whenever they are computed."""
+        """Start computing the prefix-cache copies of the steps run so far: once a step's
+        tokens are read back, so the copies run while the next step is planned and built,
+        not ahead of the step's sampled tokens (a long prompt's snapshot is hundreds of
+        small copies, in the step that samples its first token). The arrays are values of
+        the states as saved, whenever they are computed."""
         if self._saved:
             mx.async_eval(*self._saved)
             self._saved = []
         if self.states.prefix is not None:  # the disk tier's copies, one flush behind
             self.states.prefix.write_back()
 
-    def discard_saves(self) -> None:
-        """After a failed step (the prefix cache is reset with the states)."""
+    def reset(self) -> None:
+        """After a failed step: every row, state and pending copy goes (the prefix cache
+        is reset with the states)."""
         self._saved = []
+        self._last_tokens = None
+        self.rows.clear()
+        self.states.reset()
+        if self.vision is not None:
+            self.vision.clear()
 
-    def _compiled_decode(
-        self, out: SchedulerOutput, prev_tokens: mx.array | None
-    ) -> mx.array | None:
+    def _compiled_decode(self, plan: StepPlan) -> mx.array | None:
         """Logits [B, V] of the decode batch through the compiled step, or None when it
         does not apply (no decode rows, compiling off, or a store kind it lacks)."""
-        if not out.decode_row_ids or self.compiled is None:
+        if not plan.decode_row_ids or self.compiled is None:
             return None
         if not self.compiled.supports(self.states.decode):
             return None
-        tokens = _decode_tokens(out, prev_tokens)
-        return self.compiled(tokens, out.decode_positions, self.states.decode)
+        tokens = _decode_tokens(plan, self._last_tokens)
+        return self.compiled(tokens, plan.decode_positions, self.states.decode)
 
-    def _decode_group(self, out: SchedulerOutput, prev_tokens: mx.array | None) -> ForwardGroup:
-        tokens = _decode_tokens(out, prev_tokens)
-        positions = text_positions(list(out.decode_positions), 1)
+    def _decode_group(self, plan: StepPlan) -> ForwardGroup:
+        tokens = _decode_tokens(plan, self._last_tokens)
+        positions = text_positions(list(plan.decode_positions), 1)
         return ForwardGroup(tokens, positions, self.states.decode.layers)
 
     def _cohorts(self, chunks: tuple[PrefillChunk, ...]) -> list[_Cohort]:
@@ -158,13 +281,12 @@ class ModelRunner:
             cohort.row_ids.append(chunk.row_id)
         return list(by_key.values())
 
-    def _prefill_group(
-        self, chunks: tuple[PrefillChunk, ...], cohort: _Cohort, rows: dict[str, Request]
-    ) -> ForwardGroup:
+    def _prefill_group(self, chunks: tuple[PrefillChunk, ...], cohort: _Cohort) -> ForwardGroup:
         """[P, L] tokens right-aligned (row p left-padded to the longest chunk)."""
         members = [chunks[i] for i in cohort.chunk_indices]
         length = max(c.length for c in members)
         pads = [length - c.length for c in members]
+        rows = self.rows.rows
         ids = [
             [0] * pad + list(rows[c.row_id].prompt_ids[c.start : c.start + c.length])
             for c, pad in zip(members, pads, strict=True)
@@ -188,14 +310,14 @@ class ModelRunner:
         return ForwardGroup(tokens, positions, state.layers, left_pad, embeds, split, outputs)
 
     def _compiled_prompts(
-        self, chunks: tuple[PrefillChunk, ...], cohort: _Cohort, rows: dict[str, Request]
+        self, chunks: tuple[PrefillChunk, ...], cohort: _Cohort
     ) -> tuple[mx.array, list[BatchState]] | None:
         """A cohort of fresh text prompts' first chunks through the compiled forward: its
         [P, 1, H] last hidden states and the rows' new states (already their prefill
         states); None when the cohort must take the eager path."""
         if self.compiled_prompts is None:
             return None
-        members = [chunks[i] for i in cohort.chunk_indices]
+        members, rows = [chunks[i] for i in cohort.chunk_indices], self.rows.rows
         fresh = all(
             c.start == 0 and not c.restore and not c.snapshot_at and rows[c.row_id].media is None
             for c in members
@@ -233,12 +355,12 @@ class ModelRunner:
         return last
 
 
-def _decode_tokens(out: SchedulerOutput, prev_tokens: mx.array | None) -> mx.array:
+def _decode_tokens(plan: StepPlan, prev_tokens: mx.array | None) -> mx.array:
     """[B, 1] int32 decode inputs: known ids, or gathered lazily from the previous step."""
-    known = mx.array(out.decode_token_ids, dtype=mx.int32)
-    if all(src < 0 for src in out.decode_sources):
+    known = mx.array(plan.decode_token_ids, dtype=mx.int32)
+    if all(src < 0 for src in plan.decode_sources):
         return known[:, None]
     assert prev_tokens is not None, "pending decode input without a previous step"
-    sources = mx.array([max(src, 0) for src in out.decode_sources], dtype=mx.int32)
-    pending = mx.array([src >= 0 for src in out.decode_sources])
+    sources = mx.array([max(src, 0) for src in plan.decode_sources], dtype=mx.int32)
+    pending = mx.array([src >= 0 for src in plan.decode_sources])
     return mx.where(pending, prev_tokens.astype(mx.int32)[sources], known)[:, None]

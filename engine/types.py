@@ -7,6 +7,7 @@ reads RequestOutput deltas from the engine; it never sees the scheduler's Reques
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,13 +42,35 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     constraint: Constraint | None = None  # output grammar (engine/structured/spec.py)
-    # Thinking budget (Request.forced_token): once this many tokens were generated inside
+    # Thinking budget (forced_token): once this many tokens were generated inside
     # thinking (the prompt opened `<think>`) without `</think>`, the row is made to write
     # thinking_close_ids ("\n</think>\n\n", the server's tokenizer) and then answers.
     # None: unlimited. thinking_end_id: `</think>`, one of thinking_close_ids.
     max_thinking_tokens: int | None = None
     thinking_close_ids: tuple[int, ...] = ()
     thinking_end_id: int | None = None
+
+    def forced_token(self, output_ids: Sequence[int]) -> int | None:
+        """The token a row with these parameters must write after `output_ids` instead of
+        sampling, or None.
+
+        The thinking budget: output starts inside thinking, so once max_thinking_tokens
+        tokens were generated without `</think>` among them, the next steps write
+        thinking_close_ids one token each (a pure function of output_ids, which hold every
+        earlier token when a step samples, pipelined or not). A constrained row's forcing
+        ends at `</think>`: its grammar starts there and owns every later token.
+        """
+        if self.max_thinking_tokens is None:
+            return None
+        j = len(output_ids) - self.max_thinking_tokens  # position in the close sequence
+        close = self.thinking_close_ids
+        if not 0 <= j < len(close):
+            return None
+        if self.thinking_end_id in output_ids[: self.max_thinking_tokens]:
+            return None  # the model closed its thinking within the budget
+        if self.constraint is not None and self.thinking_end_id in close[:j]:
+            return None
+        return close[j]
 
     def __post_init__(self) -> None:
         finite = all(

@@ -127,18 +127,18 @@ def compiler_fixture() -> GrammarCompiler:
 def _walk(compiler: GrammarCompiler, constraint: Constraint, seed: int, steps: int = 80):
     """Random allowed tokens until the grammar ends: (token ids, whether it ended)."""
     rows = RowConstraints(compiler, VOCAB, EOS_TOKEN_IDS)
-    rows.add("w", 1, rows.compile(constraint), SamplingParams(constraint=constraint))
+    rows.add(["w/0"], rows.compile(constraint), SamplingParams(constraint=constraint))
     rng = np.random.default_rng(seed)
     tokens: list[int] = []
     for _ in range(steps):
-        mask = rows.masks([("w", 0)])
+        mask = rows.masks(["w/0"])
         assert mask is not None
         ids = allowed_ids(mask.bits[0], VOCAB)
         token = int(rng.choice(ids))
         if token in EOS_TOKEN_IDS:
             return tokens, True
         tokens.append(token)
-        rows.accept([("w", 0)], [token])
+        rows.accept(["w/0"], [token])
     return tokens, False
 
 

@@ -212,9 +212,9 @@ def test_tower_passes_in_stages_equal_whole_passes(
     works = []
     execute = engine.runner.execute
 
-    def spy(out, rows, prev):  # noqa: ANN001, ANN202
-        works.extend(w for c in out.prefill for w in c.vision)
-        return execute(out, rows, prev)
+    def spy(plan):  # noqa: ANN001, ANN202
+        works.extend(w for c in plan.prefill for w in c.vision)
+        return execute(plan)
 
     engine.runner.execute = spy
     staged = _run(engine, joins)

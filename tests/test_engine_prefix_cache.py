@@ -104,13 +104,13 @@ def test_chat_turn_snapshot_inside_a_chunk(loaded: LoadedModel, inside: bool) ->
     first = _tokens(rng, 61)
     second = first[:45] + _tokens(rng, 19)
     want = LLMEngine(loaded, _config(False)).generate([first, second], _greedy())
-    engine = LLMEngine(loaded, _config(True))
-    engine.scheduler.snapshot_in_chunk = inside
+    # an eager prefill core keeps a snapshot inside its chunk; a compiled one ends it there
+    engine = LLMEngine(loaded, _config(True, compile_prefill=not inside))
     execute, chunks = engine.runner.execute, []
 
-    def recording(out, rows, prev):  # noqa: ANN001, ANN202
-        chunks.extend((c.start, c.length, c.snapshot_at) for c in out.prefill)
-        return execute(out, rows, prev)
+    def recording(plan):  # noqa: ANN001, ANN202
+        chunks.extend((c.start, c.length, c.snapshot_at) for c in plan.prefill)
+        return execute(plan)
 
     engine.runner.execute = recording
     engine.add_request(GenerationRequest("t1", tuple(first), _greedy(), prefix_hint=45))

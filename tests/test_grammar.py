@@ -123,8 +123,8 @@ def test_row_is_free_until_its_start_token(compiler: GrammarCompiler) -> None:
     """start_after_token_id: no mask while reasoning; the grammar's first mask after it."""
     spec = Constraint("json_object", start_after_token_id=THINK_CLOSE_ID)
     rows = RowConstraints(compiler, VOCAB, EOS_TOKEN_IDS)
-    rows.add("r", 2, rows.compile(spec), SamplingParams(constraint=spec))
-    keys = [("r", 0), ("r", 1)]
+    rows.add(["r/0", "r/1"], rows.compile(spec), SamplingParams(constraint=spec))
+    keys = ["r/0", "r/1"]
     assert rows.masks(keys) is None
     rows.accept(keys, [100, THINK_CLOSE_ID])  # choice 1 closes its reasoning, choice 0 not
     mask = rows.masks(keys)
@@ -140,9 +140,9 @@ def test_a_refused_token_ends_the_row(compiler: GrammarCompiler) -> None:
     """A matcher that fails (a token its mask did not allow) leaves only EOS."""
     spec = Constraint("json_object")
     rows = RowConstraints(compiler, VOCAB, EOS_TOKEN_IDS)
-    rows.add("r", 1, rows.compile(spec), SamplingParams(constraint=spec))
-    rows.accept([("r", 0)], compiler.tokenizer.tokenize_str("hello"))
-    mask = rows.masks([("r", 0)])
+    rows.add(["r/0"], rows.compile(spec), SamplingParams(constraint=spec))
+    rows.accept(["r/0"], compiler.tokenizer.tokenize_str("hello"))
+    mask = rows.masks(["r/0"])
     assert mask is not None and sorted(allowed_ids(mask.bits[0], VOCAB)) == sorted(EOS_TOKEN_IDS)
 
 

@@ -93,7 +93,7 @@ def test_graph_sees_every_kind_of_import() -> None:
     tree = ast.parse(
         "from typing import TYPE_CHECKING\n"
         "from deltaserve.models import chat_format as fmt\n"
-        "if TYPE_CHECKING:\n    from deltaserve.engine.plan import SchedulerOutput\n"
+        "if TYPE_CHECKING:\n    from deltaserve.engine.plan import StepPlan\n"
         "def f():\n    import deltaserve.kernels.argmax\n"
     )
     names = _imported_names(tree, "deltaserve.engine")

@@ -8,6 +8,7 @@ tower's memory from admission until the prompt's prefill ends.
 from __future__ import annotations
 
 import numpy as np
+from plan_utils import sampled
 
 from deltaserve.engine.cache.budget import MemoryBudget, StateCosts
 from deltaserve.engine.config import EngineConfig
@@ -120,7 +121,7 @@ def test_the_tower_memory_is_held_until_the_prefill_ends() -> None:
     assert out.prefill[0].vision == (VisionWork(0, 0, 1),)
     assert out.prefill[0].vision_tokens == 5
     assert scheduler.budget.reserved == row + 1000
-    scheduler.update(out, [7], [None])
+    scheduler.update(out, sampled(out, [7]))
     out = scheduler.schedule()  # the row joins the decode batch: its prefill has ended
     assert scheduler.budget.reserved == row
     assert out.decode_positions == (40 - 5,)  # sequence index + rope delta

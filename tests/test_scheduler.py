@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from plan_utils import sampled
 
 from deltaserve.engine.api import QueueFullError
 from deltaserve.engine.cache.budget import MemoryBudget, StateCosts, default_budget_bytes
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.plan import SchedulerOutput
+from deltaserve.engine.plan import StepPlan
 from deltaserve.engine.scheduling.scheduler import Scheduler
 from deltaserve.engine.types import GenerationRequest, InvalidRequestError, SamplingParams
 
@@ -30,10 +31,9 @@ def _req(rid: str, prompt_len: int, max_tokens: int = 4, n: int = 1) -> Generati
     )
 
 
-def _run(s: Scheduler, out: SchedulerOutput, token: int = 7) -> list:
+def _run(s: Scheduler, out: StepPlan, token: int = 7) -> list:
     """Pretend the forward ran: every sampling row gets `token`."""
-    rows = out.sample_row_ids
-    return s.update(out, [token] * len(rows), [None] * len(rows))
+    return s.update(out, sampled(out, token))
 
 
 def test_budget_bounds_every_step_and_decode_continues() -> None:
@@ -58,7 +58,7 @@ def test_finish_on_eos_stop_ids_and_max_tokens() -> None:
     s.add(_req("a", 2, max_tokens=3), EOS)
     s.add(GenerationRequest("b", (1, 2), SamplingParams(max_tokens=9, stop_token_ids=(5,))), EOS)
     out = s.schedule()
-    deltas = s.update(out, [7, 5], [None, None])
+    deltas = s.update(out, sampled(out, [7, 5]))
     assert [d.finish_reason for d in deltas] == [None, "stop"]
     assert s.schedule().freed_row_ids == ("b/0",)
     # 'a' hits max_tokens after its third token
@@ -73,7 +73,7 @@ def test_eos_finishes_unless_ignored() -> None:
     s.add(GenerationRequest("x", (1,), SamplingParams(max_tokens=3, ignore_eos=True)), EOS)
     s.add(_req("y", 1), EOS)
     out = s.schedule()
-    assert [d.finish_reason for d in s.update(out, [0, 0], [None, None])] == [None, "stop"]
+    assert [d.finish_reason for d in s.update(out, sampled(out, [0, 0]))] == [None, "stop"]
 
 
 def test_admission_bounded_by_rows_and_memory() -> None:

@@ -7,11 +7,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from plan_utils import sampled
 
 from deltaserve.engine.cache.budget import MemoryBudget, StateCosts
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import LLMEngine
-from deltaserve.engine.plan import SchedulerOutput
+from deltaserve.engine.plan import StepPlan
 from deltaserve.engine.scheduling.scheduler import MIN_PREFILL_TOKENS, Scheduler
 from deltaserve.engine.scheduling.step_cost import HEADROOM, MAX_AGE, ChunkCost
 from deltaserve.engine.types import GenerationRequest, ImageInput, SamplingParams
@@ -40,18 +41,19 @@ class FakeCost:
     def decode_only(self, num_decode: int) -> float:
         return self.base + self.per_row * num_decode
 
-    def seconds(self, out: SchedulerOutput) -> float:
+    def seconds(self, out: StepPlan) -> float:
         num_prefill = sum(c.length for c in out.prefill)
         num_vision = sum(c.vision_tokens for c in out.prefill)
         tower = self.per_vision * num_vision
         return self.decode_only(len(out.decode_row_ids)) + self.per_token * num_prefill + tower
 
 
-def _scheduler(cost: FakeCost, **kw) -> Scheduler:
+def _scheduler(cost: FakeCost, snapshot_in_chunk: bool = False, **kw) -> Scheduler:
     cfg = EngineConfig(
         **{"max_num_seqs": 16, "max_num_batched_tokens": BUDGET, "max_prefill_chunk": 512, **kw}
     )
-    return Scheduler(cfg, MemoryBudget(10**9, StateCosts(10, 100)), 20000, clock=cost)
+    budget = MemoryBudget(10**9, StateCosts(10, 100))
+    return Scheduler(cfg, budget, 20000, clock=cost, snapshot_in_chunk=snapshot_in_chunk)
 
 
 def _req(rid: str, prompt_len: int, max_tokens: int = 4) -> GenerationRequest:
@@ -60,11 +62,11 @@ def _req(rid: str, prompt_len: int, max_tokens: int = 4) -> GenerationRequest:
     )
 
 
-def _step(s: Scheduler, cost: FakeCost) -> SchedulerOutput:
+def _step(s: Scheduler, cost: FakeCost) -> StepPlan:
     """One step that takes the fake machine's time (planned and updated in lockstep)."""
     out = s.schedule()
     cost.now += cost.seconds(out)
-    s.update(out, [7] * len(out.sample_row_ids), [None] * len(out.sample_row_ids))
+    s.update(out, sampled(out))
     return out
 
 
@@ -76,7 +78,7 @@ def _decoding(s: Scheduler, cost: FakeCost, rows: int = 4, steps: int = 5) -> No
         _step(s, cost)
 
 
-def _prefill_until_done(s: Scheduler, cost: FakeCost, row_id: str) -> list[SchedulerOutput]:
+def _prefill_until_done(s: Scheduler, cost: FakeCost, row_id: str) -> list[StepPlan]:
     outs = []
     while row_id not in s.rows or s.rows[row_id].is_prefilling:
         outs.append(_step(s, cost))
@@ -176,7 +178,7 @@ def test_short_prompt_runs_ahead_of_the_decode_rows() -> None:
     _decoding(s, cost)  # the rows' first step, a 32-token prefill, sampled: learned
     s.add(_req("short", 24), EOS)
     ahead = _step(s, cost)
-    assert not ahead.decode_row_ids and ahead.sample_row_ids == ["short/0"]
+    assert not ahead.decode_row_ids and ahead.sample_row_ids == ("short/0",)
     s.add(_req("next", 24), EOS)
     after = _step(s, cost)
     assert len(after.decode_row_ids) == 5 and [c.row_id for c in after.prefill] == ["next/0"]
@@ -270,15 +272,14 @@ def test_prompt_cut_by_snapshots_does_not_run_ahead(
     the chunk there unless the forward keeps it inside (snapshot_in_chunk, one at most);
     one at its very end does not cut it."""
     cost = FakeCost()
-    s = _scheduler(cost)
-    s.snapshot_in_chunk = in_chunk
+    s = _scheduler(cost, snapshot_in_chunk=in_chunk)
     _decoding(s, cost)
     s.add(_req("short", 24), EOS)
     s.waiting[0].snapshot_at = list(snapshots)
     out = _step(s, cost)
     assert (not out.decode_row_ids) == ahead
     if ahead:
-        assert out.sample_row_ids == ["short/0"]
+        assert out.sample_row_ids == ("short/0",)
 
 
 @pytest.mark.parametrize("gpu_defaults", [False, True])
@@ -294,14 +295,14 @@ def test_engine_tokens_unchanged_by_prompts_run_ahead_of_the_rows(
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = [tuple(100 + 7 * i + j for j in range(5 + 9 * i)) for i in range(6)]
 
-    def run(factor: float) -> tuple[dict[str, list[int]], list[SchedulerOutput]]:
+    def run(factor: float) -> tuple[dict[str, list[int]], list[StepPlan]]:
         cost = FakeCost(per_row=0.005)  # a decode row costs more than a step's base
         gpu = {"compile_decode": True, "batch_prefill": True} if gpu_defaults else {}
         config = EngineConfig(max_stall_factor=factor, pipeline_steps=pipeline, **gpu)
         engine = LLMEngine(loaded, config, clock=cost)
         plan, outs = engine.scheduler.schedule, []
 
-        def timed() -> SchedulerOutput:
+        def timed() -> StepPlan:
             out = plan()
             cost.now += cost.seconds(out)
             outs.append(out)
@@ -373,7 +374,7 @@ def test_stale_token_cost_is_not_used_after_the_load_changed() -> None:
     s = _scheduler(cost)
     _decoding(s, cost)
     s.add(_req("text", 600, max_tokens=1), EOS)  # done on its first token: 4 rows stay
-    while s.waiting or s.prefilling:
+    while s.waiting or s.state.prefilling:
         _step(s, cost)
     assert s.step_cost.prefill_allowance(4, 2.0) == 238  # learned: 0.05 ms a token
     for _ in range(3):
@@ -400,7 +401,7 @@ def test_a_measured_fixed_chunk_cost_past_the_bound_takes_the_budget(
     s = Scheduler(cfg, MemoryBudget(10**9, StateCosts(10, 100)), 20000, cost, None, measured)
     _decoding(s, cost)
     s.add(_req("long", 3000), EOS)
-    with caplog.at_level("INFO", logger="deltaserve.engine.scheduling.scheduler"):
+    with caplog.at_level("INFO", logger="deltaserve.engine.scheduling.prefill_policy"):
         outs = _prefill_until_done(s, cost, "long/0")
     assert [out.num_tokens - len(out.decode_row_ids) for out in outs[:5]] == [BUDGET - 4] * 5
     assert all(len(out.decode_row_ids) == 4 for out in outs)

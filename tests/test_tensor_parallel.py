@@ -19,8 +19,9 @@ import mlx.core as mx
 import pytest
 
 import tests.tp_scenarios as scenarios
-from deltaserve.engine.parallel.tensor_parallel import Leader, RowInputs, StepPlan, Watchdog
-from deltaserve.engine.plan import PrefillChunk, SchedulerOutput
+from deltaserve.engine.parallel.tensor_parallel import HEARTBEAT_S, STOP, Leader, Watchdog
+from deltaserve.engine.plan import NewRow, PrefillChunk, StepPlan
+from deltaserve.engine.types import SamplingParams
 from deltaserve.models.config import TextConfig
 from deltaserve.models.loader import load_checkpoint, scales_name
 from deltaserve.models.parallel import ShardError, shard_config, shard_tensor, shard_weights
@@ -138,25 +139,26 @@ class _Recorder:
     """A Channel stand-in that keeps what rank 0 sends."""
 
     def __init__(self) -> None:
-        self.sent: list[StepPlan] = []
+        self.sent: list[StepPlan | None] = []
 
-    def send(self, plan: StepPlan) -> None:
+    def send(self, plan: StepPlan | None) -> None:
         self.sent.append(plan)
 
 
-def _plan(*chunks: PrefillChunk, freed: tuple[str, ...] = ()) -> SchedulerOutput:
-    return SchedulerOutput((), (), (), (), chunks, freed, (), sum(c.length for c in chunks))
-
-
-def test_leader_sends_a_rows_prompt_once_and_again_after_it_was_freed() -> None:
+def test_leader_sends_the_plan_itself_then_heartbeats_and_stop() -> None:
+    """Followers get the very plan rank 0 runs (a new row's prompt inside it), an empty
+    plan as an idle heartbeat, and STOP at shutdown."""
     channel, lost = _Recorder(), []
     leader = Leader(channel, Watchdog(30), on_lost=lost.append)
-    rows = {"a/0": RowInputs((1, 2, 3, 4)), "b/0": RowInputs((5, 6))}
-    leader.publish(_plan(PrefillChunk("a/0", 0, 2), PrefillChunk("b/0", 0, 2)), rows)
-    leader.publish(_plan(PrefillChunk("a/0", 2, 2)), rows)
-    leader.publish(_plan(PrefillChunk("b/0", 0, 2), freed=("b/0",)), rows)  # re-queued
-    assert [sorted(p.rows) for p in channel.sent] == [["a/0", "b/0"], [], ["b/0"]]
-    assert channel.sent[0].rows["a/0"].prompt_ids == (1, 2, 3, 4) and not lost
+    row = NewRow("a/0", (1, 2, 3, 4), SamplingParams(), 0)
+    plan = StepPlan(new_rows=(row,), prefill=(PrefillChunk("a/0", 0, 2),), num_tokens=2)
+    leader.publish(plan)
+    leader._last_sent -= HEARTBEAT_S
+    leader.heartbeat()
+    leader.stop()
+    assert channel.sent[0] is plan and channel.sent[0].new_rows[0].prompt_ids == (1, 2, 3, 4)
+    assert channel.sent[1] == StepPlan() and channel.sent[1].is_empty
+    assert channel.sent[2] is STOP and not lost
 
 
 def test_a_failed_step_on_rank_0_ends_the_group() -> None:

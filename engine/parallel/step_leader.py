@@ -7,12 +7,10 @@ engine knows the leader only through this Protocol, so the import goes one way
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Protocol
 
-from deltaserve.engine.plan import SchedulerOutput
-from deltaserve.engine.request import Request
+from deltaserve.engine.plan import StepPlan
 
 
 class StepGuard(Protocol):
@@ -28,7 +26,7 @@ class StepLeader(Protocol):
     @property
     def watchdog(self) -> StepGuard: ...
 
-    def publish(self, out: SchedulerOutput, rows: Mapping[str, Request]) -> None: ...
+    def publish(self, plan: StepPlan) -> None: ...
 
     def heartbeat(self) -> None: ...
 

@@ -2,8 +2,8 @@
 
 Every process of an mx.distributed group holds 1/N of the weights and of the row state
 (models/parallel.py). Rank 0 owns the scheduler, the sampler and the HTTP server; before
-each step it sends the step's plan (the SchedulerOutput, plus the prompt ids and images
-of rows the others have not seen) to every rank through mx.distributed collectives
+each step it sends the step's StepPlan (self-contained: a row's prompt and images come in
+the plan that first names it) to every rank through mx.distributed collectives
 (`Channel`). Every rank then runs the same ModelRunner.execute on its own states: the
 forward's all-reduces and the LM head's all-gather keep them in lockstep, and the
 all-gathered logits are whole on every rank. Only rank 0 samples (followers never read
@@ -18,7 +18,7 @@ Faults: a rank that dies breaks its sockets, and the others' next collective rai
 rank that stops answering is caught by `Watchdog`, which ends the process when any wait
 on the others outlasts the timeout. Rank 0 sends a heartbeat plan while idle, so an idle
 follower can tell a quiet leader from a dead one (a broken ring may also hand back
-zeros instead of raising: an empty plan counts as a lost rank). A step that raises on
+zeros instead of raising: an empty message counts as a lost rank). A step that raises on
 rank 0 ends the group too: the others may be inside it. Every rank then exits with a
 clear message (status EXIT_LOST) instead of hanging.
 """
@@ -33,17 +33,14 @@ import pickle
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Callable, Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import LLMEngine
-from deltaserve.engine.plan import SchedulerOutput
-from deltaserve.engine.vision.media import PromptMedia
+from deltaserve.engine.plan import StepPlan
 from deltaserve.models.build import load_model
 from deltaserve.models.hub import resolve_checkpoint
 from deltaserve.models.parallel import TensorParallel
@@ -57,28 +54,8 @@ STARTUP_S = 300.0  # the first plan may take this long (rank 0 finishing its sta
 HEADER_WORDS = 4096  # int32 words of a plan's first collective (16 KiB: most plans)
 
 
-class RowSource(Protocol):
-    """What the runner reads of a row (a scheduler Request, or a follower's RowInputs)."""
-
-    prompt_ids: Sequence[int]
-    media: PromptMedia | None
-
-
-@dataclass(frozen=True)
-class RowInputs:
-    """What a follower's runner reads of a row: its prompt ids and images."""
-
-    prompt_ids: tuple[int, ...]
-    media: PromptMedia | None = None
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """One message from rank 0. Written by `Leader`, applied by `follow`."""
-
-    out: SchedulerOutput | None = None  # None: a heartbeat (nothing to run)
-    rows: dict[str, RowInputs] = field(default_factory=dict)  # rows new to the followers
-    stop: bool = False  # rank 0 is shutting down
+HEARTBEAT = StepPlan()  # rank 0 is alive (it runs nothing)
+STOP = None  # rank 0 is shutting down
 
 
 def join_group(backend: str = "any") -> TensorParallel | None:
@@ -212,25 +189,16 @@ class Leader:
         self.channel = channel
         self.watchdog = watchdog
         self._on_lost = on_lost or (lambda message: exit_lost(message, delay_s=0.5))
-        self._sent: dict[str, int] = {}  # row id -> prompt length the followers hold
         self._last_sent = time.monotonic()
 
-    def publish(self, out: SchedulerOutput, rows: Mapping[str, RowSource]) -> None:
-        """Send the step `out` (rows: the scheduler's rows, for the prompts of chunks)."""
-        for row_id in out.freed_row_ids:
-            self._sent.pop(row_id, None)
-        new = {}
-        for chunk in out.prefill:
-            row = rows[chunk.row_id]
-            if self._sent.get(chunk.row_id) != len(row.prompt_ids):  # new, or re-queued
-                new[chunk.row_id] = RowInputs(tuple(row.prompt_ids), row.media)
-                self._sent[chunk.row_id] = len(row.prompt_ids)
-        self._send(StepPlan(out, new))
+    def publish(self, plan: StepPlan) -> None:
+        """Send the step `plan` to every rank."""
+        self._send(plan)
 
     def heartbeat(self) -> None:
         """While idle: tell the others rank 0 is alive (every HEARTBEAT_S)."""
         if time.monotonic() - self._last_sent >= HEARTBEAT_S:
-            self._send(StepPlan())
+            self._send(HEARTBEAT)
 
     def fail(self, error: str) -> None:
         """A step raised on rank 0: the others may be inside that step's collectives, and
@@ -245,11 +213,11 @@ class Leader:
         for: a launcher stops every rank at once)."""
         try:
             with self.watchdog.guard("every rank to take the stop", STOP_S):
-                self.channel.send(StepPlan(stop=True))
+                self.channel.send(STOP)
         except RuntimeError as exc:
             log.info("tensor parallel: not every rank took the stop (%s)", exc)
 
-    def _send(self, plan: StepPlan) -> None:
+    def _send(self, plan: StepPlan | None) -> None:
         try:
             with self.watchdog.guard("every rank to take rank 0's next plan"):
                 self.channel.send(plan)
@@ -291,24 +259,18 @@ def follow(engine: LLMEngine) -> None:
 
 
 def _follow(engine: LLMEngine, channel: Channel, watchdog: Watchdog) -> None:
-    rows: dict[str, RowInputs] = {}
     # rank 0 heartbeats once its engine thread runs; until then it may still be loading
     limit = max(STARTUP_S, watchdog.timeout_s)
     while True:
         with watchdog.guard("the next plan from rank 0", limit):
             plan = channel.receive()
         limit = None
-        if plan.stop:
+        if plan is STOP:
             return
-        if plan.out is None:
-            continue
-        rows.update(plan.rows)
+        assert isinstance(plan, StepPlan), f"rank 0 sent a {type(plan).__name__}"
         with watchdog.guard("a step's collectives"):
             # the same graph (and collectives, in the same order) as rank 0's step;
             # evaluated now, so that waiting for the next plan only waits on rank 0
-            engine.runner.execute(plan.out, rows, None)
+            engine.runner.execute(plan)
             engine.runner.flush_saves()
             mx.synchronize()
-        for row_id in plan.out.freed_row_ids:
-            if row_id not in plan.rows:
-                rows.pop(row_id, None)

@@ -10,7 +10,7 @@ Logprobs are log_softmax of the *processed* logits at temperature 1: after bias 
 penalties (what the request asked the model to be), before temperature and truncation
 (which only shape how we draw). A greedy row's token is the argmax of that distribution.
 
-Forced tokens (a thinking budget's close, engine/request.py Request.forced_token): a row
+Forced tokens (a thinking budget's close, SamplingParams.forced_token): a row
 that must write a given token draws as usual, then its token is replaced by the forced one
 (one [N] select, built only in a step where some row is forced). A mask allowing only that
 token would do the same through the constraint path, but it costs a whole-vocabulary mask

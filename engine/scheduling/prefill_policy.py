@@ -1,8 +1,11 @@
-"""The prefill half of the scheduler's policy: admission, who prefills how much, and
-where a chunk ends. Pure Python, as the scheduler (engine/scheduling/scheduler.py) it is part of.
+"""The prefill half of the scheduler's policy, as objects the scheduler composes over its
+one SchedulerState: Admission (who gets a row), Chunking (who prefills how much, and
+where a chunk ends), RunAhead (prompts in a step of their own, ahead of the decode rows)
+and StallBound (how much prefill a step next to decode rows may hold). Pure Python, as
+the scheduler (engine/scheduling/scheduler.py).
 
-Two plans. The usual one (`_plan_prefill`) hands a step's prefill allowance to the
-prompts, oldest first, next to the decode rows. The other (`_plan_jump`) runs prompts that
+Two plans. The usual one (`Chunking.plan`) hands a step's prefill allowance to the
+prompts, oldest first, next to the decode rows. The other (`RunAhead.plan`) runs prompts that
 can finish at once in a prefill-only step ahead of the decode rows, when the cost model
 says that step fits in what the rows may wait: a short prompt (a chat's next turn on a
 cached history, a tool call's result) then gets its first token without waiting for the
@@ -15,90 +18,43 @@ step, whose prefill is cut by the jump's predicted cost (StepCostModel.prefill_a
 
 from __future__ import annotations
 
-from collections import deque
+import logging
 from dataclasses import replace
 
 from deltaserve.engine.cache.budget import MemoryBudget
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.plan import PrefillChunk, VisionWork
-from deltaserve.engine.prefix_cache.index import CacheSave, PrefixIndex
+from deltaserve.engine.plan import NewRow, PrefillChunk, VisionWork
+from deltaserve.engine.prefix_cache.index import PrefixIndex
 from deltaserve.engine.request import Request, Status
-from deltaserve.engine.scheduling.step_cost import MIN_CHUNK, StepCostModel
+from deltaserve.engine.scheduling.state import SchedulerState
+from deltaserve.engine.scheduling.step_cost import MIN_CHUNK, UNBOUNDED, StepCostModel
 from deltaserve.engine.vision.media import VisionPrice, VisionProgress
+
+log = logging.getLogger(__name__)
 
 # Smallest prefill a step with decode rows gets (so prefill always progresses), and the
 # smallest slice the prefill allowance is split into (so it is not spread over tiny groups).
 MIN_PREFILL_TOKENS = MIN_CHUNK
 
 
-class PrefillPlanning:
-    """Admission and chunking, mixed into Scheduler (which owns these attributes)."""
+class Chunking:
+    """Who prefills how much this step, and where each chunk ends."""
 
-    config: EngineConfig
-    budget: MemoryBudget
-    prefix: PrefixIndex | None
-    step_cost: StepCostModel
-    waiting: deque[Request]
-    prefilling: list[Request]
-    decoding: list[Request]
-    rows: dict[str, Request]
-    snapshot_in_chunk: bool
-    _saves: list[CacheSave]
-    _price: VisionPrice
-    _ahead_seconds: float  # predicted cost of the jump just planned (0: none)
+    def __init__(
+        self,
+        state: SchedulerState,
+        config: EngineConfig,
+        prefix: PrefixIndex | None,
+        snapshot_in_chunk: bool,
+    ) -> None:
+        """snapshot_in_chunk: a forward can keep DeltaNet state mid-chunk (an eager core),
+        so a prefix-cache snapshot need not end the chunk."""
+        self.state = state
+        self.config = config
+        self.prefix = prefix
+        self.snapshot_in_chunk = snapshot_in_chunk
 
-    def _plan_jump(self) -> list[PrefillChunk]:
-        """Every prompt there is to prefill, in a prefill-only step ahead of the decode
-        rows, if each one finishes there and the step fits in the rows' stall allowance;
-        else [] (as when the costs are not known yet, or the last step was a jump). The
-        rows' next step has what is left of the allowance (a prompt arriving meanwhile
-        gets at least MIN_PREFILL_TOKENS there, as in every step). All or none: a
-        prefill-only step has fixed costs a chunk next to the rows does not (CPU: the LM
-        head's weights read for one row), so it is no gain for the rows, only for the
-        prompts whose first token it brings forward; a long prompt still prefilling gets
-        the allowance of every step next to the rows, not what is left after jumps."""
-        cost, factor = self.step_cost, self.config.max_stall_factor
-        rows = len(self.decoding)
-        if not (factor and rows) or self._ahead_seconds or not cost.is_ready:
-            return []
-        if not cost.knows_decode(rows) or cost.alone_seconds(0) is None:
-            return []
-        limit = cost.stall_seconds(rows, factor)
-        plan: list[Request] = []
-        tokens = 0
-        for req in list(self.prefilling):
-            if not self._fits_ahead(req, tokens, limit):
-                return []
-            plan.append(req)
-            tokens += _rest(req)
-        while self.waiting and self._can_admit(self.waiting[0]):
-            req = self._admit(self.waiting.popleft())
-            if not self._fits_ahead(req, tokens, limit):
-                return []  # it prefills next to the rows, as do the others
-            plan.append(req)
-            tokens += _rest(req)
-        if not plan:
-            return []
-        self._ahead_seconds = cost.alone_seconds(tokens)
-        return [self._chunk(req, _rest(req), False) for req in plan]
-
-    def _fits_ahead(self, req: Request, tokens: int, limit: float) -> bool:
-        """Whether `req` can join a prefill-only step of `tokens` within `limit` seconds."""
-        tokens += _rest(req)
-        if not self._can_jump(req) or tokens > self.config.max_num_batched_tokens:
-            return False
-        return self.step_cost.alone_seconds(tokens) <= limit
-
-    def _can_jump(self, req: Request) -> bool:
-        """Whether `req`'s whole rest runs as one chunk that samples: no tower work, and
-        no snapshot before its end that would cut the chunk (_chunk keeps at most one
-        inside it, where the forward can: snapshot_in_chunk)."""
-        inner = [p for p in req.snapshot_at if p < req.num_prompt]
-        one_chunk = len(inner) <= (1 if self.snapshot_in_chunk else 0)
-        whole = 0 < _rest(req) <= self.config.max_prefill_chunk
-        return req.media is None and one_chunk and whole
-
-    def _plan_prefill(self, allowance: int) -> list[PrefillChunk]:
+    def plan(self, allowance: int, admission: Admission) -> list[PrefillChunk]:
         """Hand `allowance` out oldest first (prefilling, then waiting requests admitted
         now). A prompt that can finish takes all it needs: prompts arriving together
         finish in arrival order, in few pieces (each is a group; on the GPU a group costs
@@ -108,19 +64,19 @@ class PrefillPlanning:
         always advances; no later one gets below min(its need, MIN_PREFILL_TOKENS)."""
         plan: list[tuple[Request, int]] = []
         left = allowance
-        candidates = list(self.prefilling)  # _admit appends to self.prefilling
+        candidates = list(self.state.prefilling)  # admit appends to state.prefilling
         while left > 0:
             if candidates:
                 req = candidates.pop(0)
-            elif self._admissible(left, first=not plan):
-                req = self._admit(self.waiting.popleft())
+            elif admission.admissible(left, first=not plan):
+                req = admission.admit(self.state.waiting.popleft())
             else:
                 break
-            demand = self._prefill_demand(req)
+            demand = self.demand(req)
             rest = req.num_prompt - req.num_computed
-            fits = rest + self._vision_cost(req, req.num_prompt) <= left  # it can finish now
+            fits = rest + self.vision_cost(req, req.num_prompt) <= left  # it can finish now
             share = min(demand, left)
-            if not fits and not plan and (candidates or self.waiting):
+            if not fits and not plan and (candidates or self.state.waiting):
                 share = min(share, max(left // 2, MIN_PREFILL_TOKENS))  # room for the next
             if plan and share < min(demand, MIN_PREFILL_TOKENS):
                 break
@@ -130,28 +86,21 @@ class PrefillPlanning:
                 break
         if plan and left:  # what the halving left unused goes back to the oldest
             req, share = plan[0]
-            plan[0] = (req, min(self._prefill_demand(req), share + left))
-        chunks = [self._chunk(req, share, i == 0) for i, (req, share) in enumerate(plan)]
+            plan[0] = (req, min(self.demand(req), share + left))
+        chunks = [self.chunk(req, share, i == 0) for i, (req, share) in enumerate(plan)]
         return [c for c in chunks if c.length or c.vision or c.restore]
 
-    def _admissible(self, left: int, first: bool) -> bool:
-        """Whether the oldest waiting request can be admitted and given a slice now."""
-        if not (self.waiting and self._can_admit(self.waiting[0])):
-            return False
-        need = min(self._prefill_demand(self.waiting[0]), MIN_PREFILL_TOKENS)
-        return first or need <= left
-
-    def _prefill_demand(self, req: Request) -> int:
+    def demand(self, req: Request) -> int:
         """Prefill tokens (and tower passes, in token equivalents) of the next chunk."""
         tokens = min(req.num_prompt - req.num_computed, self.config.max_prefill_chunk)
-        return tokens + self._vision_cost(req, req.num_computed + tokens)
+        return tokens + self.vision_cost(req, req.num_computed + tokens)
 
-    def _vision_cost(self, req: Request, end: int) -> int:
+    def vision_cost(self, req: Request, end: int) -> int:
         """Prefill tokens (at this step's price) of the tower blocks `req` still needs
         before position `end`."""
-        return req.media.cost(req.vision, end, self._price) if req.media is not None else 0
+        return req.media.cost(req.vision, end, self.state.price) if req.media is not None else 0
 
-    def _chunk(self, req: Request, budget: int, oldest: bool) -> PrefillChunk:
+    def chunk(self, req: Request, budget: int, oldest: bool) -> PrefillChunk:
         """The next chunk of `req`, ending at its next snapshot position if it gets there
         (the row's state is saved right after the chunk), or past it with the snapshot
         inside (snapshot_in_chunk). With images: tokens stop at an image whose tower has
@@ -163,7 +112,7 @@ class PrefillPlanning:
             stop = req.num_computed + min(req.num_prompt - req.num_computed, budget)
             stop = min(stop, req.num_computed + self.config.max_prefill_chunk)
             end, work, req.vision = req.media.plan(
-                req.vision, req.num_computed, stop, budget, oldest, self._price
+                req.vision, req.num_computed, stop, budget, oldest, self.state.price
             )
             length = end - req.num_computed
         inside = 0
@@ -189,35 +138,57 @@ class PrefillPlanning:
         save = self.prefix.insert(req.row_id, req.key_ids, position) if self.prefix else None
         if save is None:
             return 0
-        self._saves.append(replace(save, inside=inside))
+        self.state.saves.append(replace(save, inside=inside))
         return position
 
-    def _can_admit(self, req: Request) -> bool:
+
+class Admission:
+    """Who gets a row: FIFO, bounded by max_num_seqs and the memory budget."""
+
+    def __init__(
+        self,
+        state: SchedulerState,
+        config: EngineConfig,
+        budget: MemoryBudget,
+        prefix: PrefixIndex | None,
+        chunking: Chunking,
+    ) -> None:
+        self.state = state
+        self.config = config
+        self.budget = budget
+        self.prefix = prefix
+        self.chunking = chunking
+
+    def can_admit(self, req: Request) -> bool:
+        """Whether `req` and its forks fit the row limit and the memory budget (the
+        prefix cache gives way to rows)."""
         rows = 1 + len(req.children)
-        if len(self.rows) + rows > self.config.max_num_seqs:
+        if len(self.state.table) + rows > self.config.max_num_seqs:
             return False
         new = (req, *req.children)
         need = sum(self.budget.row_bytes(r.max_total_tokens()) for r in new)
-        need += self.budget.padding_bytes(self._lengths(*new)) - self.budget.padding
+        need += self.budget.padding_bytes(self.state.table.lengths(*new)) - self.budget.padding
         need += req.vision_bytes
         if self.prefix is not None:
             return self.prefix.evict_for(need)  # rows come before cached prefixes
         return self.budget.can_reserve(need)
 
-    def _lengths(self, *joining: Request) -> list[int]:
-        """Worst-case tokens of every running row (and `joining`): what padding costs."""
-        return [r.max_total_tokens() for r in (*self.rows.values(), *joining)]
+    def admissible(self, left: int, first: bool) -> bool:
+        """Whether the oldest waiting request can be admitted and given a slice now."""
+        if not (self.state.waiting and self.can_admit(self.state.waiting[0])):
+            return False
+        need = min(self.chunking.demand(self.state.waiting[0]), MIN_PREFILL_TOKENS)
+        return first or need <= left
 
-    def _admit(self, req: Request) -> Request:
+    def admit(self, req: Request) -> Request:
+        """Give `req` and its forks rows (the tower's memory too, until its prefill ends)
+        and start its prefill where the prefix cache has it."""
+        prompt_ids = tuple(req.prompt_ids)  # one tuple for every choice
         for r in (req, *req.children):
-            r.reserved_bytes = self.budget.row_bytes(r.max_total_tokens())
-            self.budget.reserve(r.reserved_bytes)
+            self.state.new_rows.append(NewRow(r.row_id, prompt_ids, r.params, r.index, r.media))
             r.status = Status.FORKED if r is not req else Status.RUNNING
-            self.rows[r.row_id] = r
         req.vision_reserved = req.vision_bytes  # released when the prefill ends
-        req.reserved_bytes += req.vision_reserved
-        self.budget.reserve(req.vision_reserved)
-        self.budget.padding = self.budget.padding_bytes(self._lengths())
+        self.state.table.add((req, *req.children), req.vision_reserved)
         if self.prefix is not None:
             hit = self.prefix.match(req.key_ids, req.prefix_hint)
             req.num_computed = req.num_cached = hit.tokens
@@ -226,8 +197,138 @@ class PrefillPlanning:
                 child.num_cached = hit.tokens
         if req.media is not None:
             req.vision = VisionProgress(req.media.first_needed(req.num_computed))
-        self.prefilling.append(req)
+        self.state.prefilling.append(req)
         return req
+
+
+class RunAhead:
+    """Prompts that can finish at once, in a prefill-only step ahead of the decode rows,
+    when the cost model says it fits in what the rows may wait."""
+
+    def __init__(
+        self,
+        state: SchedulerState,
+        config: EngineConfig,
+        step_cost: StepCostModel,
+        admission: Admission,
+        chunking: Chunking,
+    ) -> None:
+        self.state = state
+        self.config = config
+        self.step_cost = step_cost
+        self.admission = admission
+        self.chunking = chunking
+
+    def plan(self) -> list[PrefillChunk]:
+        """Every prompt there is to prefill, in a prefill-only step ahead of the decode
+        rows, if each one finishes there and the step fits in the rows' stall allowance;
+        else [] (as when the costs are not known yet, or the last step was a jump). The
+        rows' next step has what is left of the allowance (a prompt arriving meanwhile
+        gets at least MIN_PREFILL_TOKENS there, as in every step). All or none: a
+        prefill-only step has fixed costs a chunk next to the rows does not (CPU: the LM
+        head's weights read for one row), so it is no gain for the rows, only for the
+        prompts whose first token it brings forward; a long prompt still prefilling gets
+        the allowance of every step next to the rows, not what is left after jumps."""
+        cost, factor = self.step_cost, self.config.max_stall_factor
+        rows = len(self.state.decoding)
+        if not (factor and rows) or self.state.ahead_seconds or not cost.is_ready:
+            return []
+        if not cost.knows_decode(rows) or cost.alone_seconds(0) is None:
+            return []
+        limit = cost.stall_seconds(rows, factor)
+        plan: list[Request] = []
+        tokens = 0
+        for req in list(self.state.prefilling):
+            if not self._fits_ahead(req, tokens, limit):
+                return []
+            plan.append(req)
+            tokens += _rest(req)
+        while self.state.waiting and self.admission.can_admit(self.state.waiting[0]):
+            req = self.admission.admit(self.state.waiting.popleft())
+            if not self._fits_ahead(req, tokens, limit):
+                return []  # it prefills next to the rows, as do the others
+            plan.append(req)
+            tokens += _rest(req)
+        if not plan:
+            return []
+        self.state.ahead_seconds = cost.alone_seconds(tokens)
+        return [self.chunking.chunk(req, _rest(req), False) for req in plan]
+
+    def _fits_ahead(self, req: Request, tokens: int, limit: float) -> bool:
+        """Whether `req` can join a prefill-only step of `tokens` within `limit` seconds."""
+        tokens += _rest(req)
+        if not self._can_jump(req) or tokens > self.config.max_num_batched_tokens:
+            return False
+        return self.step_cost.alone_seconds(tokens) <= limit
+
+    def _can_jump(self, req: Request) -> bool:
+        """Whether `req`'s whole rest runs as one chunk that samples: no tower work, and
+        no snapshot before its end that would cut the chunk (Chunking.chunk keeps at most one
+        inside it, where the forward can: snapshot_in_chunk)."""
+        inner = [p for p in req.snapshot_at if p < req.num_prompt]
+        one_chunk = len(inner) <= (1 if self.chunking.snapshot_in_chunk else 0)
+        whole = 0 < _rest(req) <= self.config.max_prefill_chunk
+        return req.media is None and one_chunk and whole
+
+
+class StallBound:
+    """How much prefill a step next to decode rows may hold: the token budget, or less
+    so the step stays within max_stall_factor x a decode-only step (StepCostModel)."""
+
+    def __init__(
+        self, state: SchedulerState, config: EngineConfig, step_cost: StepCostModel
+    ) -> None:
+        self.state = state
+        self.config = config
+        self.step_cost = step_cost
+        self._promise: int | None = None  # allowance last logged as unattainable's
+
+    def allowance(self) -> int:
+        """Prefill tokens this step: the token budget, or less to bound the decode stall.
+        Sets the step's price of tower blocks (in those tokens) as a side effect."""
+        budget = self.config.max_num_batched_tokens - len(self.state.decoding)
+        factor = self.config.max_stall_factor
+        scale = self.step_cost.vision_scale() if factor else 1.0
+        self.state.price = VisionPrice(scale)
+        if not factor or not self.state.decoding:
+            return budget  # nobody waits on this step: prefill at full speed
+        spent = self.state.ahead_seconds  # the rows already waited for a jump
+        allowance = self.step_cost.prefill_allowance(len(self.state.decoding), factor, spent)
+        if allowance is None:
+            return budget  # costs not learned yet
+        if allowance == UNBOUNDED:  # no chunk meets the bound (measured): nothing to size
+            self._log_promise(budget, factor)
+            return budget
+        if not self.step_cost.knows_decode(len(self.state.decoding)):
+            return 0  # decode-only steps measure this batch size (StepCostModel)
+        self.state.price = VisionPrice(scale, self.step_cost.vision_limit())
+        allowance = min(budget, max(allowance, MIN_PREFILL_TOKENS))
+        self._log_promise(allowance, factor)
+        return allowance
+
+    def _log_promise(self, allowance: int, factor: float) -> None:
+        """Say once (and again when it changes) that the stall bound cannot be met here,
+        and what the steps with prompt work cost instead."""
+        if not (self.state.prefilling or self.state.waiting):
+            return  # no prompt to advance: nothing is promised this step
+        line, last = self.step_cost.unattainable, self._promise
+        if line is None:
+            if last is not None:
+                log.info("prompt chunks fit the %.1fx stall bound again", factor)
+            self._promise = None
+            return
+        if last is not None and last / 2 <= allowance <= 2 * last:
+            return  # said already (about this size)
+        decode = self.step_cost.decode_seconds(len(self.state.decoding))
+        step = decode + line[0] + line[1] * allowance
+        log.info(
+            "a prompt chunk next to %d decode rows costs a fixed %.1f ms (a decode step "
+            "%.1f ms): the %.1fx stall bound cannot be met; prompts advance in chunks of "
+            "up to %d tokens, steps of ~%.1f ms (%.1fx)",
+            len(self.state.decoding), 1e3 * line[0], 1e3 * decode, factor, allowance,
+            1e3 * step, step / decode,
+        )  # fmt: skip
+        self._promise = allowance
 
 
 def _rest(req: Request) -> int:

@@ -1,7 +1,8 @@
 """Scheduling policy: admission, chunked prefill under a token budget, finishing, abort.
 
 Pure Python: no mx.array here. Row state lives with the runner; the scheduler tells it,
-through SchedulerOutput, which rows exist, which run, and which were freed or forked.
+through each StepPlan, which rows exist (a new one with its prompt), which run, and which
+were freed or forked.
 
 Latency bound: the scheduler times its own steps (schedule() to update(), with the
 engine's clock) and feeds a StepCostModel, which sizes the prefill of steps that hold
@@ -15,33 +16,40 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from deltaserve.engine.api import QueueFullError
 from deltaserve.engine.cache.budget import MemoryBudget
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.plan import SchedulerOutput
-from deltaserve.engine.prefix_cache.index import CacheSave, PrefixIndex
+from deltaserve.engine.plan import PrefillChunk, StepPlan, StepResult
+from deltaserve.engine.prefix_cache.index import PrefixIndex
 from deltaserve.engine.request import Request, Status, choices_of
-from deltaserve.engine.scheduling.prefill_policy import MIN_PREFILL_TOKENS, PrefillPlanning
-from deltaserve.engine.scheduling.step_cost import UNBOUNDED, ChunkCost, StepCostModel, StepTimer
+from deltaserve.engine.rows import ReleaseHook, RowTable
+from deltaserve.engine.scheduling.prefill_policy import (
+    MIN_PREFILL_TOKENS,
+    Admission,
+    Chunking,
+    RunAhead,
+    StallBound,
+)
+from deltaserve.engine.scheduling.state import SchedulerState
+from deltaserve.engine.scheduling.step_cost import ChunkCost, StepCostModel, StepTimer
 from deltaserve.engine.types import (
     GenerationRequest,
     InvalidRequestError,
     RequestOutput,
     TokenLogprob,
 )
-from deltaserve.engine.vision.media import PromptMedia, VisionPrice
+from deltaserve.engine.vision.media import PromptMedia
 
 log = logging.getLogger(__name__)
 
 __all__ = ["MIN_PREFILL_TOKENS", "Scheduler"]
 
 
-class Scheduler(PrefillPlanning):
-    """FIFO admission bounded by rows and memory; phase-free chunked prefill (admission
-    and chunking: engine/scheduling/prefill_policy.py)."""
+class Scheduler:
+    """FIFO admission bounded by rows and memory; phase-free chunked prefill. The policies
+    (engine/scheduling/prefill_policy.py) are objects over one SchedulerState."""
 
     def __init__(
         self,
@@ -51,32 +59,40 @@ class Scheduler(PrefillPlanning):
         clock: Callable[[], float] = time.perf_counter,
         prefix: PrefixIndex | None = None,
         chunk_cost: ChunkCost | None = None,
+        snapshot_in_chunk: bool = False,
+        on_release: Sequence[ReleaseHook] = (),
     ) -> None:
         """prefix: the prefix cache's index (None: no prefix cache). chunk_cost: what a
-        prompt chunk costs on this device, measured at start (None: not measured)."""
+        prompt chunk costs on this device, measured at start (None: not measured).
+        snapshot_in_chunk: a forward can keep DeltaNet state mid-chunk (an eager core), so
+        a snapshot need not end its chunk. on_release: what else holds a piece of each
+        row (RowTable), released when the row ends."""
         self.config = config
         self.budget = budget
         self.max_context = max_context
-        self.waiting: deque[Request] = deque()
-        self.prefilling: list[Request] = []  # running rows still consuming their prompt
-        self.decoding: list[Request] = []  # decode batch, in row order
-        self.rows: dict[str, Request] = {}  # every row that holds state (row_id -> request)
-        self._freed: list[str] = []
-        self._forks: list[tuple[str, str]] = []
+        self.prefix = prefix
+        self.state = SchedulerState(RowTable(budget, on_release))
+        self.step_cost = StepCostModel(chunk_cost)
+        self.chunking = Chunking(self.state, config, prefix, snapshot_in_chunk)
+        self.admission = Admission(self.state, config, budget, prefix, self.chunking)
+        self.run_ahead = RunAhead(self.state, config, self.step_cost, self.admission, self.chunking)
+        self.stall = StallBound(self.state, config, self.step_cost)
         self._promote_next: list[Request] = []  # final chunk scheduled; decode from next step
         self._pending: dict[str, int] = {}  # row -> index in the last step's samples
         self._num_steps = 0
         self._pending_step = -1  # the step whose samples `_pending` refers to
-        self.step_cost = StepCostModel(chunk_cost)
         self._clock = clock
         self._timer = StepTimer()
-        self._price = VisionPrice()  # what tower blocks cost in this step's plan
-        self.prefix = prefix
-        self._saves: list[CacheSave] = []
-        self._ahead_seconds = 0.0  # predicted cost of the jump just planned (0: none)
-        self._promise: int | None = None  # allowance last logged as unattainable's
-        # The engine sets it where a forward can keep DeltaNet state mid-chunk (eager core)
-        self.snapshot_in_chunk = False  # False: a chunk ends at each snapshot
+
+    @property
+    def rows(self) -> dict[str, Request]:
+        """Every row that holds state (row_id -> request); read-only by convention."""
+        return self.state.table.rows
+
+    @property
+    def waiting(self) -> Sequence[Request]:
+        """Queued requests (their first choice), oldest first."""
+        return self.state.waiting
 
     # -- intake -------------------------------------------------------------------------
     def add(
@@ -97,26 +113,27 @@ class Scheduler(PrefillPlanning):
             )
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError()
-        self.waiting.append(choices[0])
+        self.state.waiting.append(choices[0])
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Finish every unfinished choice of `request_id` with reason "abort"."""
         victims = [r for r in self.waiting if r.request_id == request_id]
         for r in victims:
-            self.waiting.remove(r)
+            self.state.waiting.remove(r)
             victims.extend(r.children)
         victims += [r for r in self.rows.values() if r.request_id == request_id]
         return [self._finish(r, "abort") for r in victims if not r.is_finished]
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.decoding or self._freed)
+        st = self.state
+        return bool(st.waiting or st.prefilling or st.decoding or st.table.has_freed())
 
     @property
     def num_running(self) -> int:
         return len(self.rows)
 
     # -- the step -----------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> StepPlan:
         """Plan one step under the token budget.
 
         Every decoding row runs one token. Prefill gets an allowance: the rest of the token
@@ -127,42 +144,53 @@ class Scheduler(PrefillPlanning):
         producing tokens at a bounded pace: nobody waits for a whole prompt (but for one
         decode-only step at a batch size not measured lately: StepCostModel.knows_decode).
         Or, where prompts can finish within what the rows may wait, those prompts alone,
-        ahead of the rows (PrefillPlanning._plan_jump); the next step then has the rows.
+        ahead of the rows (RunAhead); the next step then has the rows.
         """
         started = self._clock()
         for req in self._promote_next:
             self._promote(req)
         self._promote_next = []
-        chunks, decoding = self._plan_jump(), []
+        chunks, decoding = self.run_ahead.plan(), []
         if not chunks:  # the usual step: every decode row, prefill next to them
-            chunks, decoding = self._plan_prefill(self._prefill_allowance()), self.decoding
-            self._ahead_seconds = 0.0
-        num_prefill = sum(c.length for c in chunks)
-        out = SchedulerOutput(
+            chunks = self.chunking.plan(self.stall.allowance(), self.admission)
+            decoding = self.state.decoding
+            self.state.ahead_seconds = 0.0
+        out = self._plan(chunks, decoding)
+        if not out.is_empty:
+            self._timer.planned(out.step, started)
+        self._commit(out, decoding)
+        return out
+
+    def _plan(self, chunks: list[PrefillChunk], decoding: list[Request]) -> StepPlan:
+        """The step's plan, with everything gathered for it since the last one."""
+        st, prefix = self.state, self.prefix
+        plan = StepPlan(
+            step=self._num_steps,
+            new_rows=tuple(st.new_rows),
+            freed_row_ids=st.table.take_freed(),
+            forks=tuple(st.forks),
             decode_row_ids=tuple(r.row_id for r in decoding),
             decode_token_ids=tuple(
                 -1 if r.row_id in self._pending else r.output_ids[-1] for r in decoding
             ),
             decode_sources=tuple(self._pending.get(r.row_id, -1) for r in decoding),
             decode_positions=tuple(r.num_computed + r.rope_delta for r in decoding),
+            decode_rows_wait=bool(st.decoding) and not decoding,
             prefill=tuple(chunks),
-            freed_row_ids=tuple(self._freed),
-            forks=tuple(self._forks),
-            num_tokens=len(decoding) + num_prefill,
-            decode_rows_wait=bool(self.decoding) and not decoding,
-            step=self._num_steps,
-            cache_saves=tuple(self._saves),
-            cache_drop=self.prefix.take_drops() if self.prefix is not None else None,
-            cache_loads=self.prefix.take_loads() if self.prefix is not None else (),
+            num_tokens=len(decoding) + sum(c.length for c in chunks),
+            cache_saves=tuple(st.saves),
+            cache_drop=prefix.take_drops() if prefix is not None else None,
+            cache_loads=prefix.take_loads() if prefix is not None else (),
         )
-        self._saves = []
-        if not out.is_empty:
-            self._timer.planned(out.step, started)
-        # The plan is committed now, so the next step can be planned before this one's
-        # tokens are known: counts advance here, tokens are appended in update().
+        st.new_rows, st.forks, st.saves = [], [], []
+        return plan
+
+    def _commit(self, out: StepPlan, decoding: list[Request]) -> None:
+        """The plan is committed, so the next step can be planned before this one's tokens
+        are known: counts advance here, tokens are appended in update()."""
         for req in decoding:
             req.num_computed += 1
-        for chunk in chunks:
+        for chunk in out.prefill:
             req = self.rows[chunk.row_id]
             req.num_computed += chunk.length
             if chunk.sample_row_ids:
@@ -170,76 +198,23 @@ class Scheduler(PrefillPlanning):
         self._pending = {r: i for i, r in enumerate(out.sample_row_ids)}
         self._pending_step = self._num_steps
         self._num_steps += 1
-        self._freed, self._forks = [], []
-        return out
-
-    def _prefill_allowance(self) -> int:
-        """Prefill tokens this step: the token budget, or less to bound the decode stall.
-        Sets the step's price of tower blocks (in those tokens) as a side effect."""
-        budget = self.config.max_num_batched_tokens - len(self.decoding)
-        factor = self.config.max_stall_factor
-        scale = self.step_cost.vision_scale() if factor else 1.0
-        self._price = VisionPrice(scale)
-        if not factor or not self.decoding:
-            return budget  # nobody waits on this step: prefill at full speed
-        spent = self._ahead_seconds  # the rows already waited for a jump
-        allowance = self.step_cost.prefill_allowance(len(self.decoding), factor, spent)
-        if allowance is None:
-            return budget  # costs not learned yet
-        if allowance == UNBOUNDED:  # no chunk meets the bound (measured): nothing to size
-            self._log_promise(budget, factor)
-            return budget
-        if not self.step_cost.knows_decode(len(self.decoding)):
-            return 0  # decode-only steps measure this batch size (StepCostModel)
-        self._price = VisionPrice(scale, self.step_cost.vision_limit())
-        allowance = min(budget, max(allowance, MIN_PREFILL_TOKENS))
-        self._log_promise(allowance, factor)
-        return allowance
-
-    def _log_promise(self, allowance: int, factor: float) -> None:
-        """Say once (and again when it changes) that the stall bound cannot be met here,
-        and what the steps with prompt work cost instead."""
-        if not (self.prefilling or self.waiting):
-            return  # no prompt to advance: nothing is promised this step
-        line, last = self.step_cost.unattainable, self._promise
-        if line is None:
-            if last is not None:
-                log.info("prompt chunks fit the %.1fx stall bound again", factor)
-            self._promise = None
-            return
-        if last is not None and last / 2 <= allowance <= 2 * last:
-            return  # said already (about this size)
-        decode = self.step_cost.decode_seconds(len(self.decoding))
-        step = decode + line[0] + line[1] * allowance
-        log.info(
-            "a prompt chunk next to %d decode rows costs a fixed %.1f ms (a decode step "
-            "%.1f ms): the %.1fx stall bound cannot be met; prompts advance in chunks of "
-            "up to %d tokens, steps of ~%.1f ms (%.1fx)",
-            len(self.decoding), 1e3 * line[0], 1e3 * decode, factor, allowance,
-            1e3 * step, step / decode,
-        )  # fmt: skip
-        self._promise = allowance
 
     # -- after the forward ----------------------------------------------------------------
-    def update(
-        self,
-        out: SchedulerOutput,
-        tokens: list[int],
-        logprobs: list[TokenLogprob | None],
-    ) -> list[RequestOutput]:
+    def update(self, out: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Append the step's sampled tokens and finish rows; returns the deltas."""
         self._observe_step_time(out)
         if out.step == self._pending_step:
             self._pending = {}  # planned and updated in lockstep: every token is known
         outputs = []
-        for row_id, token, lp in zip(out.sample_row_ids, tokens, logprobs, strict=True):
+        rows = zip(result.row_ids, result.token_ids, result.logprobs, strict=True)
+        for row_id, token, lp in rows:
             req = self.rows.get(row_id)
             if req is None or req.is_finished:
                 continue  # finished while this step was in flight: its token is dropped
             outputs.append(self._append(req, token, lp))
         return outputs
 
-    def _observe_step_time(self, out: SchedulerOutput) -> None:
+    def _observe_step_time(self, out: StepPlan) -> None:
         """Feed the step's wall time (StepTimer) to the cost model."""
         done = self._clock()
         seconds, settled = self._timer.completed(out.step, done)
@@ -255,9 +230,10 @@ class Scheduler(PrefillPlanning):
     def _promote(self, req: Request) -> None:
         """Prefill done: the request and its forks join the decode batch (a choice that
         already finished on its first token stays out; forks still copy its state)."""
-        if req in self.prefilling:
-            self.prefilling.remove(req)
-        if not req.is_finished:  # else _finish gave back all of it, the tower's part too
+        st = self.state
+        if req in st.prefilling:
+            st.prefilling.remove(req)
+        if not req.is_finished:  # else the row table gave back all of it, the tower's too
             self.budget.release(req.vision_reserved)
             req.reserved_bytes -= req.vision_reserved
         req.vision_reserved = 0
@@ -266,9 +242,8 @@ class Scheduler(PrefillPlanning):
                 continue
             child.num_computed = req.num_computed
             child.status = Status.RUNNING
-            self._forks.append((child.row_id, req.row_id))
-        joining = [r for r in (req, *req.children) if not r.is_finished]
-        self.decoding.extend(joining)
+            st.forks.append((child.row_id, req.row_id))
+        st.decoding.extend(r for r in (req, *req.children) if not r.is_finished)
 
     def _append(self, req: Request, token: int, lp: TokenLogprob | None) -> RequestOutput:
         req.output_ids.append(token)
@@ -278,16 +253,15 @@ class Scheduler(PrefillPlanning):
         return req.delta((token,), (lp,) if lp is not None else None, reason)
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
+        """End a choice: the row table releases all it holds (RowTable.release), and it
+        leaves the queues. The one way a choice ends: finish, abort and fail_all."""
+        st = self.state
         req.status, req.finish_reason = Status.FINISHED, reason
-        if req.row_id in self.rows:
-            del self.rows[req.row_id]
-            self.budget.release(req.reserved_bytes)
-            self.budget.padding = self.budget.padding_bytes(self._lengths())
-            self._freed.append(req.row_id)
-        if req in self.decoding:
-            self.decoding.remove(req)
-        if req in self.prefilling and req not in self._promote_next:
-            self.prefilling.remove(req)
+        st.table.release(req)
+        if req in st.decoding:
+            st.decoding.remove(req)
+        if req in st.prefilling and req not in self._promote_next:
+            st.prefilling.remove(req)
             # Forks that will never get their parent's prefilled state die with it.
             for child in req.children:
                 if not child.is_finished:
@@ -296,9 +270,10 @@ class Scheduler(PrefillPlanning):
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Finish every row and queued request with an error (the step raised; the engine
-        drops every row state with it: RowStates.reset, so nothing is left to free)."""
-        victims = list(self.rows.values()) + [r for w in self.waiting for r in (w, *w.children)]
-        self.waiting.clear()
+        drops every row state with it: ModelRunner.reset, so nothing is left to free)."""
+        st = self.state
+        victims = list(self.rows.values()) + [r for w in st.waiting for r in (w, *w.children)]
+        st.waiting.clear()
         self._timer = StepTimer()
         if self.prefix is not None:
             self.prefix.forget()  # its arrays went with the row states
@@ -306,8 +281,7 @@ class Scheduler(PrefillPlanning):
         for req in victims:
             req.reserved_bytes = req.vision_reserved = 0
         outputs = [self._finish(r, "error", error) for r in victims if not r.is_finished]
-        self.budget.clear()
-        self.prefilling, self.decoding, self._pending = [], [], {}
-        self._promote_next, self._freed, self._forks, self._saves = [], [], [], []
-        self._ahead_seconds = 0.0
+        st.table.forget_workers()
+        st.prefilling, st.decoding, self._pending, self._promote_next = [], [], {}, []
+        st.clear_plan()
         return outputs

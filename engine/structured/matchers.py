@@ -1,7 +1,7 @@
 """Grammar matchers of the constrained rows, owned by the engine thread.
 
-One matcher per choice of a constrained request, keyed by (request_id, choice index),
-created when the request is added and dropped when the choice finishes. The engine
+One matcher per choice of a constrained request, keyed by its row id, created when the
+request is added and dropped when the choice finishes. The engine
 drives it once per step, in pipeline order:
 - after step N-1's tokens are read back, accept() advances each matcher by its token;
 - then masks() computes step N's allowed tokens for the rows that sample (llguidance's
@@ -28,8 +28,6 @@ from deltaserve.engine.structured.spec import Constraint
 from deltaserve.engine.types import SamplingParams
 
 log = logging.getLogger(__name__)
-
-RowKey = tuple[str, int]  # (request_id, choice index)
 
 
 @dataclass(frozen=True)
@@ -59,7 +57,7 @@ class RowConstraints:
         """compiler: the model's grammar compiler (its tokenizer loads on first use)."""
         self.compiler = compiler
         self.words = (vocab_size + 31) // 32
-        self._rows: dict[RowKey, _RowState] = {}
+        self._rows: dict[str, _RowState] = {}
         self._executor = llg.LLExecutor(num_threads=max(1, min(8, os.cpu_count() or 1)))
         self._eos_only = np.zeros(self.words, dtype=np.int32)
         for token in eos_ids:
@@ -74,27 +72,27 @@ class RowConstraints:
         return None if spec is None else self.compiler.compile(spec)
 
     def add(
-        self, request_id: str, num_choices: int, compiled: CompiledGrammar, params: SamplingParams
+        self, row_ids: Iterable[str], compiled: CompiledGrammar, params: SamplingParams
     ) -> None:
-        """Give each choice of a request its own matcher in the grammar's start state."""
+        """Give each row (the choices of a request) its own matcher in the grammar's start
+        state."""
         assert params.constraint is not None, "a constrained request without its constraint"
         start_after = params.constraint.start_after_token_id
-        for index in range(num_choices):
-            matcher = compiled.matcher.deep_copy()
-            self._rows[(request_id, index)] = _RowState(matcher, start_after)
+        for row_id in row_ids:
+            self._rows[row_id] = _RowState(compiled.matcher.deep_copy(), start_after)
 
-    def release(self, keys: Iterable[RowKey]) -> None:
-        """Drop the matchers of finished or aborted choices (unknown keys are ignored)."""
-        for key in keys:
-            self._rows.pop(key, None)
+    def release(self, row_ids: Iterable[str]) -> None:
+        """Drop the matchers of finished or aborted rows (unknown ids are ignored)."""
+        for row_id in row_ids:
+            self._rows.pop(row_id, None)
 
     def clear(self) -> None:
         self._rows.clear()
 
-    def accept(self, keys: Sequence[RowKey], tokens: Sequence[int]) -> None:
+    def accept(self, row_ids: Sequence[str], tokens: Sequence[int]) -> None:
         """Advance each row's matcher by the token it sampled (rows released since that
         step was planned are skipped: their tokens are dropped)."""
-        for key, token in zip(keys, tokens, strict=True):
+        for key, token in zip(row_ids, tokens, strict=True):
             row = self._rows.get(key)
             if row is None or row.broken:
                 continue
@@ -105,27 +103,27 @@ class RowConstraints:
             if not row.matcher.consume_token(token):
                 self._break(key, row)
 
-    def masks(self, keys: Sequence[RowKey]) -> TokenMask | None:
-        """The allowed tokens of a batch whose rows are `keys` (None: nothing to mask)."""
-        active = [(i, self._rows.get(key)) for i, key in enumerate(keys)]
+    def masks(self, row_ids: Sequence[str]) -> TokenMask | None:
+        """The allowed tokens of a batch of `row_ids` (None: nothing to mask)."""
+        active = [(i, self._rows.get(key)) for i, key in enumerate(row_ids)]
         active = [(i, row) for i, row in active if row is not None and row.start_after is None]
         if not active:
             return None
-        bits = np.full((len(keys), self.words), -1, dtype=np.int32)
+        bits = np.full((len(row_ids), self.words), -1, dtype=np.int32)
         live = [(row.matcher, i) for i, row in active if not row.broken]
         if live:
             ptr = bits.ctypes.data  # rows are contiguous: row i starts at i * words * 4
-            self._executor.unsafe_compute_mask_ptr(live, ptr, self.words * 4, len(keys))
+            self._executor.unsafe_compute_mask_ptr(live, ptr, self.words * 4, len(row_ids))
         for i, row in active:
             if not row.broken and (row.matcher.is_error() or not bits[i].any()):
-                self._break(keys[i], row)  # an empty mask would leave nothing to draw
+                self._break(row_ids[i], row)  # an empty mask would leave nothing to draw
             if row.broken:
                 bits[i] = self._eos_only
         return TokenMask(bits, tuple(i for i, _ in active))
 
-    def _break(self, key: RowKey, row: _RowState) -> None:
+    def _break(self, key: str, row: _RowState) -> None:
         # A token the mask allowed was refused, or a grammar limit was hit: a bug or a
         # pathological grammar. The row may only end now; its output is not guaranteed.
         reason = row.matcher.get_error().split("\n")[0] or "no token allowed"
-        log.error("grammar matcher of %s/%d failed: %s", *key, reason)
+        log.error("grammar matcher of %s failed: %s", key, reason)
         row.broken = True

@@ -10,19 +10,19 @@ image's tokens may span several chunks), and are dropped with the row otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from deltaserve.engine.plan import PrefillChunk, VisionWork
-from deltaserve.engine.request import Request
+from deltaserve.engine.plan import NewRow, PrefillChunk, VisionWork
 from deltaserve.models.qwen35 import Qwen35Model
 from deltaserve.models.vision import VisionPass, VisionTower
 
 
 class VisionInputs:
-    """Owned by the runner; one engine thread calls it."""
+    """Owned by the runner; one engine thread calls it. `rows` arguments: the runner's
+    rows as the plans introduced them (NewRow: prompt and images)."""
 
     def __init__(self, model: Qwen35Model, tower: VisionTower | None, dtype: mx.Dtype) -> None:
         self.model = model
@@ -31,7 +31,7 @@ class VisionInputs:
         self._features: dict[tuple[str, int], mx.array] = {}  # (row id, image) -> [T, H]
         self._passes: dict[tuple[str, int], VisionPass] = {}  # passes between stages
 
-    def encode(self, chunks: Sequence[PrefillChunk], rows: dict[str, Request]) -> list[mx.array]:
+    def encode(self, chunks: Sequence[PrefillChunk], rows: Mapping[str, NewRow]) -> list[mx.array]:
         """Queue the step's tower work; returns the arrays it produces (lazy) so the step
         computes them even when no chunk of this step splices them yet."""
         work = [(c.row_id, w) for c in chunks for w in c.vision]
@@ -47,7 +47,7 @@ class VisionInputs:
         return out
 
     def _encode_whole(
-        self, todo: list[tuple[str, int]], rows: dict[str, Request]
+        self, todo: list[tuple[str, int]], rows: Mapping[str, NewRow]
     ) -> list[mx.array]:
         """Whole passes: every image in one tower call (on a GPU one compiled trace)."""
         images = [rows[row_id].media.images[i] for row_id, i in todo]
@@ -58,7 +58,7 @@ class VisionInputs:
         self._features.update(zip(todo, parts, strict=True))
         return parts
 
-    def _stage(self, row_id: str, work: VisionWork, row: Request) -> mx.array:
+    def _stage(self, row_id: str, work: VisionWork, row: NewRow) -> mx.array:
         """Blocks [start, stop) of one image's pass; the merger too once the last ran."""
         key = (row_id, work.image)
         if work.start == 0:
@@ -73,7 +73,7 @@ class VisionInputs:
         return self._features[key]
 
     def positions(
-        self, members: Sequence[PrefillChunk], pads: Sequence[int], rows: dict[str, Request]
+        self, members: Sequence[PrefillChunk], pads: Sequence[int], rows: Mapping[str, NewRow]
     ) -> mx.array | None:
         """[3, P, L] positions of a group whose rows hold images (None: text only, the
         caller's plain positions apply). Padding columns get position 0 (masked)."""
@@ -95,7 +95,7 @@ class VisionInputs:
         tokens: mx.array,
         members: Sequence[PrefillChunk],
         pads: Sequence[int],
-        rows: dict[str, Request],
+        rows: Mapping[str, NewRow],
     ) -> mx.array | None:
         """[P, L, H] input embeddings with image features spliced over the image tokens of
         the group's chunks; None when no chunk holds an image token."""
@@ -124,20 +124,21 @@ class VisionInputs:
         spliced = mx.concatenate(table, axis=0)[mx.array(take)]
         return mx.where(mx.array(is_image)[..., None], spliced, embeds)
 
-    def release(
-        self, chunks: Sequence[PrefillChunk], rows: dict[str, Request], freed: Sequence[str]
-    ) -> None:
-        """Forget features every chunk of their image has used, and those of freed rows
-        (the step's graph keeps what it still reads)."""
-        done = set(freed)
+    def release(self, chunks: Sequence[PrefillChunk], rows: Mapping[str, NewRow]) -> None:
+        """Forget features every chunk of their image has used (the step's graph keeps
+        what it still reads)."""
         for chunk in chunks:
-            media = rows[chunk.row_id].media if chunk.row_id in rows else None
+            media = rows[chunk.row_id].media
             if media is None:
                 continue
             end = chunk.start + chunk.length
             for i, (_, b) in enumerate(media.spans):
                 if b <= end:
                     self._features.pop((chunk.row_id, i), None)
+
+    def forget(self, row_ids: Sequence[str]) -> None:
+        """Drop the features and passes of freed rows."""
+        done = set(row_ids)
         for table in (self._features, self._passes):
             for key in [k for k in table if k[0] in done]:
                 del table[key]

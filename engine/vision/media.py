@@ -14,11 +14,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deltaserve.engine.plan import VisionWork
 from deltaserve.engine.types import GenerationRequest, ImageInput, InvalidRequestError
 from deltaserve.models.config import TextConfig
 from deltaserve.models.rope_index import image_runs, mrope_positions
 from deltaserve.models.vision import VisionConfig
+
+
+@dataclass(frozen=True)
+class VisionWork:
+    """Blocks [start, stop) of one image's vision-tower pass (start 0: the patch
+    embedding runs first; stop = depth: the merger runs after, giving the features).
+    Written by the scheduler (PromptMedia.plan), run by the runner."""
+
+    image: int  # index into the row's images
+    start: int
+    stop: int
 
 
 @dataclass(frozen=True)
