@@ -34,6 +34,9 @@ class EngineStats:
     prefix_cache_lookup_tokens_total: int = 0
     prefix_cache_hit_tokens_total: int = 0
     prefix_cache_evictions_total: int = 0
+    # Speculative decoding (0 when it is off): drafts verified and accepted since start
+    speculative_drafted_tokens_total: int = 0
+    speculative_accepted_tokens_total: int = 0
 
 
 @dataclass(frozen=True)

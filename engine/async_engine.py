@@ -27,6 +27,7 @@ from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.parallel.tensor_parallel import start_engine
 from deltaserve.engine.prefix_cache.index import PrefixCacheStats
+from deltaserve.engine.scheduling.speculation import SpeculationStats
 from deltaserve.engine.types import GenerationRequest, RequestOutput
 from deltaserve.models.parallel import TensorParallel
 
@@ -134,6 +135,7 @@ class AsyncEngine:
         """Engine thread only: snapshot counters after each step for other threads."""
         eng = self.engine
         cache = eng.prefix_cache.stats if eng.prefix_cache is not None else PrefixCacheStats()
+        spec = eng.speculation.stats if eng.speculation is not None else SpeculationStats()
         self._stats = EngineStats(
             is_alive=True,
             num_waiting=len(eng.scheduler.waiting),
@@ -149,6 +151,8 @@ class AsyncEngine:
             prefix_cache_lookup_tokens_total=cache.lookup_tokens,
             prefix_cache_hit_tokens_total=cache.hit_tokens,
             prefix_cache_evictions_total=cache.evictions,
+            speculative_drafted_tokens_total=spec.num_drafted,
+            speculative_accepted_tokens_total=spec.num_accepted,
         )
 
     def shutdown(self, timeout: float = 10.0) -> None:

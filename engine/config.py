@@ -112,6 +112,11 @@ class EngineConfig:
     distributed_backend: str = "any"
     # A rank that waits this long on the others (one died or hangs) ends with an error
     distributed_timeout_s: float = 60.0
+    # Speculative decoding (engine/speculative.py): "mtp" drafts num_speculative_tokens
+    # tokens per decoding row with the checkpoint's MTP head and verifies them in the
+    # row's next step; None = off. Greedy output is unchanged token for token.
+    speculative: str | None = None
+    num_speculative_tokens: int = 2  # drafts per speculating row and step (1-3)
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
 
     def __post_init__(self) -> None:
@@ -137,6 +142,10 @@ class EngineConfig:
             raise ValueError(f"distributed_backend must be one of {DISTRIBUTED_BACKENDS}")
         if not self.distributed_timeout_s > 0:
             raise ValueError("distributed_timeout_s must be > 0")
+        if self.speculative not in (None, "mtp"):
+            raise ValueError(f"speculative must be mtp or unset, not {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= 3:
+            raise ValueError("num_speculative_tokens must be in [1, 3]")
         if self.max_stall_factor and self.max_stall_factor <= 1:
             raise ValueError("max_stall_factor must be > 1 (or 0 / unset: no latency bound)")
 

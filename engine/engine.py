@@ -37,6 +37,8 @@ from deltaserve.engine.runner import ModelRunner, SampledStep
 from deltaserve.engine.sampling.sampler import Sampler
 from deltaserve.engine.scheduling.chunk_cost import measure_chunk_cost
 from deltaserve.engine.scheduling.scheduler import Scheduler
+from deltaserve.engine.scheduling.speculation import Speculation
+from deltaserve.engine.speculative import Drafter
 from deltaserve.engine.structured.grammar import GrammarCompiler, grammar_compiler
 from deltaserve.engine.structured.matchers import RowConstraints
 from deltaserve.engine.types import GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
@@ -126,6 +128,7 @@ class LLMEngine:
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.prefix_cache = self._prefix_index()
         self.constraints = RowConstraints(self.grammar_compiler(), cfg.vocab_size, self.eos_ids)
+        self.speculation = self._speculation()
         # An eager DeltaNet prefill keeps a snapshot's state mid-chunk at the cost of one
         # more core call; compiled, the snapshot ends the chunk (the compiled call stays one)
         in_chunk = not self.platform.compile_prefill
@@ -138,6 +141,7 @@ class LLMEngine:
             self.chunk_cost,
             snapshot_in_chunk=in_chunk,
             on_release=(self.constraints.release,),  # a row's matcher goes with it
+            speculation=self.speculation,
         )
         kv_factory = kv_store_factory(self.config.kv_cache)
         compiled = self._compiled_decode()
@@ -146,14 +150,19 @@ class LLMEngine:
         bucket = partial(decode_bucket, max_rows=max_rows) if compiled else None
         cached = self.prefix_cache is not None
         disk = self.prefix_cache.disk if self.prefix_cache is not None else None
-        self.states = RowStates(lambda: BatchState.empty(cfg, kv_factory), bucket, cached, disk)
+        drafts = self.speculation is not None  # every row state carries the head's store
+        new_state = partial(BatchState.empty, cfg, kv_factory, draft=drafts)
+        self.states = RowStates(new_state, bucket, cached, disk)
         batch_prefill = self.platform.batch_prefill
         vision = VisionInputs(loaded.model, loaded.vision, loaded.dtype)
         # in lockstep the step's tokens are read back at once: no graph needs them lazily
         sampler = Sampler(lazy_tokens=self.pipeline)
+        drafter = None
+        if self.speculation is not None and loaded.mtp is not None:
+            drafter = Drafter(loaded.model, loaded.mtp, self.speculation.num_draft)
         self.runner = ModelRunner(
             loaded.model, self.states, sampler, compiled, batch_prefill, vision,
-            self.constraints, self.compiled_prompts,
+            self.constraints, self.compiled_prompts, drafter,
         )  # fmt: skip
         warm = self.config.warm_up_seconds
         warm = (WARM_UP_GPU_SECONDS if gpu else 0.0) if warm is None else warm
@@ -162,6 +171,25 @@ class LLMEngine:
             chunk = self.config.max_prefill_chunk
             warm_up(new_state, self.compiled_prompts, compiled, chunk, max_rows, warm)
         self._inflight: _InFlight | None = None
+
+    def _speculation(self) -> Speculation | None:
+        """Speculative decoding's policy when config.speculative asks for it and the
+        checkpoint has an MTP head (else a warning, and decoding as usual); refused with
+        tensor parallelism, whose followers would need the drafts."""
+        if self.config.speculative is None:
+            return None
+        if self.leader is not None or self.loaded.parallel is not None:
+            raise ValueError(
+                "speculative decoding does not run with tensor parallelism yet: "
+                "leave speculative unset"
+            )
+        if self.loaded.mtp is None:
+            log.warning("speculative=mtp: %s has no MTP head; decoding without speculation",
+                        self.loaded.path)  # fmt: skip
+            return None
+        k = self.config.num_speculative_tokens
+        log.info("speculative decoding: the MTP head drafts %d tokens per greedy row", k)
+        return Speculation(k)
 
     def _budget_bytes(self) -> int:
         if self.config.memory_budget_bytes:
@@ -307,6 +335,9 @@ class LLMEngine:
         So does one that samples a prompt's first token: read back now, not after the next
         step's graph is built (and a max_tokens=1 row then plans no wasted step)."""
         first = any(c.sample_row_ids for c in plan.prefill)
+        # a speculating row's next step needs its acceptance (and a fresh row's drafts)
+        if plan.verify_row_ids:
+            return False
         return self.pipeline and not (plan.prefill and (plan.decode_row_ids or first))
 
     def _pipelined(self, plan: StepPlan) -> list[RequestOutput]:

@@ -17,7 +17,7 @@ from deltaserve.engine.prefix_cache.index import CacheDrop, CacheLoad, CacheSave
 from deltaserve.engine.types import SamplingParams, TokenLogprob
 from deltaserve.engine.vision.media import PromptMedia, VisionWork
 
-__all__ = ["NewRow", "PrefillChunk", "StepPlan", "StepResult", "VisionWork"]
+__all__ = ["NewRow", "PrefillChunk", "StepPlan", "StepResult", "VerifiedRun", "VisionWork"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -30,6 +30,9 @@ class NewRow:
     params: SamplingParams
     index: int  # choice index: seeds the row's draws
     media: PromptMedia | None = None  # the prompt's images (None: text only)
+    # The row may speculate (engine/speculative.py): the worker keeps the MTP head's
+    # state for it from its prompt on
+    speculative: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,14 @@ class StepPlan:
     # The decode batch sits this step out (prompts run ahead of it: the scheduler's
     # run-ahead policy): its rows keep their state and place; decode_row_ids is empty.
     decode_rows_wait: bool = False
+    # Rows that speculate this step (engine/speculative.py), in verify-batch order: each
+    # runs its last token and num_draft drafts the worker made (the plan never carries
+    # drafts), as inputs at verify_positions[i] .. + num_draft. Their last token ids as
+    # decode_token_ids (such a step follows a read-back step: never pending).
+    verify_row_ids: tuple[str, ...] = ()
+    verify_token_ids: tuple[int, ...] = ()
+    verify_positions: tuple[int, ...] = ()
+    num_draft: int = 0
     prefill: tuple[PrefillChunk, ...] = ()  # prefill chunks, one group each
     num_tokens: int = 0  # tokens run this step (<= max_num_batched_tokens)
     cache_saves: tuple[CacheSave, ...] = ()  # rows to snapshot after their chunk ran
@@ -89,7 +100,18 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         """Whether the step runs no model work (it may still free or add rows)."""
-        return not self.decode_row_ids and not self.prefill
+        return not self.decode_row_ids and not self.prefill and not self.verify_row_ids
+
+
+@dataclass(frozen=True)
+class VerifiedRun:
+    """What a speculating row got from one step: the drafts it accepted and the token
+    after them, in order (1 .. num_draft + 1 tokens). Written by the runner."""
+
+    row_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob | None, ...]
+    num_drafted: int  # drafts verified (token_ids holds len - 1 of them)
 
 
 @dataclass(frozen=True)
@@ -101,3 +123,4 @@ class StepResult:
     row_ids: tuple[str, ...] = ()
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob | None, ...] = ()
+    verified: tuple[VerifiedRun, ...] = ()  # the speculating rows', in verify order

@@ -60,6 +60,13 @@ class Request:
     media: PromptMedia | None = None
     vision: VisionProgress = field(default_factory=VisionProgress)
     vision_reserved: int = 0  # budget bytes held for the tower until prefill ends
+    # Speculative decoding (engine/scheduling/speculation.py): whether the row may draft,
+    # the extra columns a verify may write past its last token (reserved with the row),
+    # and its drafts verified and accepted so far
+    speculative: bool = False
+    draft_slack: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 
@@ -100,8 +107,10 @@ class Request:
         return self.status is Status.FINISHED
 
     def max_total_tokens(self) -> int:
-        """Worst-case tokens this row will ever hold (what admission reserves for)."""
-        return min(self.num_prompt + self.params.max_tokens, self.max_context)
+        """Worst-case tokens this row will ever hold (what admission reserves for): a
+        speculating row's last verify may write draft_slack columns past its end."""
+        total = min(self.num_prompt + self.params.max_tokens, self.max_context)
+        return total + self.draft_slack
 
     def forced_token(self) -> int | None:
         """The token this row must write next instead of sampling (SamplingParams.

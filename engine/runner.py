@@ -19,8 +19,9 @@ from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.rows import RowStates
 from deltaserve.engine.compiled_prefill import CompiledPrefill
 from deltaserve.engine.decode import CompiledDecode
-from deltaserve.engine.plan import NewRow, PrefillChunk, StepPlan, StepResult
+from deltaserve.engine.plan import NewRow, PrefillChunk, StepPlan, StepResult, VerifiedRun
 from deltaserve.engine.sampling.sampler import SampledBatch, Sampler, SamplingRow
+from deltaserve.engine.speculative import Drafter, Verdicts, VerifyStep, store_arrays
 from deltaserve.engine.structured.matchers import TokenMask
 from deltaserve.engine.vision.features import VisionInputs
 from deltaserve.models.qwen35 import Qwen35Model
@@ -63,6 +64,11 @@ class WorkerRows:
             out.append(SamplingRow(row.params, row.prompt_ids, output, row.index, forced))
         return out
 
+    def extend(self, runs: Sequence[VerifiedRun]) -> None:
+        """Record speculating rows' tokens (each run: 1 .. k + 1 of them)."""
+        for run in runs:
+            self.output_ids[run.row_id].extend(run.token_ids)
+
     def append(self, row_ids: Sequence[str], tokens: Sequence[int]) -> None:
         """Record sampled tokens (rows freed since are skipped)."""
         for row_id, token in zip(row_ids, tokens, strict=True):
@@ -83,6 +89,7 @@ class ModelOutput:
     step: int
     row_ids: tuple[str, ...]
     logits: mx.array | None  # None when nothing samples
+    verify: VerifyStep | None = None  # the speculating rows' verify group (None: none)
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,7 @@ class SampledStep:
     row_ids: tuple[str, ...]
     batch: SampledBatch | None  # None when nothing sampled
     rows: tuple[SamplingRow, ...]
+    verdicts: Verdicts | None = None  # the speculating rows' acceptance (None: none)
 
 
 @dataclass
@@ -124,9 +132,11 @@ class ModelRunner:
         vision: VisionInputs | None = None,
         masks: TokenMasks | None = None,
         compiled_prompts: CompiledPrefill | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         """vision: the image work of prompts with images (None: text only). masks: the
-        grammar hook of constrained rows (None: none)."""
+        grammar hook of constrained rows (None: none). drafter: speculative decoding's
+        (None: no row speculates)."""
         self.model = model
         self.states = states
         self.sampler = sampler
@@ -136,6 +146,7 @@ class ModelRunner:
         self.masks = masks
         self.rows = WorkerRows()
         self.compiled_prompts = compiled_prompts
+        self.drafter = drafter
         self._saved: list[mx.array] = []  # prefix-cache copies not yet started
         self._last_tokens: mx.array | None = None  # the last sampled step's tokens [N]
 
@@ -155,6 +166,9 @@ class ModelRunner:
         groups = []
         if plan.decode_row_ids and decode_logits is None:
             groups.append(self._decode_group(plan))
+        verify_drafts = self._drafts(plan)
+        if verify_drafts is not None:
+            groups.append(self._verify_group(plan, verify_drafts))
         cohorts = self._cohorts(plan.prefill)
         fresh = {i: self._compiled_prompts(plan.prefill, c) for i, c in enumerate(cohorts)}
         fresh = {i: run for i, run in fresh.items() if run is not None}
@@ -169,6 +183,12 @@ class ModelRunner:
         ]
         last = [hidden[0][:, -1]] if plan.decode_row_ids and decode_logits is None else []
         last += self._last_prefill_hidden(plan.prefill, cohorts, prefill_hidden)
+        verify = None
+        if verify_drafts is not None:
+            verified = hidden[len(groups) - len(eager) - 1]  # [B, k + 1, H]
+            logits_v = self.model.logits(verified)
+            positions = plan.verify_positions
+            verify = VerifyStep(plan.verify_row_ids, verify_drafts, verified, logits_v, positions)
         logits = self.model.logits(mx.concatenate(last, axis=0)) if last else None
         if decode_logits is not None:
             parts = [decode_logits] + ([logits] if logits is not None else [])
@@ -176,8 +196,10 @@ class ModelRunner:
         layers = [layer for g in groups[: len(groups) - len(eager)] for layer in g.states]
         if decode_logits is not None:
             layers += self.states.decode.layers
-        for cohort, group in zip(eager, groups[len(groups) - len(eager) :], strict=True):
+        first_eager = len(groups) - len(eager)
+        for j, (cohort, group) in enumerate(zip(eager, groups[first_eager:], strict=True)):
             layers += self._scatter(cohort, group)
+            self._prompt_pairs(plan.prefill, cohort, group, hidden[first_eager + j])
         layers += [layer for _, states in fresh.values() for s in states for layer in s.layers]
         # Start computing now (states of every group, even chunks that sample nothing, so
         # no lazy graph carries over to the next step); the sampler's work queues behind.
@@ -187,8 +209,10 @@ class ModelRunner:
         if plan.cache_drop is not None:
             self.states.drop_prefix(plan.cache_drop)
         pending += features  # a tower pass whose tokens come in a later chunk
+        if verify is not None:
+            pending += [verify.logits, *_slots(self.states.verify)]
         mx.async_eval(*pending, *([logits] if logits is not None else []))
-        return ModelOutput(plan.step, plan.sample_row_ids, logits)
+        return ModelOutput(plan.step, plan.sample_row_ids, logits, verify)
 
     def _apply_rows(self, plan: StepPlan) -> None:
         """The plan's row changes, in one place: a freed row's inputs, tokens, state and
@@ -197,36 +221,65 @@ class ModelRunner:
         if self.vision is not None:
             self.vision.forget(plan.freed_row_ids)
         hold = plan.decode_rows_wait
-        self.states.sync(plan.decode_row_ids, plan.freed_row_ids, plan.forks, hold)
+        self.states.sync(
+            plan.decode_row_ids, plan.freed_row_ids, plan.forks, hold, plan.verify_row_ids
+        )
+        if self.drafter is not None:
+            for child, parent in plan.forks:
+                self.drafter.fork(child, parent)
+            # a row decoding without speculation leaves its pairs behind
+            self.drafter.forget(plan.freed_row_ids + plan.decode_row_ids)
 
     def sample(self, output: ModelOutput) -> SampledStep:
         """Queue one draw per sampling row, under its grammar's mask. Called once the
         previous step is read back: seeds, penalties, forced tokens and masks see every
         earlier token whether or not steps are pipelined. The masks are computed while the
         device runs the forward (queued by execute)."""
+        verdicts = None
+        if output.verify is not None:
+            assert self.drafter is not None, "a verify step without a drafter"
+            params = [self.rows.rows[r].params for r in output.verify.row_ids]
+            verdicts = self.drafter.accept(output.verify, params)
+            mx.async_eval(*verdicts.arrays())
         if output.logits is None:
             self._last_tokens = None
-            return SampledStep(output.step, (), None, ())
+            return SampledStep(output.step, (), None, (), verdicts)
         rows = self.rows.sampling_rows(output.row_ids)
         masks = self.masks
         mask = masks.masks(output.row_ids) if masks is not None and len(masks) else None
         batch = self.sampler.sample(output.logits, rows, mask.bits if mask is not None else None)
         mx.async_eval(*batch.arrays())
         self._last_tokens = batch.tokens
-        return SampledStep(output.step, output.row_ids, batch, tuple(rows))
+        return SampledStep(output.step, output.row_ids, batch, tuple(rows), verdicts)
 
     def read_back(self, sampled: SampledStep) -> StepResult:
         """Wait for a step's tokens, record them (rows, grammar), and start the step's
         prefix-cache copies (flush_saves)."""
+        runs = self._read_verdicts(sampled.verdicts)
         if sampled.batch is None:
             self.flush_saves()
-            return StepResult(sampled.step)
+            return StepResult(sampled.step, verified=runs)
         tokens, logprobs = sampled.batch.to_python(sampled.rows)
         self.rows.append(sampled.row_ids, tokens)
         if self.masks is not None:
             self.masks.accept(sampled.row_ids, tokens)
+        if self.drafter is not None:
+            self.drafter.sampled(sampled.row_ids, tokens)
         self.flush_saves()
-        return StepResult(sampled.step, sampled.row_ids, tuple(tokens), tuple(logprobs))
+        return StepResult(
+            sampled.step, sampled.row_ids, tuple(tokens), tuple(logprobs), verified=runs
+        )
+
+    def _read_verdicts(self, verdicts: Verdicts | None) -> tuple[VerifiedRun, ...]:
+        """The speculating rows' tokens; their states keep only what they accepted."""
+        if verdicts is None:
+            return ()
+        assert self.drafter is not None, "verdicts without a drafter"
+        params = [self.rows.rows[r].params for r in verdicts.step.row_ids]
+        runs = self.drafter.read_back(verdicts, self.states.verify, params)
+        self.rows.extend(runs)
+        mx.async_eval(*store_arrays(self.states.verify))
+        return tuple(runs)
 
     def flush_saves(self) -> None:
         """Start computing the prefix-cache copies of the steps run so far: once a step's
@@ -247,6 +300,8 @@ class ModelRunner:
         self._last_tokens = None
         self.rows.clear()
         self.states.reset()
+        if self.drafter is not None:
+            self.drafter.clear()
         if self.vision is not None:
             self.vision.clear()
 
@@ -264,6 +319,50 @@ class ModelRunner:
         tokens = _decode_tokens(plan, self._last_tokens)
         positions = text_positions(list(plan.decode_positions), 1)
         return ForwardGroup(tokens, positions, self.states.decode.layers)
+
+    def _drafts(self, plan: StepPlan) -> mx.array | None:
+        """Drafts [B, k] of the verify batch's rows (None: no row speculates)."""
+        if not plan.verify_row_ids:
+            return None
+        assert self.drafter is not None and plan.num_draft == self.drafter.num_draft
+        last = mx.array(plan.verify_token_ids, dtype=mx.int32)
+        return self.drafter.draft(plan.verify_row_ids, self.states.verify, last)
+
+    def _verify_group(self, plan: StepPlan, drafts: mx.array) -> ForwardGroup:
+        """[B, k + 1]: each speculating row's last token and its drafts, unpadded, with
+        DeltaNet state kept after every column (BatchState.keep_verified picks one)."""
+        last = mx.array(plan.verify_token_ids, dtype=mx.int32)[:, None]
+        tokens = mx.concatenate([last, drafts], axis=1)
+        positions = text_positions(list(plan.verify_positions), plan.num_draft + 1)
+        return ForwardGroup(tokens, positions, self.states.verify.layers, state_slots=True)
+
+    def _prompt_pairs(
+        self,
+        chunks: tuple[PrefillChunk, ...],
+        cohort: _Cohort,
+        group: ForwardGroup,
+        hidden: mx.array,
+    ) -> None:
+        """After an eager prompt chunk (hidden [P, L, H]): the speculating rows' pairs go
+        into the MTP head (Drafter.prompt_pairs)."""
+        if self.drafter is None:
+            return
+        rows = self.rows.rows
+        for p, i in enumerate(cohort.chunk_indices):
+            chunk = chunks[i]
+            row = rows[chunk.row_id]
+            if not row.speculative:
+                continue
+            pad = group.shape[1] - chunk.length
+            end = chunk.start + chunk.length
+            next_ids = row.prompt_ids[chunk.start + 1 : end + 1]
+            self.drafter.prompt_pairs(
+                self.states.prefill[chunk.row_id],
+                hidden[p, pad:],
+                group.positions[:, p, pad:],
+                next_ids,
+                chunk.sample_row_ids,
+            )
 
     def _cohorts(self, chunks: tuple[PrefillChunk, ...]) -> list[_Cohort]:
         """Which chunks share a group. Left padding may only precede a row's first token
@@ -305,8 +404,11 @@ class ModelRunner:
             state = self.states.cohort_state(cohort.row_ids)
         left_pad = tuple(pads) if any(pads) else None
         split = members[0].snapshot_at if len(members) == 1 else 0
-        # the runner reads a sampling chunk's last position, else only the states
+        # the runner reads a sampling chunk's last position, else only the states; the MTP
+        # head reads every position of a speculating row's chunk
         outputs = "last" if any(c.sample_row_ids for c in members) else "none"
+        if any(rows[c.row_id].speculative for c in members):
+            outputs = "all"
         return ForwardGroup(tokens, positions, state.layers, left_pad, embeds, split, outputs)
 
     def _compiled_prompts(
@@ -319,7 +421,11 @@ class ModelRunner:
             return None
         members, rows = [chunks[i] for i in cohort.chunk_indices], self.rows.rows
         fresh = all(
-            c.start == 0 and not c.restore and not c.snapshot_at and rows[c.row_id].media is None
+            c.start == 0
+            and not c.restore
+            and not c.snapshot_at
+            and rows[c.row_id].media is None
+            and not rows[c.row_id].speculative  # the head needs every position's hidden
             for c in members
         )
         template = self.states.prefill_state(members[0].row_id)
@@ -364,3 +470,9 @@ def _decode_tokens(plan: StepPlan, prev_tokens: mx.array | None) -> mx.array:
     sources = mx.array([max(src, 0) for src in plan.decode_sources], dtype=mx.int32)
     pending = mx.array([src >= 0 for src in plan.decode_sources])
     return mx.where(pending, prev_tokens.astype(mx.int32)[sources], known)[:, None]
+
+
+def _slots(state: BatchState) -> list[mx.array]:
+    """The DeltaNet states a verify forward kept after each column."""
+    slots = [getattr(layer, "slots", None) for layer in state.layers]
+    return [a for pair in slots if pair is not None for a in pair]

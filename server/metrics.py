@@ -61,6 +61,14 @@ class _EngineCollector(Collector):
                 "prefix-cache snapshots evicted",
                 stats.prefix_cache_evictions_total,
             ),
+            "speculative_drafted_tokens": (
+                "draft tokens the MTP head proposed and the model verified",
+                stats.speculative_drafted_tokens_total,
+            ),
+            "speculative_accepted_tokens": (
+                "verified drafts accepted (acceptance rate: over drafted)",
+                stats.speculative_accepted_tokens_total,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"deltaserve_{name}", doc, value=value)

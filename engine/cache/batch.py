@@ -13,21 +13,38 @@ LayerStore = KVStore | PrefixKV | SSMState
 
 
 class BatchState:
-    """Per-layer stores of the same rows, in the same order (row i is row i everywhere)."""
+    """Per-layer stores of the same rows, in the same order (row i is row i everywhere).
 
-    def __init__(self, layers: list[LayerStore]) -> None:
+    `draft`: the MTP head's own KV store of the same rows (speculative decoding,
+    engine/speculative.py), or None. It follows every row op (merge, filter, extract,
+    pad_rows) but not keep_verified: the head's columns are the drafter's to roll back. A
+    row may hold none of its columns yet (its store then counts it with no tokens).
+    """
+
+    def __init__(self, layers: list[LayerStore], draft: KVStore | None = None) -> None:
         self.layers = layers
+        self.draft = draft
 
     @classmethod
     def empty(
-        cls, cfg: TextConfig, kv_factory: Callable[[], KVStore | PrefixKV] = FullPrecisionKV
+        cls,
+        cfg: TextConfig,
+        kv_factory: Callable[[], KVStore | PrefixKV] = FullPrecisionKV,
+        draft: bool = False,
     ) -> BatchState:
-        """Fresh state for rows that have seen no token yet."""
+        """Fresh state for rows that have seen no token yet (with an empty MTP-head store
+        when `draft`)."""
         layers: list[LayerStore] = [
             kv_factory() if cfg.is_full_attention(i) else SSMState()
             for i in range(cfg.num_hidden_layers)
         ]
-        return cls(layers)
+        return cls(layers, FullPrecisionKV() if draft else None)
+
+    def aligned_draft(self) -> KVStore | None:
+        """The head's store, holding every row (rows it never stored to get no tokens)."""
+        if self.draft is not None and self.draft.num_rows < self.num_rows:
+            self.draft.pad_rows(self.num_rows - self.draft.num_rows)
+        return self.draft
 
     @property
     def num_rows(self) -> int:
@@ -35,17 +52,25 @@ class BatchState:
 
     def filter(self, keep: list[int]) -> None:
         """Keep rows `keep` (new order); freed rows' memory goes with them."""
+        draft = self.aligned_draft()
         for layer in self.layers:
             layer.filter(keep)
+        if draft is not None:
+            draft.filter(keep)
 
     def extract(self, row: int) -> BatchState:
         """Independent B=1 copy of one row (e.g. to fork n > 1 completions)."""
-        return BatchState([layer.extract(row) for layer in self.layers])
+        draft = self.aligned_draft()
+        layers = [layer.extract(row) for layer in self.layers]
+        return BatchState(layers, draft.extract(row) if draft is not None else None)
 
     def merge(self, other: BatchState) -> None:
         """Append `other`'s rows after ours."""
+        mine_draft, their_draft = self.aligned_draft(), other.aligned_draft()
         for mine, theirs in zip(self.layers, other.layers, strict=True):
             mine.merge(theirs)
+        if mine_draft is not None and their_draft is not None:
+            mine_draft.merge(their_draft)
 
     def keep_verified(self, kept: list[int], fed: int) -> None:
         """After a verify forward that fed `fed` columns to every row (ForwardGroup.
@@ -62,8 +87,12 @@ class BatchState:
 
     def pad_rows(self, count: int) -> None:
         """Append `count` dead rows to every layer (KVStore and SSMState only)."""
+        draft = self.aligned_draft()
         for layer in self.layers:
             layer.pad_rows(count)
+        if draft is not None:
+            draft.pad_rows(count)
 
     def nbytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.layers)
+        head = self.draft.nbytes() if self.draft is not None else 0
+        return head + sum(layer.nbytes() for layer in self.layers)

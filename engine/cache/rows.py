@@ -39,6 +39,10 @@ class RowStates:
         self.prefix = PrefixStore(new_state, prefix_disk) if prefix_cache else None
         self.decode = new_state()
         self.decode_ids: list[str] = []
+        # Rows that speculate (engine/speculative.py): their verify group, apart from the
+        # decode batch's [B, 1] step (never bucketed: it runs eagerly)
+        self.verify = new_state()
+        self.verify_ids: list[str] = []
         self.prefill: dict[str, BatchState] = {}
 
     def prefill_state(self, row_id: str) -> BatchState:
@@ -94,48 +98,73 @@ class RowStates:
         freed_row_ids: Sequence[str],
         forks: Sequence[tuple[str, str]],
         hold: bool = False,
+        verify_row_ids: Sequence[str] = (),
     ) -> None:
-        """Make the decode batch hold exactly `decode_row_ids`, in that order; with
-        `hold` (the rows sit this step out) leave it as it is (freed rows leave it at the
-        next sync)."""
+        """Make the decode batch hold exactly `decode_row_ids` and the verify batch (rows
+        that speculate this step) `verify_row_ids`, in those orders; with `hold` (the rows
+        sit this step out) leave both as they are (freed rows leave at the next sync). A
+        row that changes batch moves as an extracted B=1 state."""
         for child, parent in forks:
             self.prefill[child] = self.prefill[parent].extract(0)
         for row_id in freed_row_ids:
             self.prefill.pop(row_id, None)
         if hold:
             return
-        wanted = set(decode_row_ids)
-        keep = [i for i, r in enumerate(self.decode_ids) if r in wanted]
-        joining = list(decode_row_ids[len(keep) :])
-        if len(keep) != len(self.decode_ids) or (joining and keep != self._all_rows()):
-            self.decode.filter(keep)  # also drops dead rows before rows join
-            self.decode_ids = [self.decode_ids[i] for i in keep]
+        self._move_out(self.decode, self.decode_ids, set(verify_row_ids))
+        self._move_out(self.verify, self.verify_ids, set(decode_row_ids))
+        self.decode_ids = self._sync_batch(self.decode, self.decode_ids, decode_row_ids)
+        if self._bucket is not None and self.decode_ids:
+            self.decode.pad_rows(self._bucket(len(self.decode_ids)) - self.decode.num_rows)
+        self.verify_ids = self._sync_batch(self.verify, self.verify_ids, verify_row_ids)
+        assert self.decode_ids == list(decode_row_ids), "decode batch order diverged"
+        assert self.verify_ids == list(verify_row_ids), "verify batch order diverged"
+
+    def _move_out(self, batch: BatchState, ids: list[str], elsewhere: set[str]) -> None:
+        """Rows of `batch` wanted in the other batch wait as B=1 states (with prompts)."""
+        for i, row_id in enumerate(ids):
+            if row_id in elsewhere:
+                self.prefill[row_id] = batch.extract(i)
+
+    def _sync_batch(
+        self, batch: BatchState, ids: list[str], wanted_ids: Sequence[str]
+    ) -> list[str]:
+        """Filter `batch` to the wanted rows it holds, append the others (from the B=1
+        states), then order them as wanted; returns the batch's new row ids."""
+        wanted = set(wanted_ids)
+        keep = [i for i, r in enumerate(ids) if r in wanted]
+        held = set(ids)
+        joining = [r for r in wanted_ids if r not in held]
+        if len(keep) != len(ids) or (joining and keep != list(range(batch.num_rows))):
+            batch.filter(keep)  # also drops dead rows before rows join
+            ids = [ids[i] for i in keep]
         if joining:
-            # Gather the joining rows first: the decode batch is copied once per step, not
-            # once per joining row.
+            # Gather the joining rows first: the batch is copied once per step, not once
+            # per joining row.
             joined = self.prefill.pop(joining[0])
             for row_id in joining[1:]:
                 joined.merge(self.prefill.pop(row_id))
-            self.decode.merge(joined)
-            self.decode_ids += joining
-        if self._bucket is not None and self.decode_ids:
-            self.decode.pad_rows(self._bucket(len(self.decode_ids)) - self.decode.num_rows)
-        assert self.decode_ids == list(decode_row_ids), "decode batch order diverged"
-
-    def _all_rows(self) -> list[int]:
-        return list(range(self.decode.num_rows))
+            batch.merge(joined)
+            ids = ids + joining
+        if ids != list(wanted_ids):  # a row moved in ahead of rows that stayed
+            where = {r: i for i, r in enumerate(ids)}
+            batch.filter([where[r] for r in wanted_ids])
+            ids = list(wanted_ids)
+        return ids
 
     def reset(self) -> None:
         """Drop every row (after a failed step the states may be half-written)."""
         self.decode = self._new_state()
         self.decode_ids = []
+        self.verify = self._new_state()
+        self.verify_ids = []
         self.prefill = {}
         if self.prefix is not None:
             self.prefix.reset()
 
     def nbytes(self) -> int:
         """Row state plus the prefix cache's arrays."""
-        rows = self.decode.nbytes() + sum(s.nbytes() for s in self.prefill.values())
+        rows = self.decode.nbytes() + self.verify.nbytes()
+        rows += sum(s.nbytes() for s in self.prefill.values())
         return rows + (self.prefix.nbytes() if self.prefix is not None else 0)
 
 

@@ -318,7 +318,7 @@ def _draw_top_k(y: mx.array, g: _Group, k0: mx.array, k1: mx.array) -> mx.array:
     # Partition out the group's largest k, sort only those, and draw among them with the
     # same per-(key, vocab id) noise the full row would get: identical draws, at O(V)
     # cost instead of a sort plus noise over the whole vocabulary.
-    ids, vals = _top_sorted(y, g.kmax)
+    ids, vals = top_sorted(y, g.kmax)
     # Keep by position: top_k keeps exactly k tokens (ties at the k-th broken arbitrarily).
     keep = mx.arange(g.kmax)[None] < _nucleus_size(vals, g.top_k, g.top_p)
     if g.log_min_p is not None:
@@ -327,7 +327,7 @@ def _draw_top_k(y: mx.array, g: _Group, k0: mx.array, k1: mx.array) -> mx.array:
     return mx.take_along_axis(ids, mx.argmax(scores, axis=-1, keepdims=True), axis=-1)[:, 0]
 
 
-def _top_sorted(x: mx.array, k: int) -> tuple[mx.array, mx.array]:
+def top_sorted(x: mx.array, k: int) -> tuple[mx.array, mx.array]:
     """Ids and values of the k largest entries of each row of x [G, V], best first."""
     kth = max(x.shape[1] - k, 0)  # O(V) partition, then sort only the k survivors
     ids = mx.argpartition(x, kth=kth, axis=-1)[:, kth:]
@@ -364,7 +364,7 @@ def _logprobs(z: mx.array, tokens: mx.array, plan: _Plan) -> list[mx.array | Non
     token_z = mx.take_along_axis(zl, _take(tokens, plan.lp_index)[:, None], axis=-1)
     out: list[mx.array | None] = [(token_z - lse)[:, 0], None, None]
     if plan.top_max:
-        ids, vals = _top_sorted(zl, plan.top_max)
+        ids, vals = top_sorted(zl, plan.top_max)
         out[1], out[2] = ids.astype(mx.int32), vals - lse
     if plan.lp_spread is None:
         return out

@@ -185,7 +185,8 @@ class Admission:
         and start its prefill where the prefix cache has it."""
         prompt_ids = tuple(req.prompt_ids)  # one tuple for every choice
         for r in (req, *req.children):
-            self.state.new_rows.append(NewRow(r.row_id, prompt_ids, r.params, r.index, r.media))
+            new = NewRow(r.row_id, prompt_ids, r.params, r.index, r.media, r.speculative)
+            self.state.new_rows.append(new)
             r.status = Status.FORKED if r is not req else Status.RUNNING
         req.vision_reserved = req.vision_bytes  # released when the prefill ends
         self.state.table.add((req, *req.children), req.vision_reserved)
@@ -286,7 +287,8 @@ class StallBound:
     def allowance(self) -> int:
         """Prefill tokens this step: the token budget, or less to bound the decode stall.
         Sets the step's price of tower blocks (in those tokens) as a side effect."""
-        budget = self.config.max_num_batched_tokens - len(self.state.decoding)
+        decoding = len(self.state.decoding) + self.state.num_draft_tokens
+        budget = self.config.max_num_batched_tokens - decoding
         factor = self.config.max_stall_factor
         scale = self.step_cost.vision_scale() if factor else 1.0
         self.state.price = VisionPrice(scale)

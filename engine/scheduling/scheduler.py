@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from deltaserve.engine.api import QueueFullError
 from deltaserve.engine.cache.budget import MemoryBudget
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.plan import PrefillChunk, StepPlan, StepResult
+from deltaserve.engine.plan import PrefillChunk, StepPlan, StepResult, VerifiedRun
 from deltaserve.engine.prefix_cache.index import PrefixIndex
 from deltaserve.engine.request import Request, Status, choices_of
 from deltaserve.engine.rows import ReleaseHook, RowTable
@@ -32,6 +32,7 @@ from deltaserve.engine.scheduling.prefill_policy import (
     RunAhead,
     StallBound,
 )
+from deltaserve.engine.scheduling.speculation import Speculation, may_speculate
 from deltaserve.engine.scheduling.state import SchedulerState
 from deltaserve.engine.scheduling.step_cost import ChunkCost, StepCostModel, StepTimer
 from deltaserve.engine.types import (
@@ -61,17 +62,21 @@ class Scheduler:
         chunk_cost: ChunkCost | None = None,
         snapshot_in_chunk: bool = False,
         on_release: Sequence[ReleaseHook] = (),
+        speculation: Speculation | None = None,
     ) -> None:
         """prefix: the prefix cache's index (None: no prefix cache). chunk_cost: what a
         prompt chunk costs on this device, measured at start (None: not measured).
         snapshot_in_chunk: a forward can keep DeltaNet state mid-chunk (an eager core), so
         a snapshot need not end its chunk. on_release: what else holds a piece of each
-        row (RowTable), released when the row ends."""
+        row (RowTable), released when the row ends. speculation: which decoding rows
+        draft (None: none do)."""
         self.config = config
         self.budget = budget
         self.max_context = max_context
         self.prefix = prefix
-        self.state = SchedulerState(RowTable(budget, on_release))
+        self.speculation = speculation
+        hooks = (*on_release, speculation.release) if speculation is not None else on_release
+        self.state = SchedulerState(RowTable(budget, hooks))
         self.step_cost = StepCostModel(chunk_cost)
         self.chunking = Chunking(self.state, config, prefix, snapshot_in_chunk)
         self.admission = Admission(self.state, config, budget, prefix, self.chunking)
@@ -103,6 +108,9 @@ class Scheduler:
         if any(r.request_id == gen.request_id for r in live):
             raise InvalidRequestError(f"request id {gen.request_id!r} is already in use", None)
         choices = choices_of(gen, eos_ids, media, self.max_context)
+        if self.speculation is not None and may_speculate(gen.params):
+            for r in choices:
+                r.speculative, r.draft_slack = True, self.speculation.num_draft
         need = sum(self.budget.row_bytes(r.max_total_tokens()) for r in choices)
         need += choices[0].vision_bytes
         if need > self.budget.total:
@@ -145,25 +153,50 @@ class Scheduler:
         decode-only step at a batch size not measured lately: StepCostModel.knows_decode).
         Or, where prompts can finish within what the rows may wait, those prompts alone,
         ahead of the rows (RunAhead); the next step then has the rows.
+        Rows that speculate this step (Speculation) run 1 + k tokens and learn in
+        update() how many of them they keep.
         """
         started = self._clock()
         for req in self._promote_next:
             self._promote(req)
         self._promote_next = []
+        verifying = self._speculating()
+        self.state.num_draft_tokens = len(verifying) * self._num_draft
         chunks, decoding = self.run_ahead.plan(), []
         if not chunks:  # the usual step: every decode row, prefill next to them
             chunks = self.chunking.plan(self.stall.allowance(), self.admission)
             decoding = self.state.decoding
             self.state.ahead_seconds = 0.0
-        out = self._plan(chunks, decoding)
+        out = self._plan(chunks, decoding, verifying)
         if not out.is_empty:
             self._timer.planned(out.step, started)
-        self._commit(out, decoding)
+        self._commit(out)
         return out
 
-    def _plan(self, chunks: list[PrefillChunk], decoding: list[Request]) -> StepPlan:
+    @property
+    def _num_draft(self) -> int:
+        return self.speculation.num_draft if self.speculation is not None else 0
+
+    def _speculating(self) -> set[str]:
+        """Decoding rows that draft this step; not one whose last token is still in
+        flight (a pipelined step's: the drafts need it)."""
+        spec = self.speculation
+        if spec is None:
+            return set()
+        return {
+            r.row_id
+            for r in self.state.decoding
+            if r.row_id not in self._pending and spec.speculates(r, self._num_steps)
+        }
+
+    def _plan(
+        self, chunks: list[PrefillChunk], decoding: list[Request], verifying: set[str]
+    ) -> StepPlan:
         """The step's plan, with everything gathered for it since the last one."""
         st, prefix = self.state, self.prefix
+        verify = [r for r in decoding if r.row_id in verifying]
+        decoding = [r for r in decoding if r.row_id not in verifying]
+        k = self._num_draft if verify else 0
         plan = StepPlan(
             step=self._num_steps,
             new_rows=tuple(st.new_rows),
@@ -175,9 +208,13 @@ class Scheduler:
             ),
             decode_sources=tuple(self._pending.get(r.row_id, -1) for r in decoding),
             decode_positions=tuple(r.num_computed + r.rope_delta for r in decoding),
-            decode_rows_wait=bool(st.decoding) and not decoding,
+            decode_rows_wait=bool(st.decoding) and not decoding and not verify,
+            verify_row_ids=tuple(r.row_id for r in verify),
+            verify_token_ids=tuple(r.output_ids[-1] for r in verify),
+            verify_positions=tuple(r.num_computed + r.rope_delta for r in verify),
+            num_draft=k,
             prefill=tuple(chunks),
-            num_tokens=len(decoding) + sum(c.length for c in chunks),
+            num_tokens=len(decoding) + (k + 1) * len(verify) + sum(c.length for c in chunks),
             cache_saves=tuple(st.saves),
             cache_drop=prefix.take_drops() if prefix is not None else None,
             cache_loads=prefix.take_loads() if prefix is not None else (),
@@ -185,11 +222,12 @@ class Scheduler:
         st.new_rows, st.forks, st.saves = [], [], []
         return plan
 
-    def _commit(self, out: StepPlan, decoding: list[Request]) -> None:
+    def _commit(self, out: StepPlan) -> None:
         """The plan is committed, so the next step can be planned before this one's tokens
-        are known: counts advance here, tokens are appended in update()."""
-        for req in decoding:
-            req.num_computed += 1
+        are known: counts advance here, tokens are appended in update() (a speculating
+        row's count too: it keeps what it accepted)."""
+        for row_id in out.decode_row_ids:
+            self.rows[row_id].num_computed += 1
         for chunk in out.prefill:
             req = self.rows[chunk.row_id]
             req.num_computed += chunk.length
@@ -212,7 +250,32 @@ class Scheduler:
             if req is None or req.is_finished:
                 continue  # finished while this step was in flight: its token is dropped
             outputs.append(self._append(req, token, lp))
+        for run in result.verified:
+            delta = self._verified(out, run)
+            if delta is not None:
+                outputs.append(delta)
         return outputs
+
+    def _verified(self, out: StepPlan, run: VerifiedRun) -> RequestOutput | None:
+        """A speculating row's tokens: appended one by one until one finishes the row
+        (the rest are dropped); its state holds what it ran and kept."""
+        req = self.rows.get(run.row_id)
+        if req is None or req.is_finished:
+            return None  # aborted while its step ran
+        assert self.speculation is not None, "a verified run without speculation"
+        self.speculation.observe(req, run.num_drafted, len(run.token_ids) - 1, out.step)
+        req.num_computed += len(run.token_ids)
+        reason, count = None, 0
+        for token in run.token_ids:
+            req.output_ids.append(token)
+            count += 1
+            reason = req.finish_check(token)
+            if reason is not None:
+                self._finish(req, reason)
+                break
+        logprobs = run.logprobs[:count]
+        kept = None if any(lp is None for lp in logprobs) else tuple(logprobs)
+        return req.delta(run.token_ids[:count], kept, reason)
 
     def _observe_step_time(self, out: StepPlan) -> None:
         """Feed the step's wall time (StepTimer) to the cost model."""
@@ -257,6 +320,8 @@ class Scheduler:
         leaves the queues. The one way a choice ends: finish, abort and fail_all."""
         st = self.state
         req.status, req.finish_reason = Status.FINISHED, reason
+        if req.num_drafted:
+            log.debug("%s: %d of %d drafts accepted", req.row_id, req.num_accepted, req.num_drafted)
         st.table.release(req)
         if req in st.decoding:
             st.decoding.remove(req)

@@ -30,6 +30,7 @@ class SchedulerState:
     saves: list[CacheSave] = field(default_factory=list)
     price: VisionPrice = field(default_factory=VisionPrice)  # tower blocks' cost this step
     ahead_seconds: float = 0.0  # predicted cost of the run-ahead step just planned (0: none)
+    num_draft_tokens: int = 0  # drafts the decode rows verify this step (speculation)
 
     def clear_plan(self) -> None:
         """Forget what the next plan was to carry (the workers were reset)."""

@@ -1,0 +1,92 @@
+"""Which decoding rows speculate each step, and what their drafts earned. Pure Python.
+
+A row may speculate (engine/speculative.py) when its tokens are drawn greedily from the
+model's own logits: greedy, no grammar, no logit_bias or penalties (they would need each
+draft position processed with the tokens before it), no thinking budget (forced tokens).
+Sampled rows do not speculate yet: speculative sampling's rule exists
+(sampling/speculative.py's accept_sampled) but is not wired in.
+
+A speculating row's step costs a verify of k + 1 tokens instead of one decode token; it
+pays when enough drafts are accepted. Each row keeps its recent verify steps; when their
+acceptance rate falls below MIN_ACCEPTANCE the row decodes plainly for PAUSE_STEPS steps
+and then tries again (its MTP head store misses the plain steps' positions meanwhile).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from deltaserve.engine.request import Request
+from deltaserve.engine.types import SamplingParams
+
+WINDOW_STEPS = 8  # verify steps a row's acceptance rate is measured over
+# Below this share of accepted drafts a row stops drafting: a heuristic (the break-even
+# rate depends on the device: what a k + 1 token verify costs against a decode token)
+MIN_ACCEPTANCE = 0.3
+PAUSE_STEPS = 64  # plain decode steps before a row that stopped drafting tries again
+
+
+def may_speculate(params: SamplingParams) -> bool:
+    """Whether a row with these parameters can speculate (the module docstring)."""
+    penalties = params.repetition_penalty != 1.0 or params.presence_penalty
+    penalties = penalties or params.frequency_penalty or params.logit_bias
+    forced = params.max_thinking_tokens is not None
+    return params.is_greedy and params.constraint is None and not penalties and not forced
+
+
+@dataclass
+class _RowRecord:
+    """A speculating row's recent verify steps."""
+
+    recent: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=WINDOW_STEPS))
+    paused_until: int = -1  # step number before which the row decodes plainly
+
+
+@dataclass
+class SpeculationStats:
+    """Drafts verified and accepted since start (the engine's stats, /metrics)."""
+
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_verify_steps: int = 0  # row-steps that ran a verify
+
+
+class Speculation:
+    """Per-row speculation policy: who drafts this step, and their acceptance."""
+
+    def __init__(self, num_draft: int) -> None:
+        self.num_draft = num_draft
+        self.stats = SpeculationStats()
+        self._rows: dict[str, _RowRecord] = {}
+
+    def speculates(self, req: Request, step: int) -> bool:
+        """Whether `req`'s row drafts in `step`: it may, is not paused, and has more than
+        one token left to write (a last token gains nothing from drafts)."""
+        if not req.speculative:
+            return False
+        left = min(req.params.max_tokens - len(req.output_ids), req.max_context - req.num_tokens)
+        record = self._rows.get(req.row_id)
+        return left > 1 and (record is None or step >= record.paused_until)
+
+    def observe(self, req: Request, drafted: int, accepted: int, step: int) -> None:
+        """A verify step's outcome for `req`'s row (accepted of drafted)."""
+        self.stats.num_drafted += drafted
+        self.stats.num_accepted += accepted
+        self.stats.num_verify_steps += 1
+        req.num_drafted += drafted
+        req.num_accepted += accepted
+        record = self._rows.setdefault(req.row_id, _RowRecord())
+        record.recent.append((drafted, accepted))
+        if len(record.recent) < WINDOW_STEPS:
+            return
+        total = sum(d for d, _ in record.recent)
+        if sum(a for _, a in record.recent) < MIN_ACCEPTANCE * total:
+            record.recent.clear()
+            record.paused_until = step + PAUSE_STEPS
+
+    def release(self, row_ids: Iterable[str]) -> None:
+        """RowTable's release hook: a finished row's record goes."""
+        for row_id in row_ids:
+            self._rows.pop(row_id, None)
