@@ -178,16 +178,19 @@ class Scheduler:
         return self.speculation.num_draft if self.speculation is not None else 0
 
     def _speculating(self) -> set[str]:
-        """Decoding rows that draft this step; not one whose last token is still in
-        flight (a pipelined step's: the drafts need it)."""
-        spec = self.speculation
+        """Decoding rows that draft this step, as many as the token budget holds beside
+        one token per decode row; not one whose last token is still in flight (a
+        pipelined step's: the drafts need it)."""
+        spec, decoding = self.speculation, self.state.decoding
         if spec is None:
             return set()
-        return {
+        room = (self.config.max_num_batched_tokens - len(decoding)) // spec.num_draft
+        rows = [
             r.row_id
-            for r in self.state.decoding
+            for r in decoding
             if r.row_id not in self._pending and spec.speculates(r, self._num_steps)
-        }
+        ]
+        return set(rows[: max(room, 0)])
 
     def _plan(
         self, chunks: list[PrefillChunk], decoding: list[Request], verifying: set[str]

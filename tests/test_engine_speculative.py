@@ -1,0 +1,276 @@
+"""Speculative decoding with the MTP head inside the engine (engine/speculative.py).
+
+Greedy output with speculation equals greedy output without, token for token: with the
+checkpoint's own MTP head (random weights: it drafts almost nothing right, so rows also
+pause and retry, moving between the verify and decode batches), and with a forced draft
+source (each row's true greedy continuation with some drafts corrupted), which makes
+every accepted count 0..k happen inside the engine, next to joins, leaves, aborts,
+quantized KV, n > 1, max_tokens and stop tokens inside an accepted run, logprobs, a
+constrained row and an image row in the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable
+
+import mlx.core as mx
+import pytest
+from test_engine_images import image, prompt_with
+
+from deltaserve.engine.cache.batch import BatchState
+from deltaserve.engine.config import EngineConfig, KVCacheConfig
+from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.structured.spec import Constraint
+from deltaserve.engine.types import GenerationRequest, SamplingParams
+from deltaserve.models.build import LoadedModel, load_model
+from deltaserve.models.testing import cached_checkpoint
+
+SMALL = EngineConfig(max_num_seqs=16, max_num_batched_tokens=64, max_prefill_chunk=24)
+K = 3
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-moe"])
+def loaded(request: pytest.FixtureRequest) -> LoadedModel:
+    return load_model(str(cached_checkpoint(request.param)))
+
+
+def _spec(config: EngineConfig = SMALL, k: int = K) -> EngineConfig:
+    return dataclasses.replace(config, speculative="mtp", num_speculative_tokens=k)
+
+
+def _greedy(max_tokens: int = 12, **kw: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [rng.choice([1, 3, 17, 40, 70]) for _ in range(count)]
+    return [[rng.randrange(100, 240000) for _ in range(n)] for n in lengths]
+
+
+def _drive(
+    engine: LLMEngine, joins: dict[int, list[GenerationRequest]], aborts: dict | None = None
+) -> dict[tuple[str, int], list[int]]:
+    """Step the engine, adding and aborting requests at given steps; tokens per choice."""
+    tokens: dict[tuple[str, int], list[int]] = {}
+    step = 0
+    while engine.has_work() or any(s >= step for s in joins):
+        for req in joins.get(step, []):
+            engine.add_request(req)
+        for request_id in (aborts or {}).get(step, []):
+            engine.abort(request_id)
+        for delta in engine.step():
+            tokens.setdefault((delta.request_id, delta.index), []).extend(delta.token_ids)
+        step += 1
+    return tokens
+
+
+def _joins(prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Requests r0.. joining two per step."""
+    joins: dict[int, list[GenerationRequest]] = {}
+    for i, p in enumerate(prompts):
+        joins.setdefault(i // 2, []).append(GenerationRequest(f"r{i}", tuple(p), params))
+    return joins
+
+
+def force_drafts(
+    engine: LLMEngine,
+    oracle: dict[str, list[int]],
+    wrong: Callable[[str, int, int], int],
+) -> set[int]:
+    """Make the engine's drafter propose each row's true continuation (oracle[row_id],
+    the greedy tokens after its prompt) with draft wrong(row, round, k) corrupted (index k:
+    none); the head still runs, so its store is kept as usual. Returns the accepted
+    counts seen, filled as the engine runs."""
+    drafter = engine.runner.drafter
+    assert drafter is not None
+    draft, read_back, seen = drafter.draft, drafter.read_back, set()
+    k = drafter.num_draft
+    rounds: dict[str, int] = {}
+
+    def forced(row_ids: list[str], state: BatchState, last: mx.array) -> mx.array:
+        draft(row_ids, state, last)
+        out = []
+        for row_id in row_ids:
+            emitted = len(engine.runner.rows.output_ids[row_id])
+            true = (oracle[row_id] + [0] * (k + 1))[emitted : emitted + k]
+            bad = wrong(row_id, rounds.get(row_id, 0), k)
+            rounds[row_id] = rounds.get(row_id, 0) + 1
+            out.append([t + 1 if i == bad else t for i, t in enumerate(true)])
+        return mx.array(out, dtype=mx.int32)
+
+    def recording(verdicts, state, params):  # type: ignore[no-untyped-def]
+        runs = read_back(verdicts, state, params)
+        seen.update(len(r.token_ids) - 1 for r in runs)
+        return runs
+
+    drafter.draft = forced  # type: ignore[method-assign]
+    drafter.read_back = recording  # type: ignore[method-assign]
+    return seen
+
+
+def _cycle(row_id: str, round_: int, k: int) -> int:
+    """Corrupt a different draft each round (and none every k + 1-th)."""
+    return (round_ + sum(map(ord, row_id))) % (k + 1)
+
+
+def _oracle(loaded: LoadedModel, joins: dict, extra: int = K + 1) -> dict[str, list[int]]:
+    """Each request's greedy tokens without speculation, a few past its max_tokens."""
+    engine = LLMEngine(loaded, SMALL)
+    longer = {
+        s: [
+            dataclasses.replace(
+                r, params=dataclasses.replace(r.params, max_tokens=r.params.max_tokens + extra)
+            )
+            for r in reqs
+        ]
+        for s, reqs in joins.items()
+    }
+    return {f"{rid}/{i}": t for (rid, i), t in _drive(engine, longer).items()}
+
+
+def test_mtp_head_keeps_greedy_output(loaded: LoadedModel) -> None:
+    """The checkpoint's own head drafting (rows pausing and retrying) changes no token;
+    its drafts are counted."""
+    prompts = _prompts(10, seed=1)
+    joins = _joins(prompts, _greedy(max_tokens=14))
+    plain = _drive(LLMEngine(loaded, SMALL), joins)
+    engine = LLMEngine(loaded, _spec())
+    assert _drive(engine, joins) == plain
+    assert engine.speculation is not None and engine.speculation.stats.num_drafted > 0
+    assert not engine.states.verify_ids and not engine.states.decode_ids
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_forced_drafts_accept_every_count_and_keep_greedy_output(
+    loaded: LoadedModel, k: int
+) -> None:
+    """Drafts right up to a different position each round: every count 0..k is accepted
+    somewhere, rows disagree within a step, output is exact, late joins included."""
+    prompts = _prompts(8, seed=2)
+    joins = _joins(prompts, _greedy(max_tokens=16))
+    plain = _drive(LLMEngine(loaded, SMALL), joins)
+    engine = LLMEngine(loaded, _spec(k=k))
+    seen = force_drafts(engine, _oracle(loaded, joins), _cycle)
+    assert _drive(engine, joins) == plain
+    assert seen == set(range(k + 1)), seen
+    stats = engine.speculation.stats
+    assert 0 < stats.num_accepted < stats.num_drafted
+
+
+@pytest.mark.parametrize(
+    "kv",
+    [
+        KVCacheConfig(),
+        KVCacheConfig(kind="affine", bits=8),
+        KVCacheConfig(kind="turboquant", key_bits=8, value_bits=3),
+    ],
+    ids=["fp", "affine8", "turboquant"],
+)
+def test_every_kv_kind_with_aborts_mid_draft(loaded: LoadedModel, kv: KVCacheConfig) -> None:
+    """Per KV kind, with rows aborted while they speculate: the others' tokens equal the
+    same kind without speculation, and every row's state is freed."""
+    config = dataclasses.replace(SMALL, kv_cache=kv)
+    prompts = _prompts(6, seed=3)
+    joins = _joins(prompts, _greedy(max_tokens=14))
+    aborts = {6: ["r1"], 8: ["r4"]}
+    plain = _drive(LLMEngine(loaded, config), joins, aborts)
+    engine = LLMEngine(loaded, _spec(config))
+    force_drafts(engine, _oracle(loaded, joins), _cycle)
+    got = _drive(engine, joins, aborts)
+    assert {r: t for r, t in got.items() if r[0] not in ("r1", "r4")} == {
+        r: t for r, t in plain.items() if r[0] not in ("r1", "r4")
+    }
+    assert len(got[("r1", 0)]) < 14 and len(got[("r4", 0)]) < 14
+    assert not engine.scheduler.rows and not engine.states.verify_ids
+    assert not engine.states.prefill and engine.states.verify.num_rows == 0
+
+
+def test_max_tokens_and_stop_tokens_inside_an_accepted_run(loaded: LoadedModel) -> None:
+    """All drafts right: a run of k + 1 tokens crosses max_tokens or a stop token; the row
+    ends exactly there (tokens after it dropped), as without speculation."""
+    prompts = _prompts(4, seed=4)
+    oracle_joins = _joins(prompts, _greedy(max_tokens=12))
+    oracle = _oracle(loaded, oracle_joins)
+    joins = {0: [
+        GenerationRequest("r0", tuple(prompts[0]), _greedy(max_tokens=6)),
+        GenerationRequest("r1", tuple(prompts[1]), _greedy(max_tokens=7)),
+        GenerationRequest("r2", tuple(prompts[2]), _greedy(stop_token_ids=(oracle["r2/0"][5],))),
+        GenerationRequest("r3", tuple(prompts[3]), _greedy(stop_token_ids=(oracle["r3/0"][6],))),
+    ]}  # fmt: skip
+    plain = _drive(LLMEngine(loaded, SMALL), joins)
+    engine = LLMEngine(loaded, _spec())
+    seen = force_drafts(engine, oracle, lambda row, r, k: k)  # never corrupted
+    got = _drive(engine, joins)
+    assert got == plain
+    assert [len(got[(f"r{i}", 0)]) for i in range(4)] == [6, 7, 6, 7]
+    assert seen == {K}
+
+
+def test_logprobs_per_accepted_token(loaded: LoadedModel) -> None:
+    """Each accepted token carries its own logprob and top logprobs, as without."""
+    prompts = _prompts(3, seed=5)
+    params = _greedy(max_tokens=9, logprobs=True, top_logprobs=2)
+    plain = LLMEngine(loaded, SMALL).generate(prompts, params)
+    engine = LLMEngine(loaded, _spec())
+    oracle = {f"gen-{i}/0": c.token_ids + [0] * (K + 1) for i, c in enumerate(plain)}
+    force_drafts(engine, oracle, _cycle)
+    got = engine.generate(prompts, params)
+    for a, b in zip(got, plain, strict=True):
+        assert a.token_ids == b.token_ids
+        assert len(a.logprobs) == len(b.logprobs) == len(b.token_ids)
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x.token_id == y.token_id
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-3)
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+def test_n_choices_constrained_and_image_rows_in_a_speculating_batch(
+    loaded: LoadedModel,
+) -> None:
+    """n > 1 choices each speculate from their own state; a constrained row and sampled
+    row do not draft; an image row does, at its shifted rotary positions: all equal the
+    engine without speculation, and batched equals alone."""
+    prompts = _prompts(3, seed=6)
+    pic = image(7)
+    image_ids = prompt_with(loaded, [pic], 7)
+    reqs = [
+        GenerationRequest("n3", tuple(prompts[0]), _greedy(max_tokens=10), n=3),
+        GenerationRequest(
+            "json", tuple(prompts[1]), dataclasses.replace(
+                _greedy(max_tokens=10), constraint=Constraint("json_object"), ignore_eos=False
+            ),
+        ),
+        GenerationRequest("img", tuple(image_ids), _greedy(max_tokens=10), images=(pic,)),
+        GenerationRequest(
+            "seeded", tuple(prompts[2]), SamplingParams(temperature=0.8, seed=3, max_tokens=8)
+        ),
+    ]  # fmt: skip
+    joins = {0: reqs[:2], 2: reqs[2:]}
+    plain = _drive(LLMEngine(loaded, SMALL), joins)
+    engine = LLMEngine(loaded, _spec())
+    oracle = _oracle(loaded, joins)
+    seen = force_drafts(engine, oracle, _cycle)
+    got = _drive(engine, joins)
+    assert got == plain
+    assert got[("n3", 0)] == got[("n3", 1)] == got[("n3", 2)]
+    assert len(seen) > 1
+    alone = LLMEngine(loaded, _spec())
+    force_drafts(alone, oracle, _cycle)
+    assert _drive(alone, {0: [reqs[2]]})[("img", 0)] == got[("img", 0)]
+
+
+def test_speculation_without_a_head_warns_and_runs_plainly(
+    loaded: LoadedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """speculative=mtp on a model without an MTP head: a warning, and plain decoding."""
+    headless = dataclasses.replace(loaded, mtp=None)
+    with caplog.at_level("WARNING"):
+        engine = LLMEngine(headless, _spec())
+    assert engine.speculation is None and "no MTP head" in caplog.text
+    prompts = _prompts(2, seed=8)
+    assert [c.token_ids for c in engine.generate(prompts, _greedy())] == [
+        c.token_ids for c in LLMEngine(loaded, SMALL).generate(prompts, _greedy())
+    ]
