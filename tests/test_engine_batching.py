@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable, Hashable
 
 import pytest
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Completion, LLMEngine
-from deltaserve.engine.types import GenerationRequest, SamplingParams
+from deltaserve.engine.types import GenerationRequest, RequestOutput, SamplingParams
 from deltaserve.models.build import LoadedModel, load_model
 from deltaserve.models.testing import cached_checkpoint
 
@@ -42,9 +43,15 @@ def _alone(loaded: LoadedModel, prompt: list[int], params: SamplingParams) -> Co
     return LLMEngine(loaded, SMALL).generate([prompt], params)[0]
 
 
-def _drive(engine: LLMEngine, joins: dict[int, list[GenerationRequest]], aborts=None) -> dict:
-    """Step the engine, adding requests at given steps; returns tokens per request id."""
-    tokens: dict[str, list[int]] = {}
+def _drive(
+    engine: LLMEngine,
+    joins: dict[int, list[GenerationRequest]],
+    aborts=None,
+    key: Callable[[RequestOutput], Hashable] = lambda delta: delta.request_id,
+) -> dict:
+    """Step the engine, adding requests at given steps; returns tokens per request id
+    (or per `key` of each delta)."""
+    tokens: dict[Hashable, list[int]] = {}
     step = 0
     while engine.has_work() or any(s >= step for s in joins):
         for req in joins.get(step, []):
@@ -52,7 +59,7 @@ def _drive(engine: LLMEngine, joins: dict[int, list[GenerationRequest]], aborts=
         for request_id in (aborts or {}).get(step, []):
             engine.abort(request_id)
         for delta in engine.step():
-            tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+            tokens.setdefault(key(delta), []).extend(delta.token_ids)
         step += 1
     return tokens
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 import pytest
+from test_engine_batching import _drive as drive
 from test_engine_images import image, prompt_with
 
 from deltaserve.engine.cache.batch import BatchState
@@ -54,17 +55,7 @@ def _drive(
     engine: LLMEngine, joins: dict[int, list[GenerationRequest]], aborts: dict | None = None
 ) -> dict[tuple[str, int], list[int]]:
     """Step the engine, adding and aborting requests at given steps; tokens per choice."""
-    tokens: dict[tuple[str, int], list[int]] = {}
-    step = 0
-    while engine.has_work() or any(s >= step for s in joins):
-        for req in joins.get(step, []):
-            engine.add_request(req)
-        for request_id in (aborts or {}).get(step, []):
-            engine.abort(request_id)
-        for delta in engine.step():
-            tokens.setdefault((delta.request_id, delta.index), []).extend(delta.token_ids)
-        step += 1
-    return tokens
+    return drive(engine, joins, aborts, key=lambda delta: (delta.request_id, delta.index))
 
 
 def _joins(prompts: list[list[int]], params: SamplingParams) -> dict:
