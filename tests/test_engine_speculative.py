@@ -134,16 +134,18 @@ def test_mtp_head_keeps_greedy_output(loaded: LoadedModel) -> None:
     assert not engine.states.verify_ids and not engine.states.decode_ids
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize(("k", "batch_prefill"), [(1, False), (2, False), (3, False), (2, True)])
 def test_forced_drafts_accept_every_count_and_keep_greedy_output(
-    loaded: LoadedModel, k: int
+    loaded: LoadedModel, k: int, batch_prefill: bool
 ) -> None:
     """Drafts right up to a different position each round: every count 0..k is accepted
-    somewhere, rows disagree within a step, output is exact, late joins included."""
+    somewhere, rows disagree within a step, output is exact, late joins included (and
+    prompts prefilled in cohorts, the GPU's way)."""
     prompts = _prompts(8, seed=2)
     joins = _joins(prompts, _greedy(max_tokens=16))
     plain = _drive(LLMEngine(loaded, SMALL), joins)
-    engine = LLMEngine(loaded, _spec(k=k))
+    config = dataclasses.replace(SMALL, batch_prefill=batch_prefill)
+    engine = LLMEngine(loaded, _spec(config, k=k))
     seen = force_drafts(engine, _oracle(loaded, joins), _cycle)
     assert _drive(engine, joins) == plain
     assert seen == set(range(k + 1)), seen

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 
 from deltaserve.engine.cache.batch import BatchState
+from deltaserve.engine.cache.kv import KVStore
 from deltaserve.engine.cache.ssm import SSMState
 from deltaserve.engine.prefix_cache.disk import PrefixDisk
 from deltaserve.engine.prefix_cache.index import CacheDrop, CacheLoad, CacheSave
@@ -44,6 +45,8 @@ class RowStates:
         self.verify = new_state()
         self.verify_ids: list[str] = []
         self.prefill: dict[str, BatchState] = {}
+        # The MTP-head stores of the cohorts built this step (cohort_state -> split_cohort)
+        self._cohort_drafts: dict[tuple[str, ...], KVStore | None] = {}
 
     def prefill_state(self, row_id: str) -> BatchState:
         """The B=1 state a prompt is prefilled into (created on its first chunk)."""
@@ -57,12 +60,14 @@ class RowStates:
         state = self._new_state()
         for row_id in row_ids:
             state.merge(self.prefill_state(row_id))
+        self._cohort_drafts[tuple(row_ids)] = state.aligned_draft()
         return state
 
     def split_cohort(self, row_ids: Sequence[str], layers: list) -> None:
         """Each row of a cohort's layers (after its chunk ran) becomes that row's own
-        prefill state again (independent copies: none pins the cohort's arrays)."""
-        cohort = BatchState(layers)
+        prefill state again (independent copies: none pins the cohort's arrays), with
+        its MTP-head store when it has one."""
+        cohort = BatchState(layers, self._cohort_drafts.pop(tuple(row_ids), None))
         for i, row_id in enumerate(row_ids):
             self.prefill[row_id] = cohort.extract(i)
 
@@ -158,6 +163,7 @@ class RowStates:
         self.verify = self._new_state()
         self.verify_ids = []
         self.prefill = {}
+        self._cohort_drafts = {}
         if self.prefix is not None:
             self.prefix.reset()
 
