@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 import anyio
+import pydantic_core
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
@@ -68,6 +69,32 @@ def _json(payload: BaseModel | dict[str, Any]) -> str:
     if isinstance(payload, BaseModel):
         return payload.model_dump_json()
     return json.dumps(payload, separators=(",", ":"))
+
+
+class ChunkFrame:
+    """`data:` events of one stream's chunk objects, built around their `choices`.
+
+    A chunk object (chat.completion.chunk, text_completion) repeats the same id, created,
+    model and fingerprint in every chunk; only `choices` changes. The constant part is
+    serialized once per stream (by the pydantic model itself, from `envelope`: the chunk
+    with no choices and no usage, so `choices` is its last field), and each chunk costs
+    one pydantic_core.to_json of its choice: plain dicts and lists, with pydantic models
+    only where their own serializer matters (e.g. logprobs, whose -inf is null). Building
+    and validating the pydantic chunk models per token cost several times more
+    (bench/README.md, bench.server_overhead); to_json writes strings and numbers exactly
+    as model_dump_json does, and tests/test_server_chunks.py checks the bytes against it.
+    """
+
+    def __init__(self, envelope: BaseModel) -> None:
+        text = envelope.model_dump_json()
+        if not text.endswith('"choices":[]}'):
+            raise ValueError(f"`choices` is not the last field of {type(envelope).__name__}")
+        self._head = f"data: {text[:-2]}".encode()  # ... "choices":[
+        self._tail = b"]}\n\n"
+
+    def data(self, choice: dict[str, Any]) -> bytes:
+        """The event of a chunk whose only choice is `choice` (the model's field order)."""
+        return b"".join((self._head, pydantic_core.to_json(choice), self._tail))
 
 
 def openai_error_event(err: APIError) -> bytes:
