@@ -72,8 +72,44 @@ def extend_merged(merged: list[Piece], pieces: Iterable[Piece]) -> list[Piece]:
 
 
 def merge_pieces(pieces: Iterable[Piece]) -> list[Piece]:
-    """`pieces` with neighbours joined as `extend_merged` does."""
-    return extend_merged([], pieces)
+    """`pieces` with neighbours joined as `extend_merged` does, in time linear in their
+    text: a run's parts are joined once when it ends (extend_merged copies the run so far
+    per piece, which is quadratic over a whole choice; it is for appending deltas)."""
+    merged: list[Piece] = []
+    parts: list[str] = []  # the texts / fragments of merged[-1], while it is a run
+    for piece in pieces:
+        last = merged[-1] if merged else None
+        if isinstance(piece, Text):
+            if not piece.text:
+                continue
+            if isinstance(last, Text) and last.kind == piece.kind:
+                parts.append(piece.text)
+                continue
+        elif (
+            isinstance(piece, ToolCallArgs)
+            and isinstance(last, ToolCallArgs)
+            and last.index == piece.index
+        ):
+            parts.append(piece.fragment)
+            continue
+        _join_run(merged, parts)
+        merged.append(piece)
+        parts = [piece.text] if isinstance(piece, Text) else []
+        if isinstance(piece, ToolCallArgs):
+            parts = [piece.fragment]
+    _join_run(merged, parts)
+    return merged
+
+
+def _join_run(merged: list[Piece], parts: list[str]) -> None:
+    """Replace merged[-1] by its run joined, when the run has more than one part."""
+    if len(parts) < 2:
+        return
+    last = merged[-1]
+    if isinstance(last, Text):
+        merged[-1] = Text(last.kind, "".join(parts))
+    elif isinstance(last, ToolCallArgs):
+        merged[-1] = ToolCallArgs(last.index, "".join(parts))
 
 
 def text_of(pieces: Iterable[Piece], kind: TextKind) -> str:
