@@ -66,10 +66,14 @@ def sse_event(name: str, payload: BaseModel | dict[str, Any]) -> bytes:
     return f"event: {name}\ndata: {_json(payload)}\n\n".encode()
 
 
+# What json.dumps(payload, separators=(",", ":")) builds per call, built once.
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))
+
+
 def _json(payload: BaseModel | dict[str, Any]) -> str:
     if isinstance(payload, BaseModel):
         return payload.model_dump_json()
-    return json.dumps(payload, separators=(",", ":"))
+    return _COMPACT_JSON.encode(payload)
 
 
 class ChunkFrame:

@@ -209,9 +209,15 @@ class ChoiceStream:
     def _parse(self, text: str, delta: ChoiceDelta, final: bool) -> None:
         """Run text through reasoning and tool parsing into `delta`, keeping the order."""
         if self._reasoning is None:
-            parts = [Text("content", text)]
+            parts = [Text("content", text)] if text else []
         else:
             parts = self._reasoning.push(text) + (self._reasoning.flush() if final else [])
+        if self._tools is None and not final:
+            # Per token, the common case: the parts are merged already (the reasoning
+            # parser merges what it returns), so they are the delta's pieces as they are.
+            delta.pieces = parts  # type: ignore[assignment]  # Text pieces
+            self._pieces += parts
+            return
         pieces: list[Piece] = []
         for part in parts:
             # Only the answer can call tools; thinking is passed through as it is.
