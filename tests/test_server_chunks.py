@@ -14,16 +14,13 @@ from deltaserve.server.responses import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatDelta,
-    ChoiceLogprobs,
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
     FunctionCallDelta,
-    TokenLogprobOut,
     ToolCallDelta,
 )
-from deltaserve.server.responses import TopLogprob as TopLogprobOut
-from deltaserve.server.routes_chat import ChatWriter
+from deltaserve.server.routes_chat import ChatWriter, chat_logprobs
 from deltaserve.server.routes_completions import CompletionWriter
 from deltaserve.server.routes_generation import ChoiceEvent
 from deltaserve.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -90,7 +87,7 @@ def _chat_reference(event: ChoiceEvent, logprobs: bool, parallel: bool) -> list[
             reasoning_content=delta.reasoning or None,
             tool_calls=calls or None,
         )
-        lp = _chat_logprobs(delta.logprobs) if logprobs else None
+        lp = chat_logprobs(delta.logprobs) if logprobs else None
         choice = ChatChunkChoice(index=event.index, delta=message, logprobs=lp)
         out.append(sse_data(ChatCompletionChunk(**HEAD, choices=[choice])))
     if event.finish_reason is not None:
@@ -99,23 +96,6 @@ def _chat_reference(event: ChoiceEvent, logprobs: bool, parallel: bool) -> list[
         )
         out.append(sse_data(ChatCompletionChunk(**HEAD, choices=[last])))
     return out
-
-
-def _chat_logprobs(entries: list[LogprobEntry]) -> ChoiceLogprobs:
-    return ChoiceLogprobs(
-        content=[
-            TokenLogprobOut(
-                token=e.token,
-                logprob=e.logprob,
-                bytes=list(e.token_bytes),
-                top_logprobs=[
-                    TopLogprobOut(token=t.token, logprob=t.logprob, bytes=list(t.token_bytes))
-                    for t in e.top
-                ],
-            )
-            for e in entries
-        ]
-    )
 
 
 def _events() -> list[ChoiceEvent]:
