@@ -42,10 +42,8 @@ from deltaserve.server.responses import (
     ChatMessageOut,
     ChoiceLogprobs,
     FunctionCall,
-    FunctionCallDelta,
     TokenLogprobOut,
     ToolCall,
-    ToolCallDelta,
     TopLogprob,
     Usage,
     openai_usage,
@@ -59,7 +57,7 @@ from deltaserve.server.routes_common import (
 )
 from deltaserve.server.routes_generation import ChoiceEvent, TokenCounts
 from deltaserve.server.schemas import ChatCompletionRequest, NamedToolChoice
-from deltaserve.server.sse import DONE, KEEPALIVE, openai_error_event, sse_data
+from deltaserve.server.sse import DONE, KEEPALIVE, ChunkFrame, openai_error_event, sse_data
 
 router = APIRouter()
 # Engine field names -> this endpoint's request fields, for 400 messages.
@@ -149,6 +147,7 @@ class ChatWriter:
             "model": model,
             "system_fingerprint": fingerprint,
         }
+        self._frame = ChunkFrame(ChatCompletionChunk(**self.head_fields, choices=[]))
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
         return sse_data(ChatCompletionChunk(**self.head_fields, choices=choices, usage=usage))
@@ -162,23 +161,25 @@ class ChatWriter:
         ]
 
     def event(self, event: ChoiceEvent) -> list[bytes]:
-        """A chunk for new text / reasoning / calls / logprobs; a last one with the reason."""
+        """A chunk for new text / reasoning / calls / logprobs; a last one with the reason.
+
+        Per token, so built as ChatChunkChoice would serialize (ChatDelta's unset fields
+        left out) without building the models: see ChunkFrame."""
         out, delta = [], event.delta
+        content, reasoning = delta.content, delta.reasoning
         calls = _call_deltas(delta.tool_calls, self.request.parallel_tool_calls)
-        if delta.content or delta.reasoning or calls or delta.logprobs:
-            message = ChatDelta(
-                content=delta.content or None,
-                reasoning_content=delta.reasoning or None,
-                tool_calls=calls or None,
-            )
+        if content or reasoning or calls or delta.logprobs:
+            message: dict[str, Any] = {}
+            if content:
+                message["content"] = content
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = calls
             logprobs = chat_logprobs(delta.logprobs) if self.request.logprobs else None
-            choice = ChatChunkChoice(index=event.index, delta=message, logprobs=logprobs)
-            out.append(self._chunk([choice]))
+            out.append(self._frame.data(_chunk_choice(event.index, message, logprobs)))
         if event.finish_reason is not None:
-            last = ChatChunkChoice(
-                index=event.index, delta=ChatDelta(), finish_reason=event.finish_reason
-            )
-            out.append(self._chunk([last]))
+            out.append(self._frame.data(_chunk_choice(event.index, {}, None, event.finish_reason)))
         return out
 
     def tail(self, counts: TokenCounts) -> list[bytes]:
@@ -220,19 +221,31 @@ class ChatWriter:
         )
 
 
-def _call_deltas(chunks: Sequence[ToolCallChunk], parallel: bool) -> list[ToolCallDelta]:
+def _chunk_choice(
+    index: int,
+    delta: dict[str, Any],
+    logprobs: ChoiceLogprobs | None,
+    finish_reason: str | None = None,
+) -> dict[str, Any]:
+    """A ChatChunkChoice as a dict, in its field order (its nullable fields stay null)."""
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _call_deltas(chunks: Sequence[ToolCallChunk], parallel: bool) -> list[dict[str, Any]]:
+    """The tool-call chunks as ToolCallDelta serializes them (id, type and name only on a
+    call's first chunk)."""
     out = []
     for chunk in chunks:
         if not parallel and chunk.index > 0:
             continue  # parallel_tool_calls=false: only the first call goes out
-        out.append(
-            ToolCallDelta(
-                index=chunk.index,
-                id=chunk.id,
-                type="function" if chunk.id is not None else None,
-                function=FunctionCallDelta(name=chunk.name, arguments=chunk.arguments),
-            )
-        )
+        call: dict[str, Any] = {"index": chunk.index}
+        if chunk.id is not None:
+            call["id"] = chunk.id
+            call["type"] = "function"
+        function = {} if chunk.name is None else {"name": chunk.name}
+        function["arguments"] = chunk.arguments
+        call["function"] = function
+        out.append(call)
     return out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
 from starlette.concurrency import run_in_threadpool
@@ -37,7 +37,7 @@ from deltaserve.server.routes_common import (
 )
 from deltaserve.server.routes_generation import ChoiceEvent, TokenCounts
 from deltaserve.server.schemas import CompletionRequest
-from deltaserve.server.sse import DONE, KEEPALIVE, openai_error_event, sse_data
+from deltaserve.server.sse import DONE, KEEPALIVE, ChunkFrame, openai_error_event, sse_data
 
 router = APIRouter()
 # Engine field names -> this endpoint's request fields, for 400 messages.
@@ -120,15 +120,23 @@ class CompletionWriter:
         # Per choice: the echoed prompt, and where its next token's text starts.
         self.echo = [echo for echo in echoes for _ in range(body.n)]
         self.offset = [len(text) for text in self.echo]
+        self._frame = ChunkFrame(self._object([]))
 
     def _object(
         self, choices: list[CompletionChoice], usage: Usage | None = None
     ) -> CompletionResponse:
         return CompletionResponse(**self.head_fields, choices=choices, usage=usage)
 
-    def _chunk(self, index: int, text: str, reason: str | None = None, **extra: Any) -> bytes:
-        choice = CompletionChoice(index=index, text=text, finish_reason=reason, **extra)
-        return sse_data(self._object([choice]))
+    def _chunk(
+        self,
+        index: int,
+        text: str,
+        reason: str | None = None,
+        logprobs: CompletionLogprobs | None = None,
+    ) -> bytes:
+        """A chunk of one choice, as CompletionChoice serializes (per token: ChunkFrame)."""
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        return self._frame.data(choice)
 
     def _logprobs(self, index: int, entries: Sequence[LogprobEntry]) -> CompletionLogprobs | None:
         if self.request.logprobs is None:
@@ -151,9 +159,10 @@ class CompletionWriter:
     def event(self, event: ChoiceEvent) -> list[bytes]:
         """A chunk of new text / logprobs; a last one with the finish reason."""
         out, delta, index = [], event.delta, event.index
-        if delta.content or delta.logprobs:
+        text = delta.content
+        if text or delta.logprobs:
             logprobs = self._logprobs(index, delta.logprobs)
-            out.append(self._chunk(index, delta.content, logprobs=logprobs))
+            out.append(self._chunk(index, text, logprobs=logprobs))
         if event.finish_reason is not None:
             out.append(self._chunk(index, "", event.finish_reason))
         return out

@@ -196,12 +196,15 @@ class RunGroup:
             for k, choice in enumerate(run.choices):
                 yield run.index_offset + k, choice
 
-    async def events(self) -> AsyncIterator[ChoiceEvent | None]:
-        """Every run's events as they come; a failure in one ends the group."""
+    def events(self) -> AsyncIterator[ChoiceEvent | None]:
+        """Every run's events as they come; a failure in one ends the group.
+
+        One run's events are its own (no generator in between: a layer costs per token)."""
         if len(self.runs) == 1:
-            async for event in self.runs[0].events():
-                yield event
-            return
+            return self.runs[0].events()
+        return self._merged_events()
+
+    async def _merged_events(self) -> AsyncIterator[ChoiceEvent | None]:
         queue: asyncio.Queue[ChoiceEvent | None | Exception | _End] = asyncio.Queue()
 
         async def pump(run: GenerationRun) -> None:

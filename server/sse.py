@@ -20,10 +20,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 import anyio
+import pydantic_core
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
@@ -64,10 +66,40 @@ def sse_event(name: str, payload: BaseModel | dict[str, Any]) -> bytes:
     return f"event: {name}\ndata: {_json(payload)}\n\n".encode()
 
 
+# What json.dumps(payload, separators=(",", ":")) builds per call, built once.
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))
+
+
 def _json(payload: BaseModel | dict[str, Any]) -> str:
     if isinstance(payload, BaseModel):
         return payload.model_dump_json()
-    return json.dumps(payload, separators=(",", ":"))
+    return _COMPACT_JSON.encode(payload)
+
+
+class ChunkFrame:
+    """`data:` events of one stream's chunk objects, built around their `choices`.
+
+    A chunk object (chat.completion.chunk, text_completion) repeats the same id, created,
+    model and fingerprint in every chunk; only `choices` changes. The constant part is
+    serialized once per stream (by the pydantic model itself, from `envelope`: the chunk
+    with no choices and no usage, so `choices` is its last field), and each chunk costs
+    one pydantic_core.to_json of its choice: plain dicts and lists, with pydantic models
+    only where their own serializer matters (e.g. logprobs, whose -inf is null). Building
+    and validating the pydantic chunk models per token cost several times more
+    (bench/README.md, bench.server_overhead); to_json writes strings and numbers exactly
+    as model_dump_json does, and tests/test_server_chunks.py checks the bytes against it.
+    """
+
+    def __init__(self, envelope: BaseModel) -> None:
+        text = envelope.model_dump_json()
+        if not text.endswith('"choices":[]}'):
+            raise ValueError(f"`choices` is not the last field of {type(envelope).__name__}")
+        self._head = f"data: {text[:-2]}".encode()  # ... "choices":[
+        self._tail = b"]}\n\n"
+
+    def data(self, choice: dict[str, Any]) -> bytes:
+        """The event of a chunk whose only choice is `choice` (the model's field order)."""
+        return b"".join((self._head, pydantic_core.to_json(choice), self._tail))
 
 
 def openai_error_event(err: APIError) -> bytes:
@@ -78,11 +110,13 @@ def openai_error_event(err: APIError) -> bytes:
 class Ticker(Generic[T]):
     """Reads an async iterator, returning TICK whenever `interval` s pass without an item.
 
-    One pump task per ticker reads the source into a queue, and a read waits on that
-    queue: a tick never cancels the source mid-read (a long prefill keeps its pending
-    read), and an item costs a queue hand-off, not a task and an asyncio.wait of its own
-    (bench/server_overhead.py). Once `stop` is set, reads raise ShuttingDown instead of
-    waiting for the source.
+    One pump task per ticker reads the source into a deque, and the (one) reader waits on
+    a future that the next entry resolves: a tick never cancels the source mid-read (a
+    long prefill keeps its pending read), and an item costs a deque hand-off, not a task
+    and an asyncio.wait of its own. Ticks come from one timer per ticker, re-armed once
+    per interval, which puts TICK when no item came for a whole interval; a timeout
+    around each read would schedule and cancel a timer per item (bench.server_overhead,
+    bench/README.md). Once `stop` is set, reads raise ShuttingDown instead of waiting.
     """
 
     def __init__(
@@ -91,24 +125,54 @@ class Ticker(Generic[T]):
         self._source = source
         self._interval = interval
         self._stop = stop
-        # (what, value): ("item", T), ("end", None), ("error", exc) or ("stop", None)
-        self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        # (what, value): ("item", T), ("tick", None), ("error", exc), ("end", None) or
+        # ("stop", None); an error is followed by the end.
+        self._entries: deque[tuple[str, Any]] = deque()
+        self._waiter: asyncio.Future[None] | None = None  # the reader's, while it waits
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._pump: asyncio.Task[None] | None = None
         self._stop_wait: asyncio.Task[None] | None = None  # one per ticker, not per read
+        self._timer: asyncio.TimerHandle | None = None
+        self._last = 0.0  # loop time of the latest item (or tick)
+
+    def _put(self, what: str, value: Any) -> None:
+        self._entries.append((what, value))
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def _pump_source(self) -> None:
+        assert self._loop is not None
         try:
             async for item in self._source:
-                self._queue.put_nowait(("item", item))
+                self._last = self._loop.time()
+                self._put("item", item)
         except Exception as exc:  # the reader re-raises it
-            self._queue.put_nowait(("error", exc))
-        else:
-            self._queue.put_nowait(("end", None))
+            self._put("error", exc)
+        self._put("end", None)
+        self._cancel_timer()  # the end is the answer from now on: no more ticks
 
     async def _watch_stop(self) -> None:
         assert self._stop is not None
         await self._stop.wait()
-        self._queue.put_nowait(("stop", None))
+        self._put("stop", None)
+
+    def _on_timer(self) -> None:
+        """TICK if no item came for an interval (and the reader has nothing else); re-arm
+        one interval after the latest item or tick."""
+        assert self._loop is not None
+        now = self._loop.time()
+        due = self._last + self._interval
+        if now >= due:
+            if not self._entries:
+                self._put("tick", None)
+            self._last, due = now, now + self._interval
+        self._timer = self._loop.call_at(due, self._on_timer)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     async def next(self) -> T | _Tick:
         """The next item, or TICK once the interval passed without one.
@@ -118,30 +182,40 @@ class Ticker(Generic[T]):
         """
         if self._stop is not None and self._stop.is_set():
             raise ShuttingDown
-        if self._pump is None:
-            self._pump = asyncio.ensure_future(self._pump_source())
-            if self._stop is not None:
-                self._stop_wait = asyncio.ensure_future(self._watch_stop())
-        try:
-            what, value = self._queue.get_nowait()
-        except asyncio.QueueEmpty:
+        if self._loop is None:
+            self._start()
+        entries = self._entries
+        while not entries:
+            assert self._loop is not None
+            self._waiter = self._loop.create_future()
             try:
-                async with asyncio.timeout(self._interval):
-                    what, value = await self._queue.get()
-            except TimeoutError:
-                return TICK
+                await self._waiter
+            finally:
+                self._waiter = None
+        what, value = entries.popleft()
         if what == "item":
             return value
+        if what == "tick":
+            return TICK
         if what == "error":
             raise value
-        self._queue.put_nowait((what, value))  # the end (or the stop) stays the answer
+        entries.appendleft((what, value))  # the end (or the stop) stays the answer
         if what == "stop":
             raise ShuttingDown
         raise StopAsyncIteration
 
+    def _start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._pump = asyncio.ensure_future(self._pump_source())
+        if self._stop is not None:
+            self._stop_wait = asyncio.ensure_future(self._watch_stop())
+        self._last = self._loop.time()
+        self._timer = self._loop.call_at(self._last + self._interval, self._on_timer)
+
     async def aclose(self) -> None:
-        """Stop the pump (cancelling a pending read), then close the source (its finally
-        blocks run)."""
+        """Stop the pump (cancelling a pending read) and the ticks, then close the source
+        (its finally blocks run)."""
+        self._cancel_timer()
         if self._stop_wait is not None:
             self._stop_wait.cancel()
             self._stop_wait = None

@@ -14,6 +14,13 @@ from collections.abc import Iterator
 
 import pytest
 
+from deltaserve.server.frontend.pieces import (
+    Piece,
+    Text,
+    ToolCallArgs,
+    extend_merged,
+    merge_pieces,
+)
 from deltaserve.server.frontend.reasoning import Delta, ReasoningParser
 from deltaserve.server.frontend.stops import StopStringMatcher, partial_match_len
 from deltaserve.server.frontend.tool_schema import declared_types, typed_value
@@ -327,3 +334,39 @@ def test_declared_types() -> None:
     assert declared_types({"enum": [1, 2]}) == {"any"}
     assert declared_types({"enum": ["a", 1]}) == {"string"}
     assert declared_types({"description": "x"}) == frozenset()
+
+
+def test_merge_pieces_joins_as_extend_merged_does() -> None:
+    """merge_pieces (linear, for whole choices) gives what appending piece by piece with
+    extend_merged gives, on random runs of text, empty text, call starts and arguments."""
+    rng = random.Random(0)
+    kinds: list[Piece] = [
+        Text("content", ""), Text("content", "a"), Text("content", "bc"),
+        Text("reasoning", ""), Text("reasoning", "x"), ToolCallStart(0, "c0", "f"),
+        ToolCallStart(1, "c1", "g"), ToolCallArgs(0, ""), ToolCallArgs(0, "{"),
+        ToolCallArgs(1, "1}"),
+    ]  # fmt: skip
+    for _ in range(5000):
+        pieces = [rng.choice(kinds) for _ in range(rng.randrange(10))]
+        merged: list[Piece] = []
+        for piece in pieces:
+            extend_merged(merged, [piece])
+        assert merge_pieces(pieces) == merged, pieces
+
+
+def test_partial_match_len_is_the_longest_held_suffix() -> None:
+    """Against the definition, tried on every suffix length, over random small alphabets."""
+    rng = random.Random(1)
+    for _ in range(20000):
+        text = "".join(rng.choice("ab<") for _ in range(rng.randrange(8)))
+        markers = ["".join(rng.choice("ab<") for _ in range(rng.randrange(6))) for _ in "xyz"]
+        expected = max(
+            [
+                n
+                for m in markers
+                for n in range(1, len(m))
+                if n <= len(text) and text.endswith(m[:n])
+            ],
+            default=0,
+        )
+        assert partial_match_len(text, markers) == expected, (text, markers)

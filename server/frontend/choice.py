@@ -20,6 +20,7 @@ from deltaserve.server.frontend.pieces import (
     ToolCallArgs,
     ToolCallStart,
     extend_merged,
+    merge_pieces,
     text_of,
 )
 from deltaserve.server.frontend.reasoning import ReasoningParser
@@ -144,7 +145,9 @@ class ChoiceStream:
         self._stops = StopStringMatcher(stops)
         self._reasoning = ReasoningParser(starts_in_reasoning) if parse_reasoning else None
         self._tools = ToolCallParser(tools) if parse_tools else None
-        self._pieces: list[Piece] = []  # everything emitted so far, merged
+        # Everything emitted so far, merged only when result() is asked for (streams never
+        # do): joining each delta into the text so far would copy it per token.
+        self._pieces: list[Piece] = []
         self._logprobs: list[LogprobEntry] = []
         self._is_finished = False
 
@@ -200,14 +203,21 @@ class ChoiceStream:
 
     def result(self) -> ChoiceResult:
         """Everything emitted so far (after finish(): the whole choice)."""
-        return ChoiceResult(tuple(self._pieces), tuple(self._logprobs), self.stop_string)
+        pieces = tuple(merge_pieces(self._pieces))
+        return ChoiceResult(pieces, tuple(self._logprobs), self.stop_string)
 
     def _parse(self, text: str, delta: ChoiceDelta, final: bool) -> None:
         """Run text through reasoning and tool parsing into `delta`, keeping the order."""
         if self._reasoning is None:
-            parts = [Text("content", text)]
+            parts = [Text("content", text)] if text else []
         else:
             parts = self._reasoning.push(text) + (self._reasoning.flush() if final else [])
+        if self._tools is None and not final:
+            # Per token, the common case: the parts are merged already (the reasoning
+            # parser merges what it returns), so they are the delta's pieces as they are.
+            delta.pieces = parts  # type: ignore[assignment]  # Text pieces
+            self._pieces += parts
+            return
         pieces: list[Piece] = []
         for part in parts:
             # Only the answer can call tools; thinking is passed through as it is.
@@ -216,10 +226,12 @@ class ChoiceStream:
         if final and self._tools is not None:
             extend_merged(pieces, self._tools.flush())
         delta.pieces = pieces
-        extend_merged(self._pieces, pieces)
+        self._pieces += pieces
 
     def _logprob_entries(self, logprobs: tuple[TokenLogprob, ...] | None) -> list[LogprobEntry]:
         """One entry per visible token (hidden ones, like EOS, have no text to align)."""
+        if not logprobs:
+            return []
         entries = [self._entry(lp) for lp in logprobs or () if lp.token_id not in self._hidden]
         self._logprobs += entries
         return entries

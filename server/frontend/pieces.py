@@ -50,30 +50,61 @@ def extend_merged(merged: list[Piece], pieces: Iterable[Piece]) -> list[Piece]:
     is dropped. Returns `merged`.
 
     Only the last piece of `merged` is ever touched, so appending a stream delta by delta
-    costs the size of each delta, not of everything so far.
+    costs the size of each delta and of the last piece (a whole choice: merge_pieces).
     """
     for piece in pieces:
-        last = merged[-1] if merged else None
-        if isinstance(piece, Text):
-            if not piece.text:
-                continue
-            if isinstance(last, Text) and last.kind == piece.kind:
-                merged[-1] = Text(piece.kind, last.text + piece.text)
-                continue
-        elif (
-            isinstance(piece, ToolCallArgs)
-            and isinstance(last, ToolCallArgs)
-            and last.index == piece.index
-        ):
-            merged[-1] = ToolCallArgs(piece.index, last.fragment + piece.fragment)
+        if isinstance(piece, Text) and not piece.text:
             continue
-        merged.append(piece)
+        if merged and _joins(merged[-1], piece):
+            merged[-1] = _with_text(piece, _text(merged[-1]) + _text(piece))
+        else:
+            merged.append(piece)
     return merged
 
 
 def merge_pieces(pieces: Iterable[Piece]) -> list[Piece]:
-    """`pieces` with neighbours joined as `extend_merged` does."""
-    return extend_merged([], pieces)
+    """`pieces` with neighbours joined as `extend_merged` does, in time linear in their
+    text: a run's parts are joined once when it ends (extend_merged copies the run so far
+    per piece, which is quadratic over a whole choice; it is for appending deltas)."""
+    merged: list[Piece] = []
+    parts: list[str] = []  # the texts / fragments of merged[-1]'s run
+    for piece in pieces:
+        if isinstance(piece, Text) and not piece.text:
+            continue
+        if merged and _joins(merged[-1], piece):
+            parts.append(_text(piece))
+            continue
+        if len(parts) > 1:
+            merged[-1] = _with_text(merged[-1], "".join(parts))
+        merged.append(piece)
+        parts = [_text(piece)]
+    if len(parts) > 1:
+        merged[-1] = _with_text(merged[-1], "".join(parts))
+    return merged
+
+
+def _joins(last: Piece, piece: Piece) -> bool:
+    """Whether `piece` continues `last`: text of its kind, or arguments of its call."""
+    if isinstance(piece, Text):
+        return isinstance(last, Text) and last.kind == piece.kind
+    if isinstance(piece, ToolCallArgs):
+        return isinstance(last, ToolCallArgs) and last.index == piece.index
+    return False
+
+
+def _text(piece: Piece) -> str:
+    """What joins in a run: a Text's text, a ToolCallArgs' fragment ("" for a start)."""
+    if isinstance(piece, Text):
+        return piece.text
+    return piece.fragment if isinstance(piece, ToolCallArgs) else ""
+
+
+def _with_text(piece: Piece, text: str) -> Piece:
+    """`piece` (Text or ToolCallArgs) with `text` as its text or fragment."""
+    if isinstance(piece, Text):
+        return Text(piece.kind, text)
+    assert isinstance(piece, ToolCallArgs)
+    return ToolCallArgs(piece.index, text)
 
 
 def text_of(pieces: Iterable[Piece], kind: TextKind) -> str:

@@ -39,6 +39,8 @@ class ReasoningParser:
 
     def push(self, text: str) -> list[Delta]:
         """Add generated text; return the deltas that are now certain."""
+        if self._state == "content" and not (self._buffer or self._newlines_to_strip):
+            return [Delta("content", text)] if text else []  # the answer, as it comes
         self._buffer += text
         deltas: list[Delta] = []
         while self._step(deltas):

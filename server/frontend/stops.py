@@ -14,14 +14,20 @@ def partial_match_len(text: str, markers: Iterable[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of one of `markers`.
 
     Streaming parsers hold that suffix back: the next chunk may complete the marker.
+    Called per token and usually 0, so only the suffixes that start with a marker's first
+    character are tried (str.find), longest first, not every length.
     """
-    best = 0
+    best, size = 0, len(text)
     for marker in markers:
-        # Longest first, and only lengths that would beat the best found so far.
-        for length in range(min(len(text), len(marker) - 1), best, -1):
-            if text.endswith(marker[:length]):
-                best = length
+        length = min(size, len(marker) - 1)  # the longest suffix that could match
+        if length <= best:
+            continue
+        start = text.find(marker[0], size - length)
+        while start >= 0 and size - start > best:
+            if marker.startswith(text[start:]):
+                best = size - start
                 break
+            start = text.find(marker[0], start + 1)
     return best
 
 
