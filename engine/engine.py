@@ -188,7 +188,7 @@ class LLMEngine:
                         self.loaded.path)  # fmt: skip
             return None
         k = self.config.num_speculative_tokens
-        log.info("speculative decoding: the MTP head drafts %d tokens per greedy row", k)
+        log.info("speculative decoding: the MTP head drafts %d tokens per row", k)
         return Speculation(k)
 
     def _budget_bytes(self) -> int:

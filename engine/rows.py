@@ -35,7 +35,7 @@ class RowTable:
         """Give `joining` (a request's choices) their rows and budget shares; `extra_bytes`
         go to the first (the vision tower's memory while its prompt is prefilled)."""
         for req in joining:
-            req.reserved_bytes = self.budget.row_bytes(req.max_total_tokens())
+            req.reserved_bytes = self.budget.row_bytes(req.max_total_tokens(), req.speculative)
             self.budget.reserve(req.reserved_bytes)
             self.rows[req.row_id] = req
         joining[0].reserved_bytes += extra_bytes

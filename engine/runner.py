@@ -21,7 +21,13 @@ from deltaserve.engine.compiled_prefill import CompiledPrefill
 from deltaserve.engine.decode import CompiledDecode
 from deltaserve.engine.plan import NewRow, PrefillChunk, StepPlan, StepResult, VerifiedRun
 from deltaserve.engine.sampling.sampler import SampledBatch, Sampler, SamplingRow
-from deltaserve.engine.speculative import Drafter, Verdicts, VerifyStep, store_arrays
+from deltaserve.engine.speculative import (
+    Drafter,
+    DraftRound,
+    Verdicts,
+    VerifyStep,
+    store_arrays,
+)
 from deltaserve.engine.structured.matchers import TokenMask
 from deltaserve.engine.vision.features import VisionInputs
 from deltaserve.models.qwen35 import Qwen35Model
@@ -188,7 +194,14 @@ class ModelRunner:
             verified = hidden[len(groups) - len(eager) - 1]  # [B, k + 1, H]
             logits_v = self.model.logits(verified)
             positions = plan.verify_positions
-            verify = VerifyStep(plan.verify_row_ids, verify_drafts, verified, logits_v, positions)
+            verify = VerifyStep(
+                plan.verify_row_ids,
+                verify_drafts.tokens,
+                verify_drafts.logits,
+                verified,
+                logits_v,
+                positions,
+            )
         logits = self.model.logits(mx.concatenate(last, axis=0)) if last else None
         if decode_logits is not None:
             parts = [decode_logits] + ([logits] if logits is not None else [])
@@ -238,8 +251,8 @@ class ModelRunner:
         verdicts = None
         if output.verify is not None:
             assert self.drafter is not None, "a verify step without a drafter"
-            params = [self.rows.rows[r].params for r in output.verify.row_ids]
-            verdicts = self.drafter.accept(output.verify, params)
+            verify_rows = self.rows.sampling_rows(output.verify.row_ids)
+            verdicts = self.drafter.accept(output.verify, verify_rows)
             mx.async_eval(*verdicts.arrays())
         if output.logits is None:
             self._last_tokens = None
@@ -275,8 +288,8 @@ class ModelRunner:
         if verdicts is None:
             return ()
         assert self.drafter is not None, "verdicts without a drafter"
-        params = [self.rows.rows[r].params for r in verdicts.step.row_ids]
-        runs = self.drafter.read_back(verdicts, self.states.verify, params)
+        rows = self.rows.sampling_rows(verdicts.step.row_ids)
+        runs = self.drafter.read_back(verdicts, self.states.verify, rows)
         self.rows.extend(runs)
         mx.async_eval(*store_arrays(self.states.verify))
         return tuple(runs)
@@ -320,19 +333,21 @@ class ModelRunner:
         positions = text_positions(list(plan.decode_positions), 1)
         return ForwardGroup(tokens, positions, self.states.decode.layers)
 
-    def _drafts(self, plan: StepPlan) -> mx.array | None:
-        """Drafts [B, k] of the verify batch's rows (None: no row speculates)."""
+    def _drafts(self, plan: StepPlan) -> DraftRound | None:
+        """The verify batch's drafts (None: no row speculates). Its rows' tokens are all
+        read back (a verify step follows a read-back step), so their noise keys are."""
         if not plan.verify_row_ids:
             return None
         assert self.drafter is not None and plan.num_draft == self.drafter.num_draft
         last = mx.array(plan.verify_token_ids, dtype=mx.int32)
-        return self.drafter.draft(plan.verify_row_ids, self.states.verify, last)
+        rows = self.rows.sampling_rows(plan.verify_row_ids)
+        return self.drafter.draft(plan.verify_row_ids, self.states.verify, last, rows)
 
-    def _verify_group(self, plan: StepPlan, drafts: mx.array) -> ForwardGroup:
+    def _verify_group(self, plan: StepPlan, drafts: DraftRound) -> ForwardGroup:
         """[B, k + 1]: each speculating row's last token and its drafts, unpadded, with
         DeltaNet state kept after every column (BatchState.keep_verified picks one)."""
         last = mx.array(plan.verify_token_ids, dtype=mx.int32)[:, None]
-        tokens = mx.concatenate([last, drafts], axis=1)
+        tokens = mx.concatenate([last, drafts.tokens], axis=1)
         positions = text_positions(list(plan.verify_positions), plan.num_draft + 1)
         return ForwardGroup(tokens, positions, self.states.verify.layers, state_slots=True)
 

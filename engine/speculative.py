@@ -4,10 +4,20 @@ A speculating row's step (the scheduler puts it in StepPlan.verify_row_ids): the
 drafts k tokens from the trunk hidden states the row produced since its last draft
 (`Drafter.draft`); the trunk runs the row's last token and the k drafts as one
 [B, k + 1] verify group with ForwardGroup.state_slots; the row keeps its last token and
-the leading drafts that equal the trunk's argmax, plus the argmax after them
-(sampling/speculative.py's accept_greedy), so greedy output equals plain decoding token
-for token. `BatchState.keep_verified` then forgets the rejected columns (KV) and takes
-the DeltaNet state after the last kept one: no forward is replayed.
+the drafts it accepts, plus one token after them. `BatchState.keep_verified` then
+forgets the rejected columns (KV) and takes the DeltaNet state after the last kept one:
+no forward is replayed.
+
+Greedy rows draft the head's argmax and accept the leading drafts that equal the
+trunk's argmax (sampling/speculative.py's accept_greedy), so greedy output equals plain
+decoding token for token. Sampled rows draw each draft from q, the head's distribution
+under the row's own temperature / top_k / top_p / min_p (sampling/warp.py, the
+sampler's transform), and accept with speculative sampling (accept_sampled) against p,
+the verify logits under the same transform: each emitted token follows the row's
+sampling distribution exactly, but the draws differ from the plain sampler's, so a
+seeded row's text differs from its text without speculation. Their noise is the row's
+seeded noise (sampling/noise.py), keyed by the output index the step starts at and a
+stream per purpose: a seeded row is reproducible, and the same alone as batched.
 
 The head pairs each trunk hidden h_t with the token x_{t+1} after it (models/mtp.py).
 Its KV store (BatchState.draft) gets every prompt pair at prefill (`prompt_pairs`), and
@@ -26,10 +36,18 @@ import mlx.core as mx
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.kv import KVStore
 from deltaserve.engine.plan import VerifiedRun
-from deltaserve.engine.sampling.sampler import top_sorted
-from deltaserve.engine.sampling.speculative import accept_greedy
-from deltaserve.engine.types import SamplingParams, TokenLogprob
-from deltaserve.models.mtp import MTPHead, draft
+from deltaserve.engine.sampling.noise import (
+    ACCEPT_STREAM,
+    DRAFT_STREAM,
+    RESAMPLE_STREAM,
+    gumbel_noise,
+    uniform_noise,
+)
+from deltaserve.engine.sampling.sampler import SamplingRow, noise_keys, top_sorted
+from deltaserve.engine.sampling.speculative import Verdict, accept_greedy, accept_sampled
+from deltaserve.engine.sampling.warp import Warp, warp_logits, warp_probs
+from deltaserve.engine.types import TokenLogprob
+from deltaserve.models.mtp import Chooser, MTPHead, draft, greedy
 from deltaserve.models.qwen35 import Qwen35Model
 
 
@@ -44,11 +62,22 @@ class _Pairs:
 
 
 @dataclass(frozen=True)
+class DraftRound:
+    """A verify batch's drafts (lazy). Written by Drafter.draft."""
+
+    tokens: mx.array  # [B, k] int32
+    # [B, k, V]: the head's logits each draft was drawn from (sampled rows drew from
+    # them warped: their q); None: the drafts are certain (q one-hot on each)
+    logits: mx.array | None
+
+
+@dataclass(frozen=True)
 class VerifyStep:
     """A verify group's outputs, queued (lazy). Written by the runner's execute."""
 
     row_ids: tuple[str, ...]
     drafts: mx.array  # [B, k] int32: the drafts the rows ran
+    draft_logits: mx.array | None  # [B, k, V]: DraftRound.logits
     hidden: mx.array  # [B, k + 1, H]: the trunk's final-normed hidden at each input
     logits: mx.array  # [B, k + 1, V]
     positions: tuple[int, ...]  # each row's first input position
@@ -128,17 +157,24 @@ class Drafter:
                 pairs.tokens = mx.array([token], dtype=mx.int32)
 
     # -- a verify step --------------------------------------------------------------------
-    def draft(self, row_ids: Sequence[str], state: BatchState, last: mx.array) -> mx.array:
-        """Drafts [B, k] int32 of the verify batch's rows (`last` [B] their last tokens):
-        each row's pending pairs go into its head store, right-aligned, then the head
-        chains k drafts; its k - 1 speculative pairs are rolled back at once. A row with
-        no pairs (it decoded without speculating) drafts from its store alone."""
+    def draft(
+        self,
+        row_ids: Sequence[str],
+        state: BatchState,
+        last: mx.array,
+        rows: Sequence[SamplingRow],
+    ) -> DraftRound:
+        """The drafts of the verify batch's rows (`last` [B] their last tokens, `rows`
+        what the sampler reads of each): each row's pending pairs go into its head store,
+        right-aligned, then the head chains k drafts, each chosen as the row samples
+        (`draft_chooser`); its k - 1 speculative pairs are rolled back at once. A row with no
+        pairs (it decoded without speculating) drafts from its store alone."""
         k, store = self.num_draft, state.aligned_draft()
         assert store is not None, "the verify batch has a head store"
         pairs = [self._pending.pop(r, None) for r in row_ids]
         pairs = [p if p is not None and p.tokens is not None else None for p in pairs]
-        if all(p is None for p in pairs):
-            return mx.repeat(last[:, None], k, axis=1)  # nothing to draft from yet
+        if all(p is None for p in pairs):  # nothing to draft from yet: certain drafts
+            return DraftRound(mx.repeat(last[:, None], k, axis=1), None)
         width = max(int(p.hidden.shape[0]) for p in pairs if p is not None)
         template = next(p for p in pairs if p is not None)
         hidden, tokens, positions, pads = [], [], [], []
@@ -163,16 +199,19 @@ class Drafter:
             store,
             k,
             tuple(pads) if any(pads) else None,
+            draft_chooser(rows, k),
         )
         if k > 1:
             store.rollback([k - 1] * len(row_ids))
-        return drafts.tokens
+        return DraftRound(drafts.tokens, drafts.logits)
 
-    def accept(self, step: VerifyStep, params: Sequence[SamplingParams]) -> Verdicts:
-        """Each row's accepted drafts and next token (greedy rows: accept_greedy), with
-        logprobs of the emitted tokens for rows that ask (queued, lazy)."""
-        k = step.drafts.shape[1]
-        verdict = accept_greedy(step.logits, step.drafts)
+    def accept(self, step: VerifyStep, rows: Sequence[SamplingRow]) -> Verdicts:
+        """Each row's accepted drafts and next token (the module docstring), with
+        logprobs of the emitted tokens for rows that ask (queued, lazy). The logprobs
+        are the model's log-softmax at temperature 1, as the sampler reports them (a
+        speculating row has no bias or penalties to process its logits)."""
+        k, params = step.drafts.shape[1], [r.params for r in rows]
+        verdict = verify_verdict(step, rows)
         column = mx.arange(k + 1, dtype=mx.int32)[None]
         count = verdict.num_accepted[:, None]
         padded = mx.concatenate([step.drafts, verdict.next_token[:, None]], axis=1)
@@ -192,7 +231,7 @@ class Drafter:
         return Verdicts(step, verdict.num_accepted, tokens, token_lp, top_ids, top_lps)
 
     def read_back(
-        self, verdicts: Verdicts, state: BatchState, params: Sequence[SamplingParams]
+        self, verdicts: Verdicts, state: BatchState, rows: Sequence[SamplingRow]
     ) -> list[VerifiedRun]:
         """Wait for the verdicts; roll the verify batch back to each row's kept columns;
         the kept columns' hidden states become the rows' pending pairs."""
@@ -212,8 +251,8 @@ class Drafter:
                 step.hidden[b, : a + 1], positions, mx.array(emitted, dtype=mx.int32)
             )
             logprobs: list[TokenLogprob | None] = [None] * len(emitted)
-            if lps is not None and params[b].logprobs:
-                n = params[b].top_logprobs
+            if lps is not None and rows[b].params.logprobs:
+                n = rows[b].params.top_logprobs
                 logprobs = [
                     TokenLogprob(
                         t,
@@ -224,6 +263,58 @@ class Drafter:
                 ]
             runs.append(VerifiedRun(row_id, emitted, tuple(logprobs), k))
         return runs
+
+
+def draft_chooser(rows: Sequence[SamplingRow], num_draft: int) -> Chooser:
+    """How the head picks each draft of these rows: greedy rows its argmax; sampled rows
+    a Gumbel-max draw from its logits under the row's warp (so exactly from q), with
+    noise of the row's stream DRAFT_STREAM + i for draft i."""
+    params = [r.params for r in rows]
+    if all(p.is_greedy for p in params):
+        return greedy
+    is_sampled = mx.array([not p.is_greedy for p in params])
+    keys = iter([noise_keys(rows, DRAFT_STREAM + i) for i in range(num_draft)])
+    warps: dict[int, Warp] = {}
+
+    def choose(logits: mx.array) -> mx.array:
+        vocab = logits.shape[-1]
+        warp = warps.setdefault(vocab, Warp.of(params, vocab))
+        k0, k1 = next(keys)
+        noise = gumbel_noise(k0, k1, mx.arange(vocab, dtype=mx.uint32)[None])
+        drawn = mx.argmax(warp_logits(logits, warp) + noise, axis=-1).astype(mx.int32)
+        return mx.where(is_sampled, drawn, greedy(logits))
+
+    return choose
+
+
+def verify_verdict(step: VerifyStep, rows: Sequence[SamplingRow]) -> Verdict:
+    """The verify batch's verdicts: greedy rows' from accept_greedy, sampled rows' from
+    accept_sampled with p the verify logits and q the draft logits, both under the row's
+    warp, and noise of the row's ACCEPT_STREAM (one uniform per draft) and
+    RESAMPLE_STREAM (the one resample)."""
+    greedy_verdict = accept_greedy(step.logits, step.drafts)
+    if all(r.params.is_greedy for r in rows):
+        return greedy_verdict
+    b, positions, vocab = step.logits.shape
+    k = positions - 1
+    warp = Warp.of([r.params for r in rows], vocab)
+    flat = step.logits.reshape(b * positions, vocab)
+    p = warp_probs(flat, warp.repeat(positions)).reshape(b, positions, vocab)
+    if step.draft_logits is None:
+        q = (step.drafts[..., None] == mx.arange(vocab)).astype(mx.float32)
+    else:
+        draft_flat = step.draft_logits.reshape(b * k, vocab)
+        q = warp_probs(draft_flat, warp.repeat(k)).reshape(b, k, vocab)
+    k0, k1 = noise_keys(rows, ACCEPT_STREAM)
+    uniform = uniform_noise(k0, k1, mx.arange(k, dtype=mx.uint32)[None])
+    k0, k1 = noise_keys(rows, RESAMPLE_STREAM)
+    gumbel = gumbel_noise(k0, k1, mx.arange(vocab, dtype=mx.uint32)[None])
+    sampled = accept_sampled(p, step.drafts, q, uniform, gumbel)
+    is_sampled = mx.array([not r.params.is_greedy for r in rows])
+    return Verdict(
+        mx.where(is_sampled, sampled.num_accepted, greedy_verdict.num_accepted),
+        mx.where(is_sampled, sampled.next_token, greedy_verdict.next_token),
+    )
 
 
 def store_arrays(state: BatchState) -> list[mx.array]:

@@ -6,7 +6,9 @@ pause and retry, moving between the verify and decode batches), and with a force
 source (each row's true greedy continuation with some drafts corrupted), which makes
 every accepted count 0..k happen inside the engine, next to joins, leaves, aborts,
 quantized KV, n > 1, max_tokens and stop tokens inside an accepted run, logprobs, a
-constrained row and an image row in the batch.
+constrained row and an image row in the batch. Sampled rows speculate too: seeded ones
+reproducibly and alone as batched, with forced drafts accepting varying counts and
+ending exactly; a speculating row's budget share holds the head's KV.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from test_engine_images import image, prompt_with
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.config import EngineConfig, KVCacheConfig
 from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.sampling.sampler import SamplingRow
+from deltaserve.engine.speculative import DraftRound
 from deltaserve.engine.structured.spec import Constraint
 from deltaserve.engine.types import GenerationRequest, SamplingParams
 from deltaserve.models.build import LoadedModel, load_model
@@ -73,16 +77,18 @@ def force_drafts(
 ) -> set[int]:
     """Make the engine's drafter propose each row's true continuation (oracle[row_id],
     the greedy tokens after its prompt) with draft wrong(row, round, k) corrupted (index k:
-    none); the head still runs, so its store is kept as usual. Returns the accepted
-    counts seen, filled as the engine runs."""
+    none), as certain drafts (q one-hot on each); the head still runs, so its store is
+    kept as usual. Returns the accepted counts seen, filled as the engine runs."""
     drafter = engine.runner.drafter
     assert drafter is not None
     draft, read_back, seen = drafter.draft, drafter.read_back, set()
     k = drafter.num_draft
     rounds: dict[str, int] = {}
 
-    def forced(row_ids: list[str], state: BatchState, last: mx.array) -> mx.array:
-        draft(row_ids, state, last)
+    def forced(
+        row_ids: list[str], state: BatchState, last: mx.array, rows: list[SamplingRow]
+    ) -> DraftRound:
+        draft(row_ids, state, last, rows)
         out = []
         for row_id in row_ids:
             emitted = len(engine.runner.rows.output_ids[row_id])
@@ -90,10 +96,10 @@ def force_drafts(
             bad = wrong(row_id, rounds.get(row_id, 0), k)
             rounds[row_id] = rounds.get(row_id, 0) + 1
             out.append([t + 1 if i == bad else t for i, t in enumerate(true)])
-        return mx.array(out, dtype=mx.int32)
+        return DraftRound(mx.array(out, dtype=mx.int32), None)
 
-    def recording(verdicts, state, params):  # type: ignore[no-untyped-def]
-        runs = read_back(verdicts, state, params)
+    def recording(verdicts, state, rows):  # type: ignore[no-untyped-def]
+        runs = read_back(verdicts, state, rows)
         seen.update(len(r.token_ids) - 1 for r in runs)
         return runs
 
@@ -223,8 +229,8 @@ def test_logprobs_per_accepted_token(loaded: LoadedModel) -> None:
 def test_n_choices_constrained_and_image_rows_in_a_speculating_batch(
     loaded: LoadedModel,
 ) -> None:
-    """n > 1 choices each speculate from their own state; a constrained row and sampled
-    row do not draft; an image row does, at its shifted rotary positions: all equal the
+    """n > 1 choices each speculate from their own state; a constrained row and a
+    logit_bias row do not draft; an image row does, at its shifted rotary positions: all equal the
     engine without speculation, and batched equals alone."""
     prompts = _prompts(3, seed=6)
     pic = image(7)
@@ -238,7 +244,7 @@ def test_n_choices_constrained_and_image_rows_in_a_speculating_batch(
         ),
         GenerationRequest("img", tuple(image_ids), _greedy(max_tokens=10), images=(pic,)),
         GenerationRequest(
-            "seeded", tuple(prompts[2]), SamplingParams(temperature=0.8, seed=3, max_tokens=8)
+            "biased", tuple(prompts[2]), _greedy(max_tokens=8, logit_bias={5: -1.0})
         ),
     ]  # fmt: skip
     joins = {0: reqs[:2], 2: reqs[2:]}
@@ -267,3 +273,91 @@ def test_speculation_without_a_head_warns_and_runs_plainly(
     assert [c.token_ids for c in engine.generate(prompts, _greedy())] == [
         c.token_ids for c in LLMEngine(loaded, SMALL).generate(prompts, _greedy())
     ]
+
+
+def _sampled(max_tokens: int = 12, **kw: object) -> SamplingParams:
+    return SamplingParams(temperature=0.9, top_p=0.95, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def test_seeded_sampled_rows_speculate_reproducibly_and_alone_as_batched(
+    loaded: LoadedModel,
+) -> None:
+    """A seeded sampled row drafts with the head, gives the same tokens run to run, and
+    the same alone as beside greedy, sampled and constrained rows."""
+    prompts = _prompts(4, seed=9)
+    seeded = GenerationRequest("seeded", tuple(prompts[0]), _sampled(max_tokens=14, seed=5))
+    others = [
+        GenerationRequest("g", tuple(prompts[1]), _greedy(max_tokens=10)),
+        GenerationRequest("s", tuple(prompts[2]), _sampled(top_k=20, seed=1)),
+        GenerationRequest("n2", tuple(prompts[3]), _sampled(min_p=0.1, seed=2), n=2),
+    ]
+    joins = {0: [seeded, others[0]], 1: others[1:]}
+    engine = LLMEngine(loaded, _spec())
+    first = _drive(engine, joins)
+    assert engine.scheduler.rows == {} and engine.speculation.stats.num_drafted > 0
+    assert _drive(LLMEngine(loaded, _spec()), joins) == first
+    alone = LLMEngine(loaded, _spec())
+    assert _drive(alone, {0: [seeded]}) == {("seeded", 0): first[("seeded", 0)]}
+    assert alone.speculation.stats.num_drafted > 0
+    assert len(first[("seeded", 0)]) == 14 and first[("n2", 0)] != first[("n2", 1)]
+
+
+def test_forced_drafts_at_temperature_keep_max_tokens_and_stop_tokens_exact(
+    loaded: LoadedModel,
+) -> None:
+    """temperature > 0 rows with certain (forced) drafts: min_p 1 keeps only the argmax,
+    so speculative sampling must reproduce the greedy tokens and their logprobs with
+    every count 0..k accepted; at plain temperature the counts vary and runs end exactly
+    at max_tokens or at a stop token inside an accepted run."""
+    prompts = _prompts(4, seed=10)
+    oracle = _oracle(loaded, _joins(prompts, _greedy(max_tokens=16)))
+    argmax = _sampled(max_tokens=16, min_p=1.0, seed=4, logprobs=True, top_logprobs=2)
+    joins = _joins(prompts, argmax)
+    plain = LLMEngine(loaded, SMALL).generate(prompts, argmax)
+    engine = LLMEngine(loaded, _spec())
+    seen = force_drafts(engine, {f"gen-{i}/0": oracle[f"r{i}/0"] for i in range(4)}, _cycle)
+    got = engine.generate(prompts, argmax)
+    assert seen == set(range(K + 1)), seen
+    for i, (a, b) in enumerate(zip(got, plain, strict=True)):
+        assert a.token_ids == b.token_ids == oracle[f"r{i}/0"][:16]
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-3)
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+    assert _drive(LLMEngine(loaded, SMALL), joins) == {
+        (f"r{i}", 0): c.token_ids for i, c in enumerate(plain)
+    }
+    warm = {0: [GenerationRequest(f"r{i}", tuple(p), _sampled(max_tokens=5 + i, seed=i))
+                for i, p in enumerate(prompts)]}  # fmt: skip
+    engine = LLMEngine(loaded, _spec())
+    seen = force_drafts(engine, oracle, _cycle)
+    got = _drive(engine, warm)
+    assert len(seen) > 1, seen
+    assert [len(got[(f"r{i}", 0)]) for i in range(4)] == [5, 6, 7, 8]
+    stop = got[("r3", 0)][4]
+    cut = got[("r3", 0)].index(stop) + 1
+    params = dataclasses.replace(warm[0][3].params, stop_token_ids=(stop,), ignore_eos=False)
+    engine = LLMEngine(loaded, _spec())
+    force_drafts(engine, oracle, _cycle)
+    again = _drive(engine, {0: [dataclasses.replace(warm[0][3], params=params)]})
+    assert again == {("r3", 0): got[("r3", 0)][:cut]}
+
+
+def test_a_speculating_row_reserves_the_heads_kv(loaded: LoadedModel) -> None:
+    """The MTP head's KV (one full-precision layer per token) is in a speculating row's
+    budget share, and not in a row that cannot speculate."""
+    engine = LLMEngine(loaded, _spec())
+    cfg, costs = loaded.config, engine.budget.costs
+    assert costs.draft_kv_bytes_per_token == 2 * cfg.num_key_value_heads * cfg.head_dim * (
+        loaded.dtype.size
+    )
+    prompts = _prompts(2, seed=11)
+    engine.add_request(GenerationRequest("spec", tuple(prompts[0]), _sampled(max_tokens=9)))
+    biased = _greedy(max_tokens=9, logit_bias={5: -1.0})
+    engine.add_request(GenerationRequest("plain", tuple(prompts[1]), biased))
+    engine.step()
+    rows = {r.request_id: r for r in engine.scheduler.rows.values()}
+    spec, plain = rows["spec"], rows["plain"]
+    assert spec.speculative and not plain.speculative
+    base = engine.budget.row_bytes(spec.max_total_tokens())
+    assert spec.reserved_bytes == base + spec.max_total_tokens() * costs.draft_kv_bytes_per_token
+    assert plain.reserved_bytes == engine.budget.row_bytes(plain.max_total_tokens())

@@ -1,12 +1,19 @@
 """The speculative acceptance rule (engine/sampling/speculative.py): greedy matching, and
-that accepted-or-resampled tokens are distributed exactly as the target's."""
+that accepted-or-resampled tokens are distributed exactly as the target's, alone and as
+the engine runs it for sampled rows (engine/speculative.py, with the sampler's warp)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import mlx.core as mx
 import pytest
 
+from deltaserve.engine.sampling.sampler import SamplingRow
 from deltaserve.engine.sampling.speculative import accept_greedy, accept_sampled, random_inputs
+from deltaserve.engine.sampling.warp import Warp, warp_probs
+from deltaserve.engine.speculative import VerifyStep, draft_chooser, verify_verdict
+from deltaserve.engine.types import SamplingParams
 
 V, K = 8, 2  # a small vocabulary, two drafts (three target positions)
 ROWS = 100_000  # per seed; sampling noise of a TV estimate ~ sqrt(V / ROWS) / 2 ~ 0.005
@@ -78,3 +85,36 @@ def test_draft_equal_to_target_is_always_accepted() -> None:
     uniform, gumbel = random_inputs(16, K, V, mx.random.key(5))
     verdict = accept_sampled(p, drafts, p[:, :K], uniform, gumbel)
     assert verdict.num_accepted.tolist() == [K] * 16
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_engine_draft_and_accept_follow_the_warped_target(seeded: bool) -> None:
+    """The engine's own path for a sampled row (engine/speculative.py: drafts drawn by
+    draft_chooser from the head's logits under the row's warp, verdicts from
+    verify_verdict) emits tokens distributed as the warped target, with a head whose
+    distribution differs from the target's."""
+    params = SamplingParams(temperature=0.8, top_k=6, top_p=0.95, min_p=0.02, max_tokens=4)
+    params = dataclasses.replace(params, seed=0) if seeded else params
+    rows = ROWS // 2 if seeded else ROWS  # seeded keys are built on the host, row by row
+    batch = [
+        SamplingRow(dataclasses.replace(params, seed=i) if seeded else params, (1,), (2, 3))
+        for i in range(rows)
+    ]
+    keys = mx.random.split(mx.random.key(11), 2)
+    target = mx.broadcast_to(2.0 * mx.random.normal((1, K + 1, V), key=keys[0]), (rows, K + 1, V))
+    head = mx.broadcast_to(2.0 * mx.random.normal((1, K, V), key=keys[1]), (rows, K, V))
+    choose = draft_chooser(batch, K)
+    drafts = mx.stack([choose(head[:, i]) for i in range(K)], axis=1)
+    step = VerifyStep(tuple(map(str, range(rows))), drafts, head, target[..., :1], target, ())
+    verdict = verify_verdict(step, batch)
+    warp = Warp.of([params], V)
+    p = [warp_probs(target[0, i : i + 1], warp)[0] for i in range(K + 1)]
+    q = [warp_probs(head[0, i : i + 1], warp)[0] for i in range(K)]
+    assert 0.5 * mx.abs(p[0] - q[0]).sum().item() > 0.1, "the draft must differ from p"
+    count, nxt = verdict.num_accepted, verdict.next_token
+    bound = TV_BOUND * (1.5 if seeded else 1.0)
+    assert _tv(drafts[:, 0], q[0]) < bound  # the drafts come from q
+    assert _tv(mx.where(count >= 1, drafts[:, 0], nxt), p[0]) < bound
+    second = mx.where(count >= 2, drafts[:, 1], nxt)
+    assert _tv(_select(second, count >= 1), p[1]) < 2 * bound
+    assert len(set(count.tolist())) > 1  # rows accept different counts

@@ -5,7 +5,9 @@ KV for prompt + max_tokens) and finishing releases it, so running rows never run
 The decode batch is left-padded to its longest row (engine/cache/kv.py), so it really
 holds rows x the longest row's columns: `padding` charges that difference for the rows
 running now (the scheduler sets it as rows come and go), so one long row makes short
-rows cost what they really cost. The prefix cache reserves here too.
+rows cost what they really cost. The prefix cache reserves here too. A row that may
+speculate also holds the MTP head's KV (one full-precision full-attention layer, a
+column per token: engine/speculative.py), reserved with it.
 Not counted, and covered only by the default budget being half of the memory left: KV
 capacity headroom (up to 256 free columns per store) and the dead rows that hold a
 compiled decode batch at its bucket size (engine/cache/rows.py).
@@ -25,6 +27,7 @@ class StateCosts:
     kv_bytes_per_token: int  # all full-attention layers, keys + values
     ssm_bytes_per_row: int  # all DeltaNet layers: conv tail + float32 recurrent state
     kv_prefix_bytes_per_row: int = 0  # full-precision prefix of quantized KV (start > 0)
+    draft_kv_bytes_per_token: int = 0  # the MTP head's KV (one layer, full precision)
 
     @classmethod
     def for_model(
@@ -43,8 +46,13 @@ class StateCosts:
             cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim * 4
         )
         conv = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * dtype_size
-        prefix = num_full * cfg.num_key_value_heads * cfg.head_dim * 2 * dtype_size
-        return cls(int(round(kv)), num_linear * (recurrent + conv), kv_prefix_tokens * prefix)
+        layer = cfg.num_key_value_heads * cfg.head_dim * 2 * dtype_size  # K + V, one token
+        return cls(
+            int(round(kv)),
+            num_linear * (recurrent + conv),
+            kv_prefix_tokens * num_full * layer,
+            layer,
+        )
 
 
 MIN_BUDGET_BYTES = 256 * 2**20
@@ -97,9 +105,14 @@ class MemoryBudget:
         columns = len(max_tokens) * max(max_tokens) - sum(max_tokens)
         return columns * self.costs.kv_bytes_per_token
 
-    def row_bytes(self, num_tokens: int) -> int:
+    def row_bytes(self, num_tokens: int, drafts: bool = False) -> int:
+        """A row's worst case at `num_tokens` tokens; `drafts`: it may speculate, so it
+        also holds the MTP head's KV of those tokens."""
         fixed = self.costs.ssm_bytes_per_row + self.costs.kv_prefix_bytes_per_row
-        return fixed + num_tokens * self.costs.kv_bytes_per_token
+        per_token = self.costs.kv_bytes_per_token
+        if drafts:
+            per_token += self.costs.draft_kv_bytes_per_token
+        return fixed + num_tokens * per_token
 
     def rows_of(self, num_tokens: int) -> int:
         """How many rows of `num_tokens` tokens each the whole budget holds."""

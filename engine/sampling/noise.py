@@ -1,5 +1,10 @@
 """Counter-based randomness for the sampler: a row's Gumbel noise is a hash of (row key,
 vocab id), so a seeded row's draws depend on nothing else in the batch (engine/sampling/sampler.py).
+
+A key also names a stream: 0 is the sampler's one draw per step; speculative sampling
+(engine/speculative.py) takes its drafts, acceptance uniforms and resample from streams
+of their own (DRAFT_STREAM + i, ACCEPT_STREAM, RESAMPLE_STREAM), keyed by the output
+index its verify step starts at, so no draw repeats across positions, steps or purposes.
 """
 
 from __future__ import annotations
@@ -19,9 +24,14 @@ def splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def row_key(seed: int, choice: int, step: int) -> int:
-    """64-bit noise key of a seeded row at `step`; depends on nothing else in the batch."""
-    return splitmix64(splitmix64(splitmix64(seed) ^ choice) ^ step)
+ACCEPT_STREAM, RESAMPLE_STREAM, DRAFT_STREAM = 1, 2, 3  # DRAFT_STREAM + i: draft i
+
+
+def row_key(seed: int, choice: int, step: int, stream: int = 0) -> int:
+    """64-bit noise key of a seeded row at `step` in `stream` (the module docstring);
+    depends on nothing else in the batch. Stream 0 is the sampler's own."""
+    key = splitmix64(splitmix64(splitmix64(seed) ^ choice) ^ step)
+    return splitmix64(key ^ stream) if stream else key
 
 
 def _fmix32(h: mx.array) -> mx.array:
@@ -33,11 +43,15 @@ def _fmix32(h: mx.array) -> mx.array:
     return h ^ (h >> 16)
 
 
-def gumbel_noise(k0: mx.array, k1: mx.array, ids: mx.array) -> mx.array:
-    """Standard Gumbel noise of vocab `ids` (uint32) for row keys k0, k1 ([S, 1] uint32)."""
+def uniform_noise(k0: mx.array, k1: mx.array, ids: mx.array) -> mx.array:
+    """Uniform noise in (0, 1) of counters `ids` (uint32) for row keys k0, k1 ([S, 1] uint32)."""
     h = _fmix32(_fmix32(ids ^ k0) ^ k1)
     # Top 23 bits -> u = (k + 0.5) / 2^23 in (0, 1): 24 significant bits, exact in float32,
     # never 0 or 1 (logs stay finite). With 24 bits the top value rounded up to 1.0: an
     # infinite draw that won (1.5% of rows at 248k tokens) even where the mask said -inf.
-    u = ((h >> 9).astype(mx.float32) + 0.5) * (1.0 / (1 << 23))
-    return -mx.log(-mx.log(u))
+    return ((h >> 9).astype(mx.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+def gumbel_noise(k0: mx.array, k1: mx.array, ids: mx.array) -> mx.array:
+    """Standard Gumbel noise of vocab `ids` (uint32) for row keys k0, k1 ([S, 1] uint32)."""
+    return -mx.log(-mx.log(uniform_noise(k0, k1, ids)))

@@ -4,6 +4,7 @@ Per row, in this order (each stage is built only when some row in the batch need
 allowed tokens (constrained rows: a packed bitmask, -inf elsewhere) -> logit_bias (+) ->
 repetition penalty (HF: prompt + output tokens) -> presence/frequency
 (OpenAI: generated tokens) -> temperature -> top_k -> top_p -> min_p -> Gumbel-max draw.
+The last four are engine/sampling/warp.py's, which speculative sampling shares.
 Greedy rows (temperature 0 or top_k 1) take the argmax of their processed logits.
 
 Logprobs are log_softmax of the *processed* logits at temperature 1: after bias and
@@ -26,7 +27,6 @@ their key from MLX's global RNG (mx.random), so they follow mx.random.seed.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from deltaserve.engine.sampling.noise import gumbel_noise, row_key
+from deltaserve.engine.sampling.warp import Warp, keep_threshold, nucleus_size
 from deltaserve.engine.structured.token_mask import apply_token_mask
 from deltaserve.engine.types import SamplingParams, TokenLogprob
 from deltaserve.kernels.argmax import argmax_rows
@@ -64,20 +65,6 @@ def _masked_scores(y: mx.array, t: mx.array, k0: mx.array, k1: mx.array, ids: mx
 
 # One fused elementwise kernel (hash, logs, mask); shapeless so a new batch size reuses it.
 _masked_scores_fused = mx.compile(_masked_scores, shapeless=True)
-
-
-def _nucleus_size(s: mx.array, k: mx.array, top_p: mx.array) -> mx.array:
-    """How many of the logits s [G, L] (sorted descending) top_k then top_p keep: [G, 1].
-
-    top_p works on the top-k renormalised distribution (HF warper order): token i stays
-    while the mass strictly before it is < top_p * mass(top k). k [G] int32 in [1, L].
-    """
-    p = mx.exp(s - s[:, :1])
-    csum = mx.cumsum(p, axis=-1)
-    mass_k = mx.take_along_axis(csum, (k - 1)[:, None], axis=-1)
-    limit = mx.where(top_p[:, None] < 1.0, top_p[:, None] * mass_k, mx.inf)
-    n_keep = mx.sum((csum - p) < limit, axis=-1, keepdims=True).astype(mx.int32)
-    return mx.clip(mx.minimum(n_keep, k[:, None]), 1, None)
 
 
 def _rows_index(rows: list[int], n: int) -> mx.array | None:
@@ -116,15 +103,7 @@ class _Group:
         ps = [params[i] for i in rows]
         self.kind, self.rows = kind, rows
         self.index = _rows_index(rows, len(params))  # gather index into the batch
-        self.inv_temp = mx.array([[1.0 / p.temperature if p.temperature else 1.0] for p in ps])
-        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]  # vocab: disabled
-        self.top_k, self.kmax = mx.array(top_k, dtype=mx.int32), max(top_k)
-        self.top_p = mx.array([p.top_p for p in ps], dtype=mx.float32)
-        self.log_min_p: mx.array | None = None  # [G, 1]; None when no row uses min_p
-        if any(p.min_p > 0 for p in ps):
-            log_min_p = [[math.log(p.min_p) if p.min_p > 0 else -math.inf] for p in ps]
-            self.log_min_p = mx.array(log_min_p, dtype=mx.float32)
-        self.seeded = [p.seed is not None for p in ps]
+        self.warp = Warp.of(ps, vocab)
 
 
 def _build_bias(params: tuple[SamplingParams, ...], vocab: int) -> tuple[mx.array, mx.array]:
@@ -283,23 +262,14 @@ class Sampler:
         """Token ids [G] of group g from its processed logits z [G, V]."""
         if g.kind == _GREEDY:
             return argmax_rows(z, self.lazy_tokens)
-        y = z * g.inv_temp
-        k0, k1 = _keys([rows[i] for i in g.rows], g.seeded)
+        y = z * g.warp.inv_temp
+        k0, k1 = noise_keys([rows[i] for i in g.rows])
         if g.kind == _TOP_K:
-            return _draw_top_k(y, g, k0, k1)
-        thr = mx.full((y.shape[0], 1), -mx.inf, dtype=mx.float32)
-        y_max = None
-        if g.kind == _TOP_P:
-            # The nucleus needs the whole row sorted: a bounded prefix cannot be proved to
-            # hold it without a host sync. Ties at the cut all stay ("y >= threshold").
-            s = mx.sort(y, axis=-1)[:, ::-1]
-            thr = mx.take_along_axis(s, _nucleus_size(s, g.top_k, g.top_p) - 1, axis=-1)
-            y_max = s[:, :1]
-        if g.log_min_p is not None:
-            # p / p_max >= min_p  <=>  y >= y_max + log(min_p); the max always survives
-            # top_p, so applying min_p after it is the same as intersecting.
-            y_max = mx.max(y, axis=-1, keepdims=True) if y_max is None else y_max
-            thr = mx.maximum(thr, y_max + g.log_min_p)
+            return _draw_top_k(y, g.warp, k0, k1)
+        # The nucleus needs the whole row sorted: a bounded prefix cannot be proved to
+        # hold it without a host sync.
+        descending = mx.sort(y, axis=-1)[:, ::-1] if g.kind == _TOP_P else None
+        thr = keep_threshold(y, g.warp, descending)
         ids = mx.arange(y.shape[1], dtype=mx.uint32)[None]
         return argmax_rows(_masked_scores_fused(y, thr, k0, k1, ids), self.lazy_tokens)
 
@@ -314,15 +284,15 @@ def _forced(tokens: mx.array, rows: Sequence[SamplingRow]) -> mx.array:
     return mx.where(is_forced, ids, tokens)
 
 
-def _draw_top_k(y: mx.array, g: _Group, k0: mx.array, k1: mx.array) -> mx.array:
+def _draw_top_k(y: mx.array, warp: Warp, k0: mx.array, k1: mx.array) -> mx.array:
     # Partition out the group's largest k, sort only those, and draw among them with the
     # same per-(key, vocab id) noise the full row would get: identical draws, at O(V)
     # cost instead of a sort plus noise over the whole vocabulary.
-    ids, vals = top_sorted(y, g.kmax)
+    ids, vals = top_sorted(y, warp.kmax)
     # Keep by position: top_k keeps exactly k tokens (ties at the k-th broken arbitrarily).
-    keep = mx.arange(g.kmax)[None] < _nucleus_size(vals, g.top_k, g.top_p)
-    if g.log_min_p is not None:
-        keep = keep & (vals >= vals[:, :1] + g.log_min_p)
+    keep = mx.arange(warp.kmax)[None] < nucleus_size(vals, warp.top_k, warp.top_p)
+    if warp.log_min_p is not None:
+        keep = keep & (vals >= vals[:, :1] + warp.log_min_p)
     scores = mx.where(keep, vals + gumbel_noise(k0, k1, ids.astype(mx.uint32)), -mx.inf)
     return mx.take_along_axis(ids, mx.argmax(scores, axis=-1, keepdims=True), axis=-1)[:, 0]
 
@@ -336,13 +306,16 @@ def top_sorted(x: mx.array, k: int) -> tuple[mx.array, mx.array]:
     return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
 
 
-def _keys(rows: list[SamplingRow], seeded: list[bool]) -> tuple[mx.array, mx.array]:
-    """Per row 64-bit noise key as two [G, 1] uint32 halves."""
+def noise_keys(rows: Sequence[SamplingRow], stream: int = 0) -> tuple[mx.array, mx.array]:
+    """Per row 64-bit noise key of its current step (len(output_ids)) in `stream`
+    (engine/sampling/noise.py) as two [G, 1] uint32 halves: seeded rows' from their
+    seed, the others' from MLX's global RNG."""
+    seeded = [r.params.seed is not None for r in rows]
     if not any(seeded):
         keys = _random_keys(len(rows))
     else:
         # Unseeded rows get a placeholder key here, replaced by a random one below.
-        seeds = [row_key(r.params.seed or 0, r.choice, len(r.output_ids)) for r in rows]
+        seeds = [row_key(r.params.seed or 0, r.choice, len(r.output_ids), stream) for r in rows]
         host = np.array(seeds, dtype=np.uint64)
         keys = mx.array(host.view(np.uint32).reshape(len(rows), 2))
         if not all(seeded):

@@ -166,7 +166,7 @@ class Admission:
         if len(self.state.table) + rows > self.config.max_num_seqs:
             return False
         new = (req, *req.children)
-        need = sum(self.budget.row_bytes(r.max_total_tokens()) for r in new)
+        need = sum(self.budget.row_bytes(r.max_total_tokens(), r.speculative) for r in new)
         need += self.budget.padding_bytes(self.state.table.lengths(*new)) - self.budget.padding
         need += req.vision_bytes
         if self.prefix is not None:

@@ -111,7 +111,7 @@ class Scheduler:
         if self.speculation is not None and may_speculate(gen.params):
             for r in choices:
                 r.speculative, r.draft_slack = True, self.speculation.num_draft
-        need = sum(self.budget.row_bytes(r.max_total_tokens()) for r in choices)
+        need = sum(self.budget.row_bytes(r.max_total_tokens(), r.speculative) for r in choices)
         need += choices[0].vision_bytes
         if need > self.budget.total:
             raise InvalidRequestError(

@@ -1,10 +1,10 @@
 """Which decoding rows speculate each step, and what their drafts earned. Pure Python.
 
-A row may speculate (engine/speculative.py) when its tokens are drawn greedily from the
-model's own logits: greedy, no grammar, no logit_bias or penalties (they would need each
-draft position processed with the tokens before it), no thinking budget (forced tokens).
-Sampled rows do not speculate yet: speculative sampling's rule exists
-(sampling/speculative.py's accept_sampled) but is not wired in.
+A row may speculate (engine/speculative.py) when its tokens are drawn from the model's
+own logits under temperature / top_k / top_p / min_p only: greedy rows (argmax matching)
+and sampled rows (speculative sampling); no grammar, no logit_bias or penalties (they
+would need each draft position processed with the tokens before it), no thinking
+budget (forced tokens).
 
 A speculating row's step costs a verify of k + 1 tokens instead of one decode token; it
 pays when enough drafts are accepted. Each row keeps its recent verify steps; when their
@@ -33,7 +33,7 @@ def may_speculate(params: SamplingParams) -> bool:
     penalties = params.repetition_penalty != 1.0 or params.presence_penalty
     penalties = penalties or params.frequency_penalty or params.logit_bias
     forced = params.max_thinking_tokens is not None
-    return params.is_greedy and params.constraint is None and not penalties and not forced
+    return params.constraint is None and not penalties and not forced
 
 
 @dataclass
