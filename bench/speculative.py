@@ -178,7 +178,7 @@ def table(rows: list[dict]) -> str:
             f"{r['accepted']} / {r['drafted']} | {r['acceptance']:.0%} | "
             f"{'yes' if r['same_output'] else 'NO'}"
             if spec
-            else " | | "
+            else " |  | "
         )
         out.append(
             f"| {r['batch']} | {r['mode']} | {r['decode_tok_s']:.1f} | {ratios[0]} | "
