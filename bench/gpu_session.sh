@@ -12,6 +12,7 @@
 #   call 2 (carry .wb):  bash bench/gpu_session.sh setup tests mixed
 #   call 3:              bash bench/gpu_session.sh serve08
 #   call 4:              bash bench/gpu_session.sh serve9b
+#   call 5, 6:           bash bench/gpu_session.sh spec; bash bench/gpu_session.sh spec35
 #
 # Logs go under $OUT (the device tool brings them back); each step prints a short table.
 set -uo pipefail
@@ -56,6 +57,21 @@ serve9b() {  # 9B at 16 and 64 clients (the checkpoint from setup's background j
     timeout 560 python3 -m bench.serve --checkpoint 9B --clients 16 64 --log-dir "$OUT/s9b" \
         --plot "$OUT/s9b.png" >"$OUT/serve9b.log" 2>&1
     tail -12 "$OUT/serve9b.log"
+}
+
+spec() {  # issue 32: speculation (MTP head; forced 80% / 60% drafts) vs plain, 0.8B and 9B
+    timeout 200 python3 -m bench.speculative --checkpoint 0.8B --batches 1 8 64 \
+        >"$OUT/spec08.log" 2>&1
+    while pgrep -f "testing cached 9B" >/dev/null; do sleep 5; done
+    timeout 360 python3 -m bench.speculative --checkpoint 9B --batches 1 16 64 \
+        >"$OUT/spec9b.log" 2>&1
+    grep '^|' "$OUT/spec08.log" "$OUT/spec9b.log"
+}
+
+spec35() {  # the same at 35B-A3B 4-bit (its checkpoint is written first, if missing)
+    timeout 570 python3 -m bench.speculative --checkpoint 35B-A3B-mlx-4bit --batches 1 8 64 \
+        >"$OUT/spec35b.log" 2>&1
+    grep '^|' "$OUT/spec35b.log"
 }
 
 for step in "$@"; do

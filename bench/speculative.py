@@ -1,0 +1,226 @@
+"""Speculative decoding (the MTP head, `speculative="mtp"`) against plain decoding.
+
+    python -m bench.speculative --checkpoint small --batches 1 8 64 --prompt 128 --gen 128 \
+        --k 2 --accept real 0.8 0.6
+
+One process, one loaded model: per batch size B, B greedy requests at once through the
+engine without speculation, then through the engine with it once per --accept mode; each
+engine warmed up first on the measured shapes (bench.engine_throughput's `throughput`:
+the same prompts, 4 tokens each). Prints JSON lines (decode tok/s: tokens after every row
+has its first; total tok/s; TTFT p50; drafts verified and accepted and their rate; whether
+the outputs equal the plain run's, token for token) and the ratios with/without, then a
+table.
+
+Why a forced mode: the test checkpoints have random weights, so their MTP head drafts
+almost nothing right (--accept real, labelled so) and the figures only say what a
+rejected draft costs. `--accept 0.8` makes the drafter propose each row's true greedy
+continuation (the plain run's outputs for the same requests: greedy, deterministic), each
+draft token independently replaced by a wrong one with probability 1 - 0.8 (seeded),
+labelled "forced 80%". The head still runs and keeps its store as usual, so a step costs
+what it would with a real head that drafts this well; the engine's own acceptance rule
+decides, and the measured rate (accepted / drafted) is below 0.8 since a draft after a
+wrong one is never accepted (expected p + p^2 of 2 for k = 2: 72% at p = 0.8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from bench.engine_throughput import Ours, throughput
+from deltaserve.kernels.cpu.blas import blas_summary, ensure_openblas
+
+if TYPE_CHECKING:  # MLX is imported after ensure_openblas (main), so lazily below
+    import mlx.core as mx
+
+    from deltaserve.engine.cache.batch import BatchState
+    from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.engine import LLMEngine
+    from deltaserve.engine.types import RequestOutput
+    from deltaserve.models.build import LoadedModel
+
+OnToken = Callable[[int, float], None]
+RATIOS = ("ratio_decode_tok_s", "ratio_tok_s", "ratio_ttft_p50_s")  # with / without
+
+
+class Engine(Ours):
+    """bench.engine_throughput's `Ours` on an already loaded model and a given config,
+    counting every token (a verify step's delta carries up to k + 1), keeping each
+    request's tokens (`outputs`), and with `accept` set, forcing the drafts (module
+    docstring) from `oracle`."""
+
+    def __init__(
+        self,
+        name: str,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        accept: float | None = None,
+        oracle: dict[int, list[int]] | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.name, self.loaded, self.config = name, loaded, config
+        self.accept, self.oracle, self.seed = accept, oracle, seed
+        self.outputs: dict[int, list[int]] = {}
+        self._counts: dict[int, int] = {}  # tokens per request in the last step
+        self.make = self._make
+
+    def _make(self) -> LLMEngine:
+        from deltaserve.engine.engine import LLMEngine
+
+        engine = LLMEngine(self.loaded, self.config)
+        if self.accept is not None:
+            self._force(engine)
+        step = engine.step
+        self.outputs, self._counts = {}, {}
+
+        def recording() -> list[RequestOutput]:
+            deltas = step()
+            self._counts = {}
+            for d in deltas:
+                if d.token_ids and d.request_id.isdigit():
+                    i = int(d.request_id)
+                    self.outputs.setdefault(i, []).extend(d.token_ids)
+                    self._counts[i] = len(d.token_ids)
+            return deltas
+
+        engine.step = recording  # type: ignore[method-assign]
+        return engine
+
+    def _force(self, engine: LLMEngine) -> None:
+        """The drafter proposes oracle tokens, each kept with probability `accept`."""
+        import mlx.core as mx
+
+        drafter = engine.runner.drafter
+        if drafter is None or self.oracle is None:
+            raise SystemExit("forced drafts need an MTP head and the plain run's outputs")
+        draft, k, vocab = drafter.draft, drafter.num_draft, self.loaded.config.vocab_size
+        rng, accept, oracle = random.Random(self.seed), self.accept, self.oracle
+
+        def forced(row_ids: list[str], state: BatchState, last: mx.array) -> mx.array:
+            head = draft(row_ids, state, last)  # the head runs and stores as usual
+            rows = []
+            for row_id in row_ids:
+                emitted = len(engine.runner.rows.output_ids[row_id])
+                true = oracle[int(row_id.split("/")[0])][emitted : emitted + k]
+                true += [(true[-1] if true else 0) + 1] * (k - len(true))  # past max_tokens
+                rows.append([t if rng.random() < accept else (t + 1) % vocab for t in true])
+            # the head's drafts stay in the graph (always >= 0), so their cost is paid
+            return mx.where(head >= 0, mx.array(rows, dtype=mx.int32), head)
+
+        drafter.draft = forced  # type: ignore[method-assign]
+
+    def run(self, prompts: list[list[int]], gens: list[int], on_token: OnToken) -> None:
+        def each_token(i: int, now: float) -> None:
+            for _ in range(self._counts.get(i, 1)):
+                on_token(i, now)
+
+        super().run(prompts, gens, each_token)
+
+
+def _label(accept: str, random_weights: bool) -> str:
+    if accept == "real":
+        return "mtp head" + (" (random weights: ~0% acceptance)" if random_weights else "")
+    return f"forced {round(100 * float(accept))}%"
+
+
+def compare(
+    loaded: LoadedModel,
+    config: EngineConfig,
+    batch: int,
+    args: argparse.Namespace,
+    random_weights: bool,
+) -> list[dict]:
+    """Plain, then each --accept mode, at one batch size: JSON rows with ratios."""
+    shape = (batch, args.gen, args.gen, args.prompt, args.prompt)
+    plain = Engine("plain", loaded, config)
+    base = throughput(plain, *shape)
+    base["mode"] = "no speculation"
+    rows = [base]
+    spec = dataclasses.replace(config, speculative="mtp", num_speculative_tokens=args.k)
+    for accept in args.accept:
+        forced = None if accept == "real" else float(accept)
+        impl = Engine("mtp", loaded, spec, forced, plain.outputs, args.seed + batch)
+        row = throughput(impl, *shape)
+        stats = impl.engine.speculation.stats if impl.engine.speculation else None
+        drafted = stats.num_drafted if stats else 0
+        accepted = stats.num_accepted if stats else 0
+        row.update(
+            mode=_label(accept, random_weights),
+            k=args.k,
+            drafted=drafted,
+            accepted=accepted,
+            acceptance=accepted / drafted if drafted else float("nan"),
+            same_output=impl.outputs == plain.outputs,
+            **{
+                f"ratio_{key}": row[key] / base[key]
+                for key in ("decode_tok_s", "tok_s", "ttft_p50_s")
+            },
+        )
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """A markdown table of compare's rows."""
+    out = [
+        "| B | mode | decode tok/s | ratio | tok/s | ratio | TTFT p50 s | ratio "
+        "| accepted / drafted | acceptance | same output |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        spec = "ratio_tok_s" in r
+        ratios = [f"{r[key]:.2f}x" if spec else "" for key in RATIOS]
+        counts = (
+            f"{r['accepted']} / {r['drafted']} | {r['acceptance']:.0%} | "
+            f"{'yes' if r['same_output'] else 'NO'}"
+            if spec
+            else " |  | "
+        )
+        out.append(
+            f"| {r['batch']} | {r['mode']} | {r['decode_tok_s']:.1f} | {ratios[0]} | "
+            f"{r['tok_s']:.1f} | {ratios[1]} | {r['ttft_p50_s']:.3f} | {ratios[2]} | {counts} |"
+        )
+    return "\n".join(out)
+
+
+def main() -> None:
+    ensure_openblas()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--checkpoint", default="small", help="a test shape or a checkpoint path")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
+    ap.add_argument("--gen", type=int, default=128, help="tokens generated per request")
+    ap.add_argument("--k", type=int, default=2, help="drafts per speculating row and step")
+    ap.add_argument(
+        "--accept", nargs="+", default=["real", "0.8", "0.6"],
+        help="'real' (the MTP head's own drafts) or a forced per-token acceptance in (0, 1]",
+    )  # fmt: skip
+    ap.add_argument("--seed", type=int, default=0, help="the forced drafts' corruption")
+    ap.add_argument("--budget", type=int, default=1024, help="per-step token budget")
+    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk")
+    args = ap.parse_args()
+    for accept in args.accept:
+        if accept != "real" and not 0.0 < float(accept) <= 1.0:
+            ap.error(f"--accept {accept}: 'real' or a share in (0, 1]")
+    from deltaserve.models.testing import cached_checkpoint
+
+    random_weights = "/" not in args.checkpoint
+    path = str(cached_checkpoint(args.checkpoint)) if random_weights else args.checkpoint
+    print(json.dumps({"blas": blas_summary(), "checkpoint": args.checkpoint}), flush=True)
+    ours = Ours(path, args.budget, args.chunk)  # loads the model once, for every engine
+    if ours.loaded.mtp is None:
+        raise SystemExit(f"{args.checkpoint} has no MTP head: nothing to speculate with")
+    rows = []
+    for batch in args.batches:
+        for row in compare(ours.loaded, ours.config, batch, args, random_weights):
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""bench.speculative's forced drafts: the engine accepts about the forced share, the
+output stays the plain run's, and the real head's row is labelled as random weights.
+Figures only; no time is asserted."""
+
+from __future__ import annotations
+
+import argparse
+
+from bench.engine_throughput import Ours
+from bench.speculative import compare, table
+from deltaserve.models.testing import cached_checkpoint
+
+
+def test_forced_drafts_keep_output_and_set_acceptance() -> None:
+    ours = Ours(str(cached_checkpoint("tiny")), 256, 128)
+    args = argparse.Namespace(gen=24, prompt=16, k=2, accept=["real", "1.0", "0.5"], seed=0)
+    plain, real, perfect, half = compare(ours.loaded, ours.config, 2, args, random_weights=True)
+    assert plain["mode"] == "no speculation" and "random weights" in real["mode"]
+    assert [r["same_output"] for r in (real, perfect, half)] == [True] * 3
+    assert perfect["mode"] == "forced 100%" and perfect["acceptance"] > 0.9
+    assert 0 < half["accepted"] < half["drafted"]
+    assert plain["tokens"] == perfect["tokens"] == 2 * 24  # every token counted, runs too
+    assert len(table([plain, real, perfect, half]).splitlines()) == 6
