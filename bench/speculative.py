@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # MLX is imported after ensure_openblas (main), so lazily bel
     from deltaserve.engine.cache.batch import BatchState
     from deltaserve.engine.config import EngineConfig
     from deltaserve.engine.engine import LLMEngine
+    from deltaserve.engine.sampling.sampler import SamplingRow
     from deltaserve.engine.types import RequestOutput
     from deltaserve.models.build import LoadedModel
 
@@ -94,22 +95,27 @@ class Engine(Ours):
         """The drafter proposes oracle tokens, each kept with probability `accept`."""
         import mlx.core as mx
 
+        from deltaserve.engine.speculative import DraftRound
+
         drafter = engine.runner.drafter
         if drafter is None or self.oracle is None:
             raise SystemExit("forced drafts need an MTP head and the plain run's outputs")
         draft, k, vocab = drafter.draft, drafter.num_draft, self.loaded.config.vocab_size
         rng, accept, oracle = random.Random(self.seed), self.accept, self.oracle
 
-        def forced(row_ids: list[str], state: BatchState, last: mx.array) -> mx.array:
-            head = draft(row_ids, state, last)  # the head runs and stores as usual
+        def forced(
+            row_ids: list[str], state: BatchState, last: mx.array, sampling: list[SamplingRow]
+        ) -> DraftRound:
+            head = draft(row_ids, state, last, sampling).tokens  # the head runs as usual
             rows = []
             for row_id in row_ids:
                 emitted = len(engine.runner.rows.output_ids[row_id])
                 true = oracle[int(row_id.split("/")[0])][emitted : emitted + k]
                 true += [(true[-1] if true else 0) + 1] * (k - len(true))  # past max_tokens
                 rows.append([t if rng.random() < accept else (t + 1) % vocab for t in true])
-            # the head's drafts stay in the graph (always >= 0), so their cost is paid
-            return mx.where(head >= 0, mx.array(rows, dtype=mx.int32), head)
+            # the head's drafts stay in the graph (always >= 0), so their cost is paid; the
+            # forced drafts are certain (q one-hot on each): greedy rows accept by argmax
+            return DraftRound(mx.where(head >= 0, mx.array(rows, dtype=mx.int32), head), None)
 
         drafter.draft = forced  # type: ignore[method-assign]
 
