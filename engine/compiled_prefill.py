@@ -24,6 +24,7 @@ import mlx.core as mx
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.kv import KVStore, _with_headroom
 from deltaserve.engine.cache.ssm import SSMState
+from deltaserve.engine.decode import SSMView
 from deltaserve.models.qwen35 import Qwen35Model
 from deltaserve.models.state import ForwardGroup
 
@@ -68,15 +69,6 @@ class _FreshKV:
         pad = self.left_pad[:, None, None]
         mask = ((cols >= pad) | (cols == rows)) & (cols <= rows)  # [P, Lq, L]
         return self.store.attend_stored(queries, self.arrays, scale, mask[:, None])
-
-
-class _FreshSSM:
-    """RecurrentState of fresh rows inside the trace (None: zeros); the model writes it."""
-
-    def __init__(self) -> None:
-        self.conv: mx.array | None = None
-        self.ssm: mx.array | None = None
-        self.checkpoint = None
 
 
 class CompiledPrefill:
@@ -133,8 +125,9 @@ class CompiledPrefill:
         """The traced body: the model over fresh views; returns the last hidden state
         followed by every layer's arrays (KV: encoded [P, Hkv, L, X]; DeltaNet: conv,
         ssm) in layer order."""
-        views: list[_FreshKV | _FreshSSM] = [
-            _FreshKV(s, left_pad) if isinstance(s, KVStore) else _FreshSSM() for s in self._stores
+        views: list[_FreshKV | SSMView] = [
+            _FreshKV(s, left_pad) if isinstance(s, KVStore) else SSMView(None, None)
+            for s in self._stores
         ]
         length = tokens.shape[1]
         base = mx.arange(length, dtype=mx.int32)[None] - left_pad[:, None]

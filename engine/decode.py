@@ -62,8 +62,9 @@ class _KVView:
         return self.store.attend_stored(queries, self.arrays, scale, mask[:, None, None, :])
 
 
-class _SSMView:
-    """RecurrentState inside the trace: the model replaces conv and ssm."""
+class SSMView:
+    """RecurrentState inside a trace (here and engine/compiled_prefill.py): the model
+    replaces conv and ssm (None: zeros, a fresh row)."""
 
     def __init__(self, conv: mx.array | None, ssm: mx.array | None) -> None:
         self.conv = conv
@@ -122,7 +123,7 @@ class CompiledDecode:
     ) -> list[mx.array]:
         """The traced body: rebuild per-layer views over `flat`, run the model, return
         logits followed by every layer's new arrays in the order they came in."""
-        views: list[_KVView | _SSMView] = []
+        views: list[_KVView | SSMView] = []
         rest = list(flat)
         kv_views, ssm_views = [], []
         for store in self._stores:
@@ -132,7 +133,7 @@ class CompiledDecode:
                 rest = rest[n:]
                 kv_views.append(view)
             else:
-                view = _SSMView(None, None)
+                view = SSMView(None, None)
                 ssm_views.append(view)
             views.append(view)
         for view in ssm_views:
