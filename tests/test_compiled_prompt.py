@@ -10,6 +10,7 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_engine_batching import _drive as drive
 
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.factory import kv_store_factory
@@ -102,20 +103,12 @@ def _requests(count: int) -> list[GenerationRequest]:
     return out
 
 
-def _drive(engine: LLMEngine, requests: list[GenerationRequest]) -> dict[str, list[int]]:
+def _drive(engine: LLMEngine, requests: list[GenerationRequest]) -> dict:
     """Requests join two per step; r2 aborts at step 3. Tokens per request id."""
-    tokens: dict[str, list[int]] = {}
-    step, pending = 0, list(requests)
-    while engine.has_work() or pending:
-        for req in pending[:2]:
-            engine.add_request(req)
-        pending = pending[2:]
-        if step == 3:
-            engine.abort("r2")
-        for delta in engine.step():
-            tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
-        step += 1
-    return tokens
+    joins = {i // 2: [] for i in range(len(requests))}
+    for i, req in enumerate(requests):
+        joins[i // 2].append(req)
+    return drive(engine, joins, {3: ["r2"]})
 
 
 @pytest.mark.parametrize("batch_prefill", [False, True])
