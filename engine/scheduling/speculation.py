@@ -8,8 +8,11 @@ budget (forced tokens).
 
 A speculating row's step costs a verify of k + 1 tokens instead of one decode token; it
 pays when enough drafts are accepted. Each row keeps its recent verify steps; when their
-acceptance rate falls below MIN_ACCEPTANCE the row decodes plainly for PAUSE_STEPS steps
-and then tries again (its MTP head store misses the plain steps' positions meanwhile).
+acceptance rate falls below MIN_ACCEPTANCE the row decodes plainly for a pause and then
+probes with PROBE_STEPS verifies (its MTP head store misses the plain steps' positions
+meanwhile). A failed probe doubles the pause (PAUSE_STEPS up to MAX_PAUSE_STEPS), a good
+one ends the back-off: a row whose drafts never land pays WINDOW_STEPS verifies once and
+then a few per thousand steps, so speculation at 0% acceptance costs about a plain step.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ WINDOW_STEPS = 8  # verify steps a row's acceptance rate is measured over
 # rate depends on the device: what a k + 1 token verify costs against a decode token)
 MIN_ACCEPTANCE = 0.3
 PAUSE_STEPS = 64  # plain decode steps before a row that stopped drafting tries again
+MAX_PAUSE_STEPS = 1024  # the longest pause after failed probes (each doubles it)
+PROBE_STEPS = 2  # verify steps a retry is judged on
 
 
 def may_speculate(params: SamplingParams) -> bool:
@@ -42,6 +47,8 @@ class _RowRecord:
 
     recent: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=WINDOW_STEPS))
     paused_until: int = -1  # step number before which the row decodes plainly
+    pause: int = PAUSE_STEPS  # the next pause's length
+    probing: bool = False  # a retry after a pause, judged on PROBE_STEPS verifies
 
 
 @dataclass
@@ -79,12 +86,17 @@ class Speculation:
         req.num_accepted += accepted
         record = self._rows.setdefault(req.row_id, _RowRecord())
         record.recent.append((drafted, accepted))
-        if len(record.recent) < WINDOW_STEPS:
+        if len(record.recent) < (PROBE_STEPS if record.probing else WINDOW_STEPS):
             return
         total = sum(d for d, _ in record.recent)
         if sum(a for _, a in record.recent) < MIN_ACCEPTANCE * total:
             record.recent.clear()
-            record.paused_until = step + PAUSE_STEPS
+            if record.probing:  # drafts still do not land: wait twice as long
+                record.pause = min(2 * record.pause, MAX_PAUSE_STEPS)
+            record.paused_until = step + record.pause
+            record.probing = True
+        elif record.probing:  # the drafts land again: back to the full window
+            record.probing, record.pause = False, PAUSE_STEPS
 
     def release(self, row_ids: Iterable[str]) -> None:
         """RowTable's release hook: a finished row's record goes."""

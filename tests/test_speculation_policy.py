@@ -1,0 +1,76 @@
+"""The scheduler's speculation policy (engine/scheduling/speculation.py), without a model:
+rows whose drafts never land back off exponentially, so speculation at 0% acceptance
+costs about a plain step; rows whose drafts land keep drafting; a probe that lands ends
+the back-off."""
+
+from __future__ import annotations
+
+from deltaserve.engine.request import Request
+from deltaserve.engine.scheduling.speculation import (
+    MAX_PAUSE_STEPS,
+    PAUSE_STEPS,
+    PROBE_STEPS,
+    WINDOW_STEPS,
+    Speculation,
+)
+from deltaserve.engine.types import SamplingParams
+
+K = 2
+
+
+def _row() -> Request:
+    params = SamplingParams(temperature=0.0, max_tokens=1_000_000, ignore_eos=True)
+    req = Request("r", 0, [1, 2, 3], params, frozenset(), 2_000_000)
+    req.speculative = True
+    return req
+
+
+def _run(accepts: callable, steps: int) -> list[int]:
+    """Steps at which the row drafted, with `accepts(step)` of its K drafts landing."""
+    policy, req, drafted = Speculation(K), _row(), []
+    for step in range(steps):
+        if policy.speculates(req, step):
+            drafted.append(step)
+            policy.observe(req, K, accepts(step), step)
+    return drafted
+
+
+def test_zero_acceptance_backs_off_to_a_few_verifies_per_thousand_steps() -> None:
+    drafted = _run(lambda step: 0, 20_000)
+    assert drafted[:WINDOW_STEPS] == list(range(WINDOW_STEPS))  # the first window
+    # then probes of PROBE_STEPS after pauses 64, 128, ... capped at MAX_PAUSE_STEPS
+    gaps = [b - a for a, b in zip(drafted, drafted[1:], strict=False) if b - a > 1]
+    want = [min(PAUSE_STEPS * 2**i, MAX_PAUSE_STEPS) for i in range(len(gaps))]
+    assert gaps == want
+    assert len(drafted) < 0.01 * 20_000  # verify steps are under 1% of the row's steps
+
+
+def test_landing_drafts_keep_the_row_drafting() -> None:
+    assert len(_run(lambda step: K, 500)) == 500
+    assert len(_run(lambda step: 1, 500)) == 500  # 50% >= the 30% floor
+
+
+def test_a_probe_that_lands_ends_the_back_off() -> None:
+    """Drafts fail for a while, then land: after the first good probe the row drafts
+    every step again, and a later failure pauses for PAUSE_STEPS, not a doubled pause."""
+    good_from = 400
+
+    drafted = _run(lambda step: K if step >= good_from else 0, 3_000)
+    after = [s for s in drafted if s >= good_from]
+    first = after[0]
+    assert after == list(range(first, 3_000))  # drafts from the first probe on
+    assert first < good_from + 2 * MAX_PAUSE_STEPS
+    policy, req = Speculation(K), _row()
+    for step in range(WINDOW_STEPS):  # fail: pause PAUSE_STEPS, then probe
+        policy.observe(req, K, 0, step)
+    probe = WINDOW_STEPS - 1 + PAUSE_STEPS
+    for step in range(probe, probe + PROBE_STEPS):  # the probe lands
+        assert policy.speculates(req, step)
+        policy.observe(req, K, K, step)
+    step = probe + PROBE_STEPS
+    while policy.speculates(req, step):  # then the drafts fail until the row pauses
+        policy.observe(req, K, 0, step)
+        step += 1
+    failed = step - 1  # the verify that paused it: a fresh PAUSE_STEPS, not doubled
+    assert not policy.speculates(req, failed + PAUSE_STEPS - 1)
+    assert policy.speculates(req, failed + PAUSE_STEPS)
