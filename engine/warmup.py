@@ -5,8 +5,8 @@ JIT-compiled, the first time each bucketed shape runs. Left to the first busy mi
 lands on the requests of that minute: a fresh server's first 16 concurrent chats waited
 behind one new trace after another (H200, 0.8B: TTFT p99 5.2 s against p50 0.37 s).
 Here the engine runs them at start, most common first: fresh prompts alone at each length
-bucket up to a chunk, the decode batch at each row bucket up to max_num_seqs (first
-capacity), then cohorts of several prompts. What the time limit leaves out is traced on
+bucket up to a chunk, the decode batch at each row bucket up to max_num_seqs (first two
+KV capacities), then cohorts of several prompts. What the time limit leaves out is traced on
 first use, as before.
 """
 
@@ -25,6 +25,11 @@ from deltaserve.engine.decode import CompiledDecode
 from deltaserve.models.state import ForwardGroup, text_positions
 
 log = logging.getLogger(__name__)
+
+# Rows' lengths the decode batch is warmed at: one per KV capacity step (engine/cache/kv.py
+# grows a store 256 columns at a time, each capacity a new trace): chats of up to ~500
+# tokens of prompt and answer
+DECODE_TOKENS = (16, 300)
 
 
 def prompt_lengths(max_chunk: int) -> list[int]:
@@ -85,8 +90,9 @@ def _shapes(
         for length in lengths:
             yield lambda length=length: _prompts(prompts, new_state, 1, length)
     if decode is not None and CompiledDecode.supports(new_state()):
-        for rows in decode_sizes(max_rows):
-            yield lambda rows=rows: _decode(decode, new_state, rows)
+        for tokens in DECODE_TOKENS:
+            for rows in decode_sizes(max_rows):
+                yield lambda rows=rows, tokens=tokens: _decode(decode, new_state, rows, tokens)
     if prompts is not None and prompts.applies(new_state(), 1):
         rows = 2
         while rows <= min(MAX_ROWS, max_rows):
@@ -105,13 +111,15 @@ def _prompts(
     mx.eval(hidden, *[a for s in states for layer in s.layers for a in layer.state_arrays()])
 
 
-def _decode(decode: CompiledDecode, new_state: Callable[[], BatchState], rows: int) -> None:
-    """A decode step of `rows` rows of 16 tokens each (the first KV capacity)."""
+def _decode(
+    decode: CompiledDecode, new_state: Callable[[], BatchState], rows: int, length: int
+) -> None:
+    """A decode step of `rows` rows of `length` tokens each (its KV capacity bucket)."""
     state = new_state()
-    tokens = mx.full((1, 16), 100, mx.int32)
-    group = ForwardGroup(tokens, text_positions([0], 16), state.layers, outputs="none")
+    tokens = mx.full((1, length), 100, mx.int32)
+    group = ForwardGroup(tokens, text_positions([0], length), state.layers, outputs="none")
     decode.model([group])
     for _ in range(rows - 1):
         state.merge(state.extract(0))
-    logits = decode(mx.zeros((rows, 1), mx.int32), [16] * rows, state)
+    logits = decode(mx.zeros((rows, 1), mx.int32), [length] * rows, state)
     mx.eval(logits, *[a for layer in state.layers for a in layer.state_arrays()])

@@ -146,7 +146,7 @@ def test_warm_up_traces_each_shape_and_keeps_tokens(loaded: LoadedModel) -> None
     new_state = partial(BatchState.empty, loaded.config)
     engine = LLMEngine(loaded, base)
     ran = warm_up(new_state, engine.compiled_prompts, engine.runner.compiled, 48, 4, 600.0)
-    assert ran == 3 + 3 + 1  # [1, L] x 3, decode x 3, [2, 16] (2 x 16 tokens <= the chunk)
+    assert ran == 3 + 2 * 3 + 1  # [1, L] x 3, decode x 3 x 2 capacities, [2, 16] (<= the chunk)
     assert warm_up(new_state, engine.compiled_prompts, None, 48, 4, 0.0) == 0  # no time
     requests = _requests(4)
     warm = LLMEngine(loaded, dataclasses.replace(base, warm_up_seconds=600.0))
