@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from deltaserve.engine.cache.batch import BatchState
-from deltaserve.engine.cache.kv import KVStore, _with_headroom
+from deltaserve.engine.cache.kv import KVStore, with_headroom
 from deltaserve.engine.cache.ssm import SSMState
 from deltaserve.engine.decode import SSMView
 from deltaserve.models.qwen35 import Qwen35Model
@@ -109,7 +109,7 @@ class CompiledPrefill:
                 if isinstance(kind, KVStore):
                     n = next(arity)
                     store = kind.empty_like()
-                    store.arrays = [_with_headroom([a[p : p + 1, :, pad:]]) for a in rest[:n]]
+                    store.arrays = [with_headroom([a[p : p + 1, :, pad:]]) for a in rest[:n]]
                     store.left_pad, store.size = [0], length_b - pad
                     rest = rest[n:]
                     layers.append(store)

@@ -201,7 +201,7 @@ class KVStore:
             # Columns first, then rows: gathering rows of the whole capacity copied every
             # survivor's full width (a 2,000-token row leaving 32 short ones: 150 MB)
             self.arrays = [
-                _with_headroom([take_rows(a[:, :, trim : self.size], keep)]) for a in self.arrays
+                with_headroom([take_rows(a[:, :, trim : self.size], keep)]) for a in self.arrays
             ]
         self.left_pad = [p - trim for p in pads]
         self.size -= trim
@@ -210,7 +210,7 @@ class KVStore:
         """Become a B=1 store whose array i is parts[i] joined in time (encoded arrays
         [1, Hkv, T_j, X], unpadded): a prefix-cache hit (engine/prefix_cache/store.py).
         The blocks and the free columns go into one buffer in one copy."""
-        self.arrays = [_with_headroom(ps) for ps in parts]
+        self.arrays = [with_headroom(ps) for ps in parts]
         self.left_pad = [0]
         self.size = sum(int(p.shape[2]) for p in parts[0])
 
@@ -317,7 +317,7 @@ def last_rows(mask: mx.array | str | None, queries: int) -> mx.array | str | Non
     return None if mask == "causal" and queries == 1 else mask
 
 
-def _with_headroom(parts: list[mx.array]) -> mx.array:
+def with_headroom(parts: list[mx.array]) -> mx.array:
     """`parts` [B, Hkv, T_j, X] joined in time, with free columns up to round_capacity,
     in one fresh buffer (one copy)."""
     size = sum(int(p.shape[2]) for p in parts)
