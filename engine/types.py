@@ -39,6 +39,8 @@ class SamplingParams:
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # False: this request never drafts, even where the engine speculates (--speculative)
+    speculative: bool = True
     logprobs: bool = False
     top_logprobs: int = 0
     constraint: Constraint | None = None  # output grammar (engine/structured/spec.py)

@@ -130,6 +130,7 @@ def sampling_params(
             seed=body.seed,
             max_tokens=min(defaults.max_tokens, room) if max_new is None else max_new,
             ignore_eos=body.ignore_eos,
+            speculative=body.speculative,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
         )

@@ -158,6 +158,8 @@ class SamplingFields(_In):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     seed: int | None = None
     ignore_eos: bool = False
+    # false: this request does not draft where the server speculates (--speculative mtp)
+    speculative: bool = True
 
     @field_validator("logit_bias")
     @classmethod

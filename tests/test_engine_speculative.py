@@ -140,6 +140,28 @@ def test_mtp_head_keeps_greedy_output(loaded: LoadedModel) -> None:
     assert not engine.states.verify_ids and not engine.states.decode_ids
 
 
+def test_a_request_may_turn_speculation_off(loaded: LoadedModel) -> None:
+    """speculative=False rows never draft beside rows that do, and keep their tokens."""
+    prompts = _prompts(6, seed=11)
+    off = _greedy(max_tokens=14, speculative=False)
+    joins = {i // 2: [] for i in range(len(prompts))}
+    for i, prompt in enumerate(prompts):
+        params = off if i % 2 else _greedy(max_tokens=14)
+        joins[i // 2].append(GenerationRequest(f"r{i}", tuple(prompt), params))
+    plain = _drive(LLMEngine(loaded, SMALL), joins)
+    engine = LLMEngine(loaded, _spec())
+    drafted: dict[str, int] = {}
+    observe = engine.speculation.observe
+
+    def recording(req, num_drafted, accepted, step):  # type: ignore[no-untyped-def]
+        drafted[req.request_id] = drafted.get(req.request_id, 0) + num_drafted
+        observe(req, num_drafted, accepted, step)
+
+    engine.speculation.observe = recording  # type: ignore[method-assign]
+    assert _drive(engine, joins) == plain
+    assert {r for r, n in drafted.items() if n} == {"r0", "r2", "r4"}
+
+
 @pytest.mark.parametrize(("k", "batch_prefill"), [(1, False), (2, False), (3, False), (2, True)])
 def test_forced_drafts_accept_every_count_and_keep_greedy_output(
     loaded: LoadedModel, k: int, batch_prefill: bool

@@ -16,9 +16,9 @@ CONFIG = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_chu
 MODEL = "tiny-spec"
 
 
-def _complete(url: str, prompt: list[int]) -> str:
+def _complete(url: str, prompt: list[int], speculative: bool = True) -> str:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 20, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
+            "ignore_eos": True, "speculative": speculative}  # fmt: skip
     reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
     return reply["choices"][0]["text"]
 
@@ -41,8 +41,27 @@ def test_speculative_server_gives_the_same_greedy_text() -> None:
         got = [_complete(live.url, p) for p in prompts]
         metrics = httpx.get(f"{live.url}/metrics").text
     assert got == plain
-    drafted = [
+    assert _drafted(metrics) > 0
+
+
+def test_a_request_with_speculative_false_does_not_draft() -> None:
+    """`"speculative": false` in a request (our extension): its text is the plain one and
+    the server's draft counter does not move."""
+    prompt = [1000 + j for j in range(12)]
+    with served_checkpoint("tiny", CONFIG, MODEL) as (_, _, live):
+        plain = _complete(live.url, prompt)
+    spec = dataclasses.replace(CONFIG, speculative="mtp", num_speculative_tokens=2)
+    with served_checkpoint("tiny", spec, MODEL) as (_, _, live):
+        assert _complete(live.url, prompt, speculative=False) == plain
+        assert _drafted(httpx.get(f"{live.url}/metrics").text) == 0
+        _complete(live.url, prompt)  # the same request allowed to: it drafts
+        assert _drafted(httpx.get(f"{live.url}/metrics").text) > 0
+
+
+def _drafted(metrics: str) -> float:
+    lines = [
         line for line in metrics.splitlines()
         if line.startswith("deltaserve_speculative_drafted_tokens_total")
     ]  # fmt: skip
-    assert drafted and float(drafted[0].split()[-1]) > 0
+    assert lines, "no draft counter on /metrics"
+    return float(lines[0].split()[-1])

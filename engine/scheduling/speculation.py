@@ -1,6 +1,7 @@
 """Which decoding rows speculate each step, and what their drafts earned. Pure Python.
 
-A row may speculate (engine/speculative.py) when its tokens are drawn from the model's
+A row may speculate (engine/speculative.py) when its request allows it
+(SamplingParams.speculative) and its tokens are drawn from the model's
 own logits under temperature / top_k / top_p / min_p only: greedy rows (argmax matching)
 and sampled rows (speculative sampling); no grammar, no logit_bias or penalties (they
 would need each draft position processed with the tokens before it), no thinking
@@ -38,7 +39,8 @@ def may_speculate(params: SamplingParams) -> bool:
     penalties = params.repetition_penalty != 1.0 or params.presence_penalty
     penalties = penalties or params.frequency_penalty or params.logit_bias
     forced = params.max_thinking_tokens is not None
-    return params.constraint is None and not penalties and not forced
+    allowed = params.speculative and params.constraint is None
+    return allowed and not penalties and not forced
 
 
 @dataclass
