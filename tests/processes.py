@@ -22,6 +22,8 @@ import httpx
 from deltaserve.models.testing import cached_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
+# `deltaserve serve` as a subprocess, without the checkout's config.yaml
+SERVE = (sys.executable, "-m", "deltaserve.server.cli", "serve", "--config", "/dev/null")
 
 
 def free_port() -> int:
@@ -60,7 +62,7 @@ def serve_tiny(log: Path, *args: str) -> Iterator[tuple[subprocess.Popen, str]]:
     stderr in `log`: yields (process, url) once /health answers; stops it after
     (SIGTERM, SIGKILL after 15 s) if it still runs."""
     port = free_port()
-    command = [sys.executable, "-m", "deltaserve.server.cli", "serve", "--config", "/dev/null"]
+    command = list(SERVE)
     command += ["--model", str(cached_checkpoint("tiny")), "--port", str(port), *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     with log.open("w") as stderr:

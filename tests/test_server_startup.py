@@ -9,7 +9,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ from deltaserve.models.build import load_model
 from deltaserve.models.testing import cached_checkpoint
 from deltaserve.server.settings import ModelSettings, Settings
 from deltaserve.server.startup import summary_lines
+from tests.processes import SERVE
 
 REPO = Path(__file__).resolve().parent.parent
 READY = re.compile(r"ready: \S+ \(.*\) on (http://127\.0\.0\.1:(\d+)) \(api key off\)")
@@ -32,15 +32,7 @@ GIB = {"MiB": 2**20, "GiB": 2**30}
 
 
 def _serve(*args: str, stderr: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-m",
-        "deltaserve.server.cli",
-        "serve",
-        "--config",
-        "/dev/null",
-        *args,
-    ]
+    command = [*SERVE, *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     with stderr.open("w") as err:
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err)

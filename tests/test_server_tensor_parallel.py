@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ from deltaserve.engine.types import SamplingParams
 from deltaserve.models.build import load_model
 from deltaserve.models.testing import cached_checkpoint
 from deltaserve.server.frontend.tokenizer import TextTokenizer
-from tests.processes import free_port, ring_envs, wait_healthy
+from tests.processes import SERVE, free_port, ring_envs, wait_healthy
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 10  # --distributed-timeout-s (start-up holds the GIL for seconds at a time)
@@ -37,15 +36,7 @@ class Ranks:
         self.logs = [tmp_path / f"rank{r}.log" for r in range(2)]
         self.procs = []
         for rank, env in enumerate(ring_envs(tmp_path)):
-            command = [
-                sys.executable,
-                "-m",
-                "deltaserve.server.cli",
-                "serve",
-                "--config",
-                "/dev/null",
-            ]
-            command += ["--model", str(cached_checkpoint("tiny")), "--port", str(self.port)]
+            command = [*SERVE, "--model", str(cached_checkpoint("tiny")), "--port", str(self.port)]
             command += ["--distributed-backend", "ring"]
             command += ["--distributed-timeout-s", str(TIMEOUT_S), *(extra or [[], []])[rank]]
             with self.logs[rank].open("w") as log:
