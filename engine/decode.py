@@ -13,6 +13,11 @@ Shapes change only when the batch crosses a bucket size (RowStates holds it at 1
 8, 12, 16, 24, ... rows) or a store grows past a multiple of its capacity step
 (engine/cache/kv.py), so few traces exist.
 
+A speculative verify (engine/speculative.py) is the same step over k + 1 columns per row
+(each row's last token and its drafts) that also keeps the DeltaNet state after every
+column (ForwardGroup.state_slots): `verify` runs it as a second traced function, so on the
+GPU a verify costs about what a decode step does, not an eager forward's op count.
+
 Supported row state: every KVStore kind (full precision, affine, TurboQuant). PrefixKV
 (kv_cache.start > 0) keeps the uncompiled path; `supports` says which applies.
 """
@@ -49,17 +54,18 @@ class _KVView:
         scale: float,
         left_pad: tuple[int, ...] | None,
     ) -> mx.array:
-        """One new column per row ([B, Hkv, 1, D] K/V); attend over columns
-        left_pad[b] .. size (inclusive) of the whole capacity."""
+        """L new columns per row ([B, Hkv, L, D] K/V, written at `size`); query i of row
+        b attends over columns left_pad[b] .. size + i (inclusive) of the whole capacity."""
         encoded = self.store.encode(keys, values)
         start = mx.concatenate([mx.zeros((2,), mx.int32), self.size, mx.zeros((1,), mx.int32)])
         self.arrays = [
             mx.slice_update(a, n, start, (0, 1, 2, 3))
             for a, n in zip(self.arrays, encoded, strict=True)
         ]
-        cols = mx.arange(self.arrays[0].shape[2], dtype=mx.int32)
-        mask = (cols[None] >= self.left_pad[:, None]) & (cols[None] <= self.size)
-        return self.store.attend_stored(queries, self.arrays, scale, mask[:, None, None, :])
+        cols = mx.arange(self.arrays[0].shape[2], dtype=mx.int32)[None, None]
+        last = self.size + mx.arange(queries.shape[2], dtype=mx.int32)  # [L]
+        mask = (cols >= self.left_pad[:, None, None]) & (cols <= last[None, :, None])
+        return self.store.attend_stored(queries, self.arrays, scale, mask[:, None])
 
 
 class SSMView:
@@ -69,14 +75,17 @@ class SSMView:
     def __init__(self, conv: mx.array | None, ssm: mx.array | None) -> None:
         self.conv = conv
         self.ssm = ssm
+        self.slots: tuple[mx.array, mx.array] | None = None  # a verify's (state_slots)
 
 
 class CompiledDecode:
-    """Decode forward + logits for the decode batch, compiled per input shape."""
+    """Decode forward + logits for the decode batch, and the verify forward for the rows
+    that speculate, each compiled per input shape."""
 
     def __init__(self, model: Qwen35Model) -> None:
         self.model = model
         self._fn = mx.compile(self._forward)
+        self._verify_fn = mx.compile(self._verify_forward)
         self._stores: list[KVStore | SSMState] = []  # the layers of the traced call
 
     @staticmethod
@@ -89,40 +98,65 @@ class CompiledDecode:
         `state` may hold dead rows after the B live ones (a bucketed batch); they run on
         token 0 and are never read. Returns logits [B, V] (float32) and stores the new
         state arrays in `state`."""
+        live, rows = tokens.shape[0], state.num_rows
+        if rows > live:  # dead rows that hold the batch at its bucket size (RowStates)
+            tokens = mx.concatenate([tokens, mx.zeros((rows - live, 1), tokens.dtype)])
+            offsets = [*offsets, *([0] * (rows - live))]
+        logits, _ = self._run(tokens, offsets, state, verify=False)
+        return logits[:live] if rows > live else logits
+
+    def verify(
+        self, tokens: mx.array, offsets: Sequence[int], state: BatchState
+    ) -> tuple[mx.array, mx.array]:
+        """A speculative verify: tokens [B, L] int32 (each row's last token and its
+        drafts), offsets each row's first position. Returns the final-normed hidden
+        states [B, L, H] and logits [B, L, V]; stores the new state arrays in `state`
+        with each DeltaNet layer's state after every column as its `slots`, as an eager
+        forward with ForwardGroup.state_slots does (BatchState.keep_verified reads them)."""
+        hidden, logits = self._run(tokens, offsets, state, verify=True)
+        assert logits is not None
+        return hidden, logits
+
+    def _run(
+        self, tokens: mx.array, offsets: Sequence[int], state: BatchState, verify: bool
+    ) -> tuple[mx.array, mx.array | None]:
+        """Flatten the stores' arrays, call the traced decode (or verify) body, store the
+        new arrays it returns; returns its first output (and the verify's logits)."""
         stores = state.layers
         kv = [s for s in stores if isinstance(s, KVStore)]
         ssm = [s for s in stores if isinstance(s, SSMState)]
         if kv and kv[0].arrays is None or any(s.conv is None for s in ssm):
             raise ValueError("compiled decode needs prefilled rows (state arrays present)")
+        columns = tokens.shape[1]
         for store in kv:
-            store.reserve(1)
+            store.reserve(columns)
         size = kv[0].size if kv else 0
         assert all(s.size == size and s.left_pad == kv[0].left_pad for s in kv), (
             "KV stores of one batch disagree on their columns"
         )
         flat = [a for s in kv for a in s.arrays] + [a for s in ssm for a in (s.conv, s.ssm)]
-        live, rows = tokens.shape[0], state.num_rows
-        if rows > live:  # dead rows that hold the batch at its bucket size (RowStates)
-            tokens = mx.concatenate([tokens, mx.zeros((rows - live, 1), tokens.dtype)])
-            offsets = [*offsets, *([0] * (rows - live))]
-        left_pad = mx.array(kv[0].left_pad if kv else [0] * rows, dtype=mx.int32)
+        left_pad = mx.array(kv[0].left_pad if kv else [0] * state.num_rows, dtype=mx.int32)
         self._stores = stores
-        logits, *new = self._fn(
+        fn = self._verify_fn if verify else self._fn
+        first, *new = fn(
             tokens, mx.array(offsets, dtype=mx.int32), left_pad, mx.array([size], mx.int32), *flat
         )
+        second = new.pop(0) if verify else None
         for store in kv:
             n = len(store.arrays)
             store.arrays, new = list(new[:n]), new[n:]
-            store.size += 1
+            store.size += columns
         for store in ssm:
             (store.conv, store.ssm), new = new[:2], new[2:]
-        return logits[:live] if rows > live else logits
+            if verify:
+                store.slots, new = (new[0], new[1]), new[2:]
+        return first, second
 
-    def _forward(
-        self, tokens: mx.array, offsets: mx.array, left_pad: mx.array, size: mx.array, *flat
-    ) -> list[mx.array]:
-        """The traced body: rebuild per-layer views over `flat`, run the model, return
-        logits followed by every layer's new arrays in the order they came in."""
+    def _views(
+        self, flat: Sequence[mx.array], left_pad: mx.array, size: mx.array
+    ) -> tuple[list[_KVView | SSMView], list[_KVView], list[SSMView]]:
+        """Per-layer views over the traced call's flat arrays (KV stores' first, then
+        each DeltaNet layer's conv and state)."""
         views: list[_KVView | SSMView] = []
         rest = list(flat)
         kv_views, ssm_views = [], []
@@ -138,12 +172,38 @@ class CompiledDecode:
             views.append(view)
         for view in ssm_views:
             (view.conv, view.ssm), rest = rest[:2], rest[2:]
+        return views, kv_views, ssm_views
+
+    def _forward(
+        self, tokens: mx.array, offsets: mx.array, left_pad: mx.array, size: mx.array, *flat
+    ) -> list[mx.array]:
+        """The traced decode body: run the model over the views, return logits followed
+        by every layer's new arrays in the order they came in."""
+        views, kv_views, ssm_views = self._views(flat, left_pad, size)
         positions = mx.broadcast_to(offsets[None, :, None], (3, offsets.shape[0], 1))
         hidden = self.model([ForwardGroup(tokens, positions, views)])[0]
-        logits = self.model.logits(hidden[:, -1])
-        out = [logits]
+        out = [self.model.logits(hidden[:, -1])]
         for view in kv_views:
             out += view.arrays
         for view in ssm_views:
             out += [view.conv, view.ssm]
+        return out
+
+    def _verify_forward(
+        self, tokens: mx.array, offsets: mx.array, left_pad: mx.array, size: mx.array, *flat
+    ) -> list[mx.array]:
+        """The traced verify body: hidden and logits of every column, then every layer's
+        new arrays (a DeltaNet layer's followed by its slots)."""
+        views, kv_views, ssm_views = self._views(flat, left_pad, size)
+        b, length = tokens.shape
+        columns = offsets[:, None] + mx.arange(length, dtype=mx.int32)[None]
+        positions = mx.broadcast_to(columns[None], (3, b, length))
+        group = ForwardGroup(tokens, positions, views, state_slots=True)
+        hidden = self.model([group])[0]
+        out = [hidden, self.model.logits(hidden)]
+        for view in kv_views:
+            out += view.arrays
+        for view in ssm_views:
+            assert view.slots is not None, "a verify forward keeps every column's state"
+            out += [view.conv, view.ssm, *view.slots]
         return out

@@ -121,7 +121,8 @@ class ModelRunner:
     """Builds groups (the decode batch [B, 1] and the step's prefill chunks), runs the
     model once, samples the rows that sample, and reads their tokens back.
 
-    compiled: the decode batch runs through that compiled step instead of a group.
+    compiled: the decode batch (and the verify batch of rows that speculate) runs through
+    that compiled step instead of a group.
     batch_prefill: chunks run as few left-padded groups (cohorts) instead of one [1, C]
     group each: on the GPU a prefill forward costs its op count, not its tokens.
     compiled_prompts: cohorts of fresh text prompts' first chunks run through that
@@ -173,7 +174,8 @@ class ModelRunner:
         if plan.decode_row_ids and decode_logits is None:
             groups.append(self._decode_group(plan))
         verify_drafts = self._drafts(plan)
-        if verify_drafts is not None:
+        compiled_verify = self._compiled_verify(plan, verify_drafts)
+        if verify_drafts is not None and compiled_verify is None:
             groups.append(self._verify_group(plan, verify_drafts))
         cohorts = self._cohorts(plan.prefill)
         fresh = {i: self._compiled_prompts(plan.prefill, c) for i, c in enumerate(cohorts)}
@@ -191,8 +193,11 @@ class ModelRunner:
         last += self._last_prefill_hidden(plan.prefill, cohorts, prefill_hidden)
         verify = None
         if verify_drafts is not None:
-            verified = hidden[len(groups) - len(eager) - 1]  # [B, k + 1, H]
-            logits_v = self.model.logits(verified)
+            if compiled_verify is not None:
+                verified, logits_v = compiled_verify
+            else:
+                verified = hidden[len(groups) - len(eager) - 1]  # [B, k + 1, H]
+                logits_v = self.model.logits(verified)
             positions = plan.verify_positions
             verify = VerifyStep(
                 plan.verify_row_ids,
@@ -209,6 +214,8 @@ class ModelRunner:
         layers = [layer for g in groups[: len(groups) - len(eager)] for layer in g.states]
         if decode_logits is not None:
             layers += self.states.decode.layers
+        if compiled_verify is not None:
+            layers += self.states.verify.layers
         first_eager = len(groups) - len(eager)
         for j, (cohort, group) in enumerate(zip(eager, groups[first_eager:], strict=True)):
             layers += self._scatter(cohort, group)
@@ -343,11 +350,23 @@ class ModelRunner:
         rows = self.rows.sampling_rows(plan.verify_row_ids)
         return self.drafter.draft(plan.verify_row_ids, self.states.verify, last, rows)
 
+    def _compiled_verify(
+        self, plan: StepPlan, drafts: DraftRound | None
+    ) -> tuple[mx.array, mx.array] | None:
+        """The verify batch's hidden [B, k + 1, H] and logits through the compiled verify
+        (CompiledDecode.verify), or None when it does not apply (no row speculates,
+        compiling off, or a store kind it lacks): the verify then runs as a group."""
+        if drafts is None or self.compiled is None:
+            return None
+        if not self.compiled.supports(self.states.verify):
+            return None
+        tokens = _verify_tokens(plan, drafts)
+        return self.compiled.verify(tokens, plan.verify_positions, self.states.verify)
+
     def _verify_group(self, plan: StepPlan, drafts: DraftRound) -> ForwardGroup:
         """[B, k + 1]: each speculating row's last token and its drafts, unpadded, with
         DeltaNet state kept after every column (BatchState.keep_verified picks one)."""
-        last = mx.array(plan.verify_token_ids, dtype=mx.int32)[:, None]
-        tokens = mx.concatenate([last, drafts.tokens], axis=1)
+        tokens = _verify_tokens(plan, drafts)
         positions = text_positions(list(plan.verify_positions), plan.num_draft + 1)
         return ForwardGroup(tokens, positions, self.states.verify.layers, state_slots=True)
 
@@ -485,6 +504,12 @@ def _decode_tokens(plan: StepPlan, prev_tokens: mx.array | None) -> mx.array:
     sources = mx.array([max(src, 0) for src in plan.decode_sources], dtype=mx.int32)
     pending = mx.array([src >= 0 for src in plan.decode_sources])
     return mx.where(pending, prev_tokens.astype(mx.int32)[sources], known)[:, None]
+
+
+def _verify_tokens(plan: StepPlan, drafts: DraftRound) -> mx.array:
+    """[B, k + 1] int32: each speculating row's last token, then its drafts."""
+    last = mx.array(plan.verify_token_ids, dtype=mx.int32)[:, None]
+    return mx.concatenate([last, drafts.tokens], axis=1)
 
 
 def _slots(state: BatchState) -> list[mx.array]:

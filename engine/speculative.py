@@ -10,14 +10,21 @@ no forward is replayed.
 
 Greedy rows draft the head's argmax and accept the leading drafts that equal the
 trunk's argmax (sampling/speculative.py's accept_greedy), so greedy output equals plain
-decoding token for token. Sampled rows draw each draft from q, the head's distribution
-under the row's own temperature / top_k / top_p / min_p (sampling/warp.py, the
-sampler's transform), and accept with speculative sampling (accept_sampled) against p,
-the verify logits under the same transform: each emitted token follows the row's
-sampling distribution exactly, but the draws differ from the plain sampler's, so a
-seeded row's text differs from its text without speculation. Their noise is the row's
-seeded noise (sampling/noise.py), keyed by the output index the step starts at and a
-stream per purpose: a seeded row is reproducible, and the same alone as batched.
+decoding token for token.
+
+Sampled rows draw each draft from q, the head's distribution under the row's own
+temperature / top_k / top_p / min_p (sampling/warp.py, the sampler's transform), by
+Gumbel-max. Unseeded rows accept with standard speculative sampling (accept_sampled)
+against p, the verify logits under the same transform: each emitted token follows the
+row's sampling distribution exactly, with the highest acceptance any exact rule has.
+Seeded rows instead couple every draw to the plain sampler's: the token at output index
+i is the Gumbel-max of p with the noise the plain sampler uses at i (the row's seeded
+stream-0 key of i, sampling/noise.py), and draft j is the Gumbel-max of q with that same
+noise, accepted when it equals that token (accept_greedy over the perturbed logits). So a
+seeded row writes exactly its text without speculation, whichever steps speculate (the
+scheduler's choice, which depends on timing), alone or batched; it accepts somewhat
+less often than speculative sampling would (a draft lands when both Gumbel-max draws
+agree).
 
 The head pairs each trunk hidden h_t with the token x_{t+1} after it (models/mtp.py).
 Its KV store (BatchState.draft) gets every prompt pair at prefill (`prompt_pairs`), and
@@ -36,13 +43,7 @@ import mlx.core as mx
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.kv import KVStore
 from deltaserve.engine.plan import VerifiedRun
-from deltaserve.engine.sampling.noise import (
-    ACCEPT_STREAM,
-    DRAFT_STREAM,
-    RESAMPLE_STREAM,
-    gumbel_noise,
-    uniform_noise,
-)
+from deltaserve.engine.sampling.noise import gumbel_noise, uniform_noise
 from deltaserve.engine.sampling.sampler import SamplingRow, noise_keys, top_sorted
 from deltaserve.engine.sampling.speculative import Verdict, accept_greedy, accept_sampled
 from deltaserve.engine.sampling.warp import Warp, warp_logits, warp_probs
@@ -267,13 +268,14 @@ class Drafter:
 
 def draft_chooser(rows: Sequence[SamplingRow], num_draft: int) -> Chooser:
     """How the head picks each draft of these rows: greedy rows its argmax; sampled rows
-    a Gumbel-max draw from its logits under the row's warp (so exactly from q), with
-    noise of the row's stream DRAFT_STREAM + i for draft i."""
+    a Gumbel-max draw from its logits under the row's warp (so exactly from q), draft i
+    with the noise the plain sampler would use at the output index it stands for (seeded
+    rows: the module docstring; unseeded rows: fresh random noise)."""
     params = [r.params for r in rows]
     if all(p.is_greedy for p in params):
         return greedy
     is_sampled = mx.array([not p.is_greedy for p in params])
-    keys = iter([noise_keys(rows, DRAFT_STREAM + i) for i in range(num_draft)])
+    keys = iter([noise_keys(rows, ahead=i) for i in range(num_draft)])
     warps: dict[int, Warp] = {}
 
     def choose(logits: mx.array) -> mx.array:
@@ -288,10 +290,11 @@ def draft_chooser(rows: Sequence[SamplingRow], num_draft: int) -> Chooser:
 
 
 def verify_verdict(step: VerifyStep, rows: Sequence[SamplingRow]) -> Verdict:
-    """The verify batch's verdicts: greedy rows' from accept_greedy, sampled rows' from
-    accept_sampled with p the verify logits and q the draft logits, both under the row's
-    warp, and noise of the row's ACCEPT_STREAM (one uniform per draft) and
-    RESAMPLE_STREAM (the one resample)."""
+    """The verify batch's verdicts (the module docstring): greedy rows' from
+    accept_greedy; seeded sampled rows' from accept_greedy over the verify logits under
+    the row's warp plus the plain sampler's noise at each column's output index;
+    unseeded sampled rows' from accept_sampled with p the verify logits and q the draft
+    logits, both under the row's warp, and fresh noise."""
     greedy_verdict = accept_greedy(step.logits, step.drafts)
     if all(r.params.is_greedy for r in rows):
         return greedy_verdict
@@ -299,21 +302,35 @@ def verify_verdict(step: VerifyStep, rows: Sequence[SamplingRow]) -> Verdict:
     k = positions - 1
     warp = Warp.of([r.params for r in rows], vocab)
     flat = step.logits.reshape(b * positions, vocab)
-    p = warp_probs(flat, warp.repeat(positions)).reshape(b, positions, vocab)
-    if step.draft_logits is None:
-        q = (step.drafts[..., None] == mx.arange(vocab)).astype(mx.float32)
-    else:
-        draft_flat = step.draft_logits.reshape(b * k, vocab)
-        q = warp_probs(draft_flat, warp.repeat(k)).reshape(b, k, vocab)
-    k0, k1 = noise_keys(rows, ACCEPT_STREAM)
-    uniform = uniform_noise(k0, k1, mx.arange(k, dtype=mx.uint32)[None])
-    k0, k1 = noise_keys(rows, RESAMPLE_STREAM)
-    gumbel = gumbel_noise(k0, k1, mx.arange(vocab, dtype=mx.uint32)[None])
-    sampled = accept_sampled(p, step.drafts, q, uniform, gumbel)
-    is_sampled = mx.array([not r.params.is_greedy for r in rows])
+    warped = warp_logits(flat, warp.repeat(positions)).reshape(b, positions, vocab)
+    verdict = greedy_verdict
+    seeded = [not r.params.is_greedy and r.params.seed is not None for r in rows]
+    if any(seeded):
+        ids = mx.arange(vocab, dtype=mx.uint32)[None]
+        noise = [gumbel_noise(*noise_keys(rows, ahead=j), ids) for j in range(positions)]
+        coupled = accept_greedy(warped + mx.stack(noise, axis=1), step.drafts)
+        verdict = _pick(mx.array(seeded), coupled, verdict)
+    unseeded = [not r.params.is_greedy and r.params.seed is None for r in rows]
+    if any(unseeded):
+        p = mx.softmax(warped, axis=-1)
+        if step.draft_logits is None:
+            q = (step.drafts[..., None] == mx.arange(vocab)).astype(mx.float32)
+        else:
+            draft_flat = step.draft_logits.reshape(b * k, vocab)
+            q = warp_probs(draft_flat, warp.repeat(k)).reshape(b, k, vocab)
+        k0, k1 = noise_keys(rows)
+        uniform = uniform_noise(k0, k1, mx.arange(k, dtype=mx.uint32)[None])
+        gumbel = gumbel_noise(*noise_keys(rows), mx.arange(vocab, dtype=mx.uint32)[None])
+        sampled = accept_sampled(p, step.drafts, q, uniform, gumbel)
+        verdict = _pick(mx.array(unseeded), sampled, verdict)
+    return verdict
+
+
+def _pick(where: mx.array, chosen: Verdict, other: Verdict) -> Verdict:
+    """Row b's verdict from `chosen` where where[b], else from `other`."""
     return Verdict(
-        mx.where(is_sampled, sampled.num_accepted, greedy_verdict.num_accepted),
-        mx.where(is_sampled, sampled.next_token, greedy_verdict.next_token),
+        mx.where(where, chosen.num_accepted, other.num_accepted),
+        mx.where(where, chosen.next_token, other.next_token),
     )
 
 

@@ -113,9 +113,11 @@ def _cycle(row_id: str, round_: int, k: int) -> int:
     return (round_ + sum(map(ord, row_id))) % (k + 1)
 
 
-def _oracle(loaded: LoadedModel, joins: dict, extra: int = K + 1) -> dict[str, list[int]]:
+def _oracle(
+    loaded: LoadedModel, joins: dict, extra: int = K + 1, config: EngineConfig = SMALL
+) -> dict[str, list[int]]:
     """Each request's greedy tokens without speculation, a few past its max_tokens."""
-    engine = LLMEngine(loaded, SMALL)
+    engine = LLMEngine(loaded, config)
     longer = {
         s: [
             dataclasses.replace(
@@ -207,6 +209,45 @@ def test_every_kv_kind_with_aborts_mid_draft(loaded: LoadedModel, kv: KVCacheCon
     assert len(got[("r1", 0)]) < 14 and len(got[("r4", 0)]) < 14
     assert not engine.scheduler.rows and not engine.states.verify_ids
     assert not engine.states.prefill and engine.states.verify.num_rows == 0
+
+
+@pytest.mark.parametrize(
+    "kv",
+    [
+        KVCacheConfig(),
+        KVCacheConfig(kind="affine", bits=8),
+        KVCacheConfig(kind="turboquant", key_bits=8, value_bits=3),
+    ],
+    ids=["fp", "affine8", "turboquant"],
+)
+def test_compiled_verify_keeps_tokens(loaded: LoadedModel, kv: KVCacheConfig) -> None:
+    """With compile_decode on, the verify batch runs as the compiled verify
+    (CompiledDecode.verify: k + 1 columns, every column's DeltaNet state kept): every
+    accepted count 0..k, joins and an abort give the tokens of the eager engine without
+    speculation, and the verify forwards did go through the compiled function."""
+    config = dataclasses.replace(SMALL, kv_cache=kv)
+    prompts = _prompts(6, seed=9)
+    joins = _joins(prompts, _greedy(max_tokens=20))
+    aborts = {7: ["r2"]}
+    plain = _drive(LLMEngine(loaded, config), joins, aborts)
+    engine = LLMEngine(loaded, _spec(dataclasses.replace(config, compile_decode=True)))
+    compiled = engine.runner.compiled
+    assert compiled is not None
+    calls = []
+    verify = compiled.verify
+
+    def counting(tokens: mx.array, offsets: list[int], state: BatchState) -> tuple:
+        calls.append(tokens.shape)
+        return verify(tokens, offsets, state)
+
+    compiled.verify = counting  # type: ignore[method-assign]
+    seen = force_drafts(engine, _oracle(loaded, joins, config=config), _cycle)
+    got = _drive(engine, joins, aborts)
+    assert {r: t for r, t in got.items() if r[0] != "r2"} == {
+        r: t for r, t in plain.items() if r[0] != "r2"
+    }
+    assert seen == set(range(K + 1)) and calls and all(c[1] == K + 1 for c in calls)
+    assert not engine.scheduler.rows and engine.states.verify.num_rows == 0
 
 
 def test_max_tokens_and_stop_tokens_inside_an_accepted_run(loaded: LoadedModel) -> None:
@@ -301,22 +342,24 @@ def _sampled(max_tokens: int = 12, **kw: object) -> SamplingParams:
     return SamplingParams(temperature=0.9, top_p=0.95, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
-def test_seeded_sampled_rows_speculate_reproducibly_and_alone_as_batched(
+def test_seeded_sampled_rows_write_their_text_without_speculation(
     loaded: LoadedModel,
 ) -> None:
-    """A seeded sampled row drafts with the head, gives the same tokens run to run, and
-    the same alone as beside greedy, sampled and constrained rows."""
+    """Seeded sampled rows (top_p, top_k, min_p, n = 2) draft with the head and write
+    exactly what they write without speculation (their draws coupled to the plain
+    sampler's noise), so run to run and alone as beside greedy rows too."""
     prompts = _prompts(4, seed=9)
     seeded = GenerationRequest("seeded", tuple(prompts[0]), _sampled(max_tokens=14, seed=5))
     others = [
         GenerationRequest("g", tuple(prompts[1]), _greedy(max_tokens=10)),
         GenerationRequest("s", tuple(prompts[2]), _sampled(top_k=20, seed=1)),
-        GenerationRequest("n2", tuple(prompts[3]), _sampled(min_p=0.1, seed=2), n=2),
+        GenerationRequest("n2", tuple(prompts[3]), _sampled(min_p=0.1, seed=3), n=2),
     ]
     joins = {0: [seeded, others[0]], 1: others[1:]}
     engine = LLMEngine(loaded, _spec())
     first = _drive(engine, joins)
     assert engine.scheduler.rows == {} and engine.speculation.stats.num_drafted > 0
+    assert first == _drive(LLMEngine(loaded, SMALL), joins)
     assert _drive(LLMEngine(loaded, _spec()), joins) == first
     alone = LLMEngine(loaded, _spec())
     assert _drive(alone, {0: [seeded]}) == {("seeded", 0): first[("seeded", 0)]}

@@ -1,12 +1,15 @@
 """The scheduler's speculation policy (engine/scheduling/speculation.py), without a model:
 rows whose drafts never land back off exponentially, so speculation at 0% acceptance
 costs about a plain step; rows whose drafts land keep drafting; a probe that lands ends
-the back-off."""
+the back-off; once verify steps are timed, the break-even is what a verify costs on the
+device (rows that would win at the default floor stop where a verify costs more than
+they gain, and rows below the floor keep drafting where a verify is nearly free)."""
 
 from __future__ import annotations
 
 from deltaserve.engine.request import Request
 from deltaserve.engine.scheduling.speculation import (
+    COST_SAMPLES,
     MAX_PAUSE_STEPS,
     PAUSE_STEPS,
     PROBE_STEPS,
@@ -25,12 +28,15 @@ def _row() -> Request:
     return req
 
 
-def _run(accepts: callable, steps: int) -> list[int]:
-    """Steps at which the row drafted, with `accepts(step)` of its K drafts landing."""
+def _run(accepts: callable, steps: int, step_cost: float | None = None) -> list[int]:
+    """Steps at which the row drafted, with `accepts(step)` of its K drafts landing; with
+    step_cost, each of its verify steps (alone in the batch) takes that many plain steps."""
     policy, req, drafted = Speculation(K), _row(), []
     for step in range(steps):
         if policy.speculates(req, step):
             drafted.append(step)
+            if step_cost is not None:
+                policy.observe_step(0, 1, step_cost * 0.01, 0.01)
             policy.observe(req, K, accepts(step), step)
     return drafted
 
@@ -74,3 +80,40 @@ def test_a_probe_that_lands_ends_the_back_off() -> None:
     failed = step - 1  # the verify that paused it: a fresh PAUSE_STEPS, not doubled
     assert not policy.speculates(req, failed + PAUSE_STEPS - 1)
     assert policy.speculates(req, failed + PAUSE_STEPS)
+
+
+def test_the_break_even_is_what_a_verify_costs() -> None:
+    """No timed verify: no break-even (the floor applies). Timed: the extra time of the
+    verifies over their rows' plain tokens, weighted by rows (one verifying row among 15
+    plain ones adding 10% to the step owes 1.6 accepted drafts)."""
+    policy = Speculation(K)
+    for _ in range(COST_SAMPLES - 1):
+        policy.observe_step(15, 1, 0.011, 0.010)
+    assert policy.break_even() is None
+    policy.observe_step(15, 1, 0.011, 0.010)
+    assert abs(policy.break_even() - 1.6) < 1e-9
+    cheap = Speculation(K)
+    for _ in range(COST_SAMPLES):
+        cheap.observe_step(0, 8, 0.009, 0.010)  # faster than plain: never a loss
+    assert cheap.break_even() == 0.0
+
+
+def test_a_verify_that_costs_more_than_its_drafts_gain_backs_off() -> None:
+    """A verify costing 3.5 plain steps (a CPU's figure): even with every one of K = 2
+    drafts landing (3 tokens a verify) speculation loses, so the row backs off as at 0%;
+    costing 1.2 plain steps, a row landing 1 of 2 keeps drafting."""
+    drafted = _run(lambda step: K, 5_000, step_cost=3.5)
+    assert len(drafted) < 0.02 * 5_000
+    assert len(_run(lambda step: 1, 500, step_cost=1.2)) == 500
+
+
+def test_a_cheap_verify_keeps_low_acceptance_rows_drafting() -> None:
+    """Below the 30% floor (1 of 4 verifies lands one draft: 12.5%) a row stops while
+    the verify's cost is unknown, but keeps drafting where a verify costs 1.05 plain
+    steps (0.25 accepted drafts a verify > 0.05)."""
+
+    def one_in_four(step: int) -> int:
+        return 1 if step % 4 == 0 else 0
+
+    assert len(_run(one_in_four, 500)) < 500
+    assert len(_run(one_in_four, 500, step_cost=1.05)) == 500

@@ -1,10 +1,10 @@
 """Counter-based randomness for the sampler: a row's Gumbel noise is a hash of (row key,
 vocab id), so a seeded row's draws depend on nothing else in the batch (engine/sampling/sampler.py).
 
-A key also names a stream: 0 is the sampler's one draw per step; speculative sampling
-(engine/speculative.py) takes its drafts, acceptance uniforms and resample from streams
-of their own (DRAFT_STREAM + i, ACCEPT_STREAM, RESAMPLE_STREAM), keyed by the output
-index its verify step starts at, so no draw repeats across positions, steps or purposes.
+A key also names a stream: 0 is the sampler's one draw per output index. A seeded row
+that speculates (engine/speculative.py) draws its drafts and its verified tokens with
+stream 0's keys of the output indices they stand for, which is what makes its text the
+same as without speculation; other streams are free for draws of other purposes.
 """
 
 from __future__ import annotations
@@ -22,9 +22,6 @@ def splitmix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
     return x ^ (x >> 31)
-
-
-ACCEPT_STREAM, RESAMPLE_STREAM, DRAFT_STREAM = 1, 2, 3  # DRAFT_STREAM + i: draft i
 
 
 def row_key(seed: int, choice: int, step: int, stream: int = 0) -> int:

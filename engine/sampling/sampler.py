@@ -306,16 +306,21 @@ def top_sorted(x: mx.array, k: int) -> tuple[mx.array, mx.array]:
     return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
 
 
-def noise_keys(rows: Sequence[SamplingRow], stream: int = 0) -> tuple[mx.array, mx.array]:
-    """Per row 64-bit noise key of its current step (len(output_ids)) in `stream`
+def noise_keys(
+    rows: Sequence[SamplingRow], stream: int = 0, ahead: int = 0
+) -> tuple[mx.array, mx.array]:
+    """Per row 64-bit noise key of its output index len(output_ids) + ahead in `stream`
     (engine/sampling/noise.py) as two [G, 1] uint32 halves: seeded rows' from their
-    seed, the others' from MLX's global RNG."""
+    seed, the others' from MLX's global RNG (fresh on every call). `ahead`: a speculative
+    verify's later positions, drawn with the keys the plain sampler would use there."""
     seeded = [r.params.seed is not None for r in rows]
     if not any(seeded):
         keys = _random_keys(len(rows))
     else:
         # Unseeded rows get a placeholder key here, replaced by a random one below.
-        seeds = [row_key(r.params.seed or 0, r.choice, len(r.output_ids), stream) for r in rows]
+        seeds = [
+            row_key(r.params.seed or 0, r.choice, len(r.output_ids) + ahead, stream) for r in rows
+        ]
         host = np.array(seeds, dtype=np.uint64)
         keys = mx.array(host.view(np.uint32).reshape(len(rows), 2))
         if not all(seeded):

@@ -154,7 +154,8 @@ class Scheduler:
         Or, where prompts can finish within what the rows may wait, those prompts alone,
         ahead of the rows (RunAhead); the next step then has the rows.
         Rows that speculate this step (Speculation) run 1 + k tokens and learn in
-        update() how many of them they keep.
+        update() how many of them they keep; none do at a batch size whose plain decode
+        step was not measured lately (the price a verify is weighed against).
         """
         started = self._clock()
         for req in self._promote_next:
@@ -181,9 +182,11 @@ class Scheduler:
         """Decoding rows that draft this step, as many as the token budget holds beside
         one token per decode row; not one whose last token is still in flight (a
         pipelined step's: the drafts need it)."""
-        spec, decoding = self.speculation, self.state.decoding
+        spec, decoding, cost = self.speculation, self.state.decoding, self.step_cost
         if spec is None:
             return set()
+        if not (cost.is_ready and cost.knows_decode(len(decoding))):
+            return set()  # a plain step measures what verifies are weighed against
         room = (self.config.max_num_batched_tokens - len(decoding)) // spec.num_draft
         rows = [
             r.row_id
@@ -289,9 +292,19 @@ class Scheduler:
         first = sum(len(c.sample_row_ids) for c in out.prefill)
         log.debug("step %d: %d decode rows, %d prompt tokens, %d tower units: %.3f s",
                   out.step, len(out.decode_row_ids), num_prefill, num_vision, seconds)  # fmt: skip
-        if settled:
-            rows = len(out.decode_row_ids)
+        if not settled:
+            return
+        rows = len(out.decode_row_ids)
+        if not out.verify_row_ids:
             self.step_cost.observe(rows, num_prefill, seconds, num_vision, done, first)
+            return
+        # a step that verified is no sample of the cost model's kinds; without prompt
+        # work it prices a verify (Speculation.break_even) against a plain step
+        total = rows + len(out.verify_row_ids)
+        if not out.prefill and self.step_cost.is_ready and self.step_cost.knows_decode(total):
+            assert self.speculation is not None, "a verify step without speculation"
+            plain = self.step_cost.decode_seconds(total)
+            self.speculation.observe_step(rows, len(out.verify_row_ids), seconds, plain)
 
     def _promote(self, req: Request) -> None:
         """Prefill done: the request and its forks join the decode batch (a choice that

@@ -7,13 +7,22 @@ and sampled rows (speculative sampling); no grammar, no logit_bias or penalties 
 would need each draft position processed with the tokens before it), no thinking
 budget (forced tokens).
 
-A speculating row's step costs a verify of k + 1 tokens instead of one decode token; it
-pays when enough drafts are accepted. Each row keeps its recent verify steps; when their
-acceptance rate falls below MIN_ACCEPTANCE the row decodes plainly for a pause and then
-probes with PROBE_STEPS verifies (its MTP head store misses the plain steps' positions
-meanwhile). A failed probe doubles the pause (PAUSE_STEPS up to MAX_PAUSE_STEPS), a good
-one ends the back-off: a row whose drafts never land pays WINDOW_STEPS verifies once and
-then a few per thousand steps, so speculation at 0% acceptance costs about a plain step.
+A speculating row's step costs a verify of k + 1 tokens (and k head passes) instead of
+one decode token; it pays when enough drafts are accepted. How many is the device's
+answer, not a constant: `observe_step` takes the time of each step that verified (without
+prompt work) against the scheduler's prediction of a plain decode step of the same rows
+(StepCostModel), and `break_even` is the drafts a verify must get accepted, on average, to
+make up for what it added to the step (with D plain and V verifying rows, a step that
+takes S instead of P pays when the V rows' accepted drafts exceed (S - P) / (P / (D + V))).
+Until COST_SAMPLES such steps are measured the floor is MIN_ACCEPTANCE of the drafts.
+
+Each row keeps its recent verify steps; when they average fewer accepted drafts than the
+break-even the row decodes plainly for a pause and then probes with PROBE_STEPS verifies
+(its MTP head store misses the plain steps' positions meanwhile). A failed probe doubles
+the pause (PAUSE_STEPS up to MAX_PAUSE_STEPS), a good one ends the back-off: a row whose
+drafts never land (or never land often enough to pay, as on a device where a verify costs
+several decode steps) pays WINDOW_STEPS verifies once and then a few per thousand steps,
+so speculation that cannot win costs about a plain step.
 """
 
 from __future__ import annotations
@@ -26,9 +35,11 @@ from deltaserve.engine.request import Request
 from deltaserve.engine.types import SamplingParams
 
 WINDOW_STEPS = 8  # verify steps a row's acceptance rate is measured over
-# Below this share of accepted drafts a row stops drafting: a heuristic (the break-even
-# rate depends on the device: what a k + 1 token verify costs against a decode token)
+# Below this share of accepted drafts a row stops drafting while the break-even is not
+# measured yet (it depends on the device: what a verify adds to a step)
 MIN_ACCEPTANCE = 0.3
+COST_SAMPLES = 4  # verify steps timed before their measured cost sets the break-even
+COST_WINDOW = 32  # the most recent timed verify steps the break-even is measured over
 PAUSE_STEPS = 64  # plain decode steps before a row that stopped drafting tries again
 MAX_PAUSE_STEPS = 1024  # the longest pause after failed probes (each doubles it)
 PROBE_STEPS = 2  # verify steps a retry is judged on
@@ -69,6 +80,30 @@ class Speculation:
         self.num_draft = num_draft
         self.stats = SpeculationStats()
         self._rows: dict[str, _RowRecord] = {}
+        # per timed verify step: (seconds it took over a plain step, a plain step's
+        # seconds per row x its verifying rows)
+        self._costs: deque[tuple[float, float]] = deque(maxlen=COST_WINDOW)
+
+    def observe_step(
+        self, num_decode: int, num_verify: int, seconds: float, plain_seconds: float
+    ) -> None:
+        """A step without prompt work in which num_verify rows verified beside num_decode
+        plain decode rows took `seconds`; a decode-only step of all of them is predicted
+        to take plain_seconds."""
+        if num_verify <= 0 or plain_seconds <= 0:
+            return
+        per_row = plain_seconds / (num_decode + num_verify)
+        self._costs.append((seconds - plain_seconds, num_verify * per_row))
+
+    def break_even(self) -> float | None:
+        """Accepted drafts a verify must average to pay for itself: the time verifies
+        added to their steps over the time their rows' plain tokens would have taken (a
+        ratio of sums over the last COST_WINDOW timed steps, so a step with one verifying
+        row among many weighs little); None until COST_SAMPLES steps are timed."""
+        if len(self._costs) < COST_SAMPLES:
+            return None
+        extra = sum(e for e, _ in self._costs)
+        return max(extra / sum(u for _, u in self._costs), 0.0)
 
     def speculates(self, req: Request, step: int) -> bool:
         """Whether `req`'s row drafts in `step`: it may, is not paused, and has more than
@@ -90,8 +125,10 @@ class Speculation:
         record.recent.append((drafted, accepted))
         if len(record.recent) < (PROBE_STEPS if record.probing else WINDOW_STEPS):
             return
-        total = sum(d for d, _ in record.recent)
-        if sum(a for _, a in record.recent) < MIN_ACCEPTANCE * total:
+        need = self.break_even()
+        if need is None:
+            need = MIN_ACCEPTANCE * sum(d for d, _ in record.recent) / len(record.recent)
+        if sum(a for _, a in record.recent) < need * len(record.recent):
             record.recent.clear()
             if record.probing:  # drafts still do not land: wait twice as long
                 record.pause = min(2 * record.pause, MAX_PAUSE_STEPS)
