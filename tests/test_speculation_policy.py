@@ -11,6 +11,7 @@ from deltaserve.engine.request import Request
 from deltaserve.engine.scheduling.speculation import (
     COST_SAMPLES,
     MAX_PAUSE_STEPS,
+    MIN_ACCEPTANCE,
     PAUSE_STEPS,
     PROBE_STEPS,
     WINDOW_STEPS,
@@ -43,7 +44,11 @@ def _run(accepts: callable, steps: int, step_cost: float | None = None) -> list[
 
 def test_zero_acceptance_backs_off_to_a_few_verifies_per_thousand_steps() -> None:
     drafted = _run(lambda step: 0, 20_000)
-    assert drafted[:WINDOW_STEPS] == list(range(WINDOW_STEPS))  # the first window
+    # the first window stops once K drafts landing in each verify left could not lift it
+    # to the floor: after n verifies with K * (WINDOW - n) < MIN_ACCEPTANCE * K * WINDOW
+    floor = MIN_ACCEPTANCE * WINDOW_STEPS
+    first = next(n for n in range(1, WINDOW_STEPS + 1) if WINDOW_STEPS - n < floor)
+    assert drafted[:first] == list(range(first)) and drafted[first] > first
     # then probes of PROBE_STEPS after pauses 64, 128, ... capped at MAX_PAUSE_STEPS
     gaps = [b - a for a, b in zip(drafted, drafted[1:], strict=False) if b - a > 1]
     want = [min(PAUSE_STEPS * 2**i, MAX_PAUSE_STEPS) for i in range(len(gaps))]
@@ -67,9 +72,11 @@ def test_a_probe_that_lands_ends_the_back_off() -> None:
     assert after == list(range(first, 3_000))  # drafts from the first probe on
     assert first < good_from + 2 * MAX_PAUSE_STEPS
     policy, req = Speculation(K), _row()
-    for step in range(WINDOW_STEPS):  # fail: pause PAUSE_STEPS, then probe
+    step = 0
+    while policy.speculates(req, step):  # fail: pause PAUSE_STEPS, then probe
         policy.observe(req, K, 0, step)
-    probe = WINDOW_STEPS - 1 + PAUSE_STEPS
+        step += 1
+    probe = step - 1 + PAUSE_STEPS
     for step in range(probe, probe + PROBE_STEPS):  # the probe lands
         assert policy.speculates(req, step)
         policy.observe(req, K, K, step)

@@ -17,7 +17,8 @@ takes S instead of P pays when the V rows' accepted drafts exceed (S - P) / (P /
 Until COST_SAMPLES such steps are measured the floor is MIN_ACCEPTANCE of the drafts.
 
 Each row keeps its recent verify steps; when they average fewer accepted drafts than the
-break-even the row decodes plainly for a pause and then probes with PROBE_STEPS verifies
+break-even (or can no longer reach it within WINDOW_STEPS) the row decodes plainly for a
+pause and then probes with PROBE_STEPS verifies
 (its MTP head store misses the plain steps' positions meanwhile). A failed probe doubles
 the pause (PAUSE_STEPS up to MAX_PAUSE_STEPS), a good one ends the back-off: a row whose
 drafts never land (or never land often enough to pay, as on a device where a verify costs
@@ -123,18 +124,21 @@ class Speculation:
         req.num_accepted += accepted
         record = self._rows.setdefault(req.row_id, _RowRecord())
         record.recent.append((drafted, accepted))
-        if len(record.recent) < (PROBE_STEPS if record.probing else WINDOW_STEPS):
-            return
+        window, seen = PROBE_STEPS if record.probing else WINDOW_STEPS, len(record.recent)
         need = self.break_even()
         if need is None:
-            need = MIN_ACCEPTANCE * sum(d for d, _ in record.recent) / len(record.recent)
-        if sum(a for _, a in record.recent) < need * len(record.recent):
+            need = MIN_ACCEPTANCE * sum(d for d, _ in record.recent) / seen
+        landed = sum(a for _, a in record.recent)
+        # a window not full yet is judged lost as soon as drafts landing in every verify
+        # still to come could not lift it to the break-even (where a verify costs more
+        # than k drafts can repay, at once)
+        if landed + drafted * max(window - seen, 0) < need * max(window, seen):
             record.recent.clear()
             if record.probing:  # drafts still do not land: wait twice as long
                 record.pause = min(2 * record.pause, MAX_PAUSE_STEPS)
             record.paused_until = step + record.pause
             record.probing = True
-        elif record.probing:  # the drafts land again: back to the full window
+        elif record.probing and seen >= window:  # the drafts land again: the full window
             record.probing, record.pause = False, PAUSE_STEPS
 
     def release(self, row_ids: Iterable[str]) -> None:
