@@ -169,13 +169,18 @@ class Drafter:
         what the sampler reads of each): each row's pending pairs go into its head store,
         right-aligned, then the head chains k drafts, each chosen as the row samples
         (`draft_chooser`); its k - 1 speculative pairs are rolled back at once. A row with no
-        pairs (it decoded without speculating) drafts from its store alone."""
+        pairs (it decoded without speculating) drafts from its store alone. `state` may
+        hold dead rows after the live ones (a bucketed batch, RowStates): they draft from
+        nothing, and their drafts are not returned."""
         k, store = self.num_draft, state.aligned_draft()
         assert store is not None, "the verify batch has a head store"
         pairs = [self._pending.pop(r, None) for r in row_ids]
         pairs = [p if p is not None and p.tokens is not None else None for p in pairs]
         if all(p is None for p in pairs):  # nothing to draft from yet: certain drafts
             return DraftRound(mx.repeat(last[:, None], k, axis=1), None)
+        live, dead = len(row_ids), state.num_rows - len(row_ids)
+        pairs += [None] * dead
+        rows = [*rows, *[rows[-1]] * dead]  # dead rows draw as a live one, unread
         width = max(int(p.hidden.shape[0]) for p in pairs if p is not None)
         template = next(p for p in pairs if p is not None)
         hidden, tokens, positions, pads = [], [], [], []
@@ -203,7 +208,9 @@ class Drafter:
             draft_chooser(rows, k),
         )
         if k > 1:
-            store.rollback([k - 1] * len(row_ids))
+            store.rollback([k - 1] * (live + dead))
+        if dead:
+            return DraftRound(drafts.tokens[:live], drafts.logits[:live])
         return DraftRound(drafts.tokens, drafts.logits)
 
     def accept(self, step: VerifyStep, rows: Sequence[SamplingRow]) -> Verdicts:
@@ -239,7 +246,8 @@ class Drafter:
         step, k = verdicts.step, verdicts.step.drafts.shape[1]
         counts = verdicts.num_accepted.tolist()
         tokens = verdicts.tokens.tolist()
-        state.keep_verified([a + 1 for a in counts], k + 1)
+        dead = state.num_rows - len(counts)  # a bucketed batch's dead rows keep one
+        state.keep_verified([a + 1 for a in counts] + [1] * dead, k + 1)
         lps = verdicts.logprobs.tolist() if verdicts.logprobs is not None else None
         ids = verdicts.top_ids.tolist() if verdicts.top_ids is not None else None
         vals = verdicts.top_logprobs.tolist() if verdicts.top_logprobs is not None else None

@@ -222,9 +222,10 @@ def test_every_kv_kind_with_aborts_mid_draft(loaded: LoadedModel, kv: KVCacheCon
 )
 def test_compiled_verify_keeps_tokens(loaded: LoadedModel, kv: KVCacheConfig) -> None:
     """With compile_decode on, the verify batch runs as the compiled verify
-    (CompiledDecode.verify: k + 1 columns, every column's DeltaNet state kept): every
-    accepted count 0..k, joins and an abort give the tokens of the eager engine without
-    speculation, and the verify forwards did go through the compiled function."""
+    (CompiledDecode.verify: k + 1 columns, every column's DeltaNet state kept) at bucket
+    sizes, dead rows after the live ones: every accepted count 0..k, joins and an abort
+    give the tokens of the eager engine without speculation, and the verify forwards did
+    go through the compiled function."""
     config = dataclasses.replace(SMALL, kv_cache=kv)
     prompts = _prompts(6, seed=9)
     joins = _joins(prompts, _greedy(max_tokens=20))
@@ -237,7 +238,7 @@ def test_compiled_verify_keeps_tokens(loaded: LoadedModel, kv: KVCacheConfig) ->
     verify = compiled.verify
 
     def counting(tokens: mx.array, offsets: list[int], state: BatchState) -> tuple:
-        calls.append(tokens.shape)
+        calls.append((*tokens.shape, len(engine.states.verify_ids)))
         return verify(tokens, offsets, state)
 
     compiled.verify = counting  # type: ignore[method-assign]
@@ -247,6 +248,9 @@ def test_compiled_verify_keeps_tokens(loaded: LoadedModel, kv: KVCacheConfig) ->
         r: t for r, t in plain.items() if r[0] != "r2"
     }
     assert seen == set(range(K + 1)) and calls and all(c[1] == K + 1 for c in calls)
+    # the verify batch is held at the decode batch's bucket sizes (dead rows after live)
+    assert {rows for rows, _, _ in calls} <= {1, 2, 4, 8, 12, 16}
+    assert any(rows > live for rows, _, live in calls)
     assert not engine.scheduler.rows and engine.states.verify.num_rows == 0
 
 
@@ -361,6 +365,8 @@ def test_seeded_sampled_rows_write_their_text_without_speculation(
     assert engine.scheduler.rows == {} and engine.speculation.stats.num_drafted > 0
     assert first == _drive(LLMEngine(loaded, SMALL), joins)
     assert _drive(LLMEngine(loaded, _spec()), joins) == first
+    compiled = _spec(dataclasses.replace(SMALL, compile_decode=True))  # bucketed verifies
+    assert _drive(LLMEngine(loaded, compiled), joins) == first
     alone = LLMEngine(loaded, _spec())
     assert _drive(alone, {0: [seeded]}) == {("seeded", 0): first[("seeded", 0)]}
     assert alone.speculation.stats.num_drafted > 0

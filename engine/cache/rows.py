@@ -121,6 +121,8 @@ class RowStates:
         if self._bucket is not None and self.decode_ids:
             self.decode.pad_rows(self._bucket(len(self.decode_ids)) - self.decode.num_rows)
         self.verify_ids = self._sync_batch(self.verify, self.verify_ids, verify_row_ids)
+        if self._bucket is not None and self.verify_ids:  # the compiled verify's shapes too
+            self.verify.pad_rows(self._bucket(len(self.verify_ids)) - self.verify.num_rows)
         assert self.decode_ids == list(decode_row_ids), "decode batch order diverged"
         assert self.verify_ids == list(verify_row_ids), "verify batch order diverged"
 
