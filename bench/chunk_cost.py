@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from deltaserve.models.testing import cached_checkpoint
 
     loaded = load_model(_f32_copy(cached_checkpoint(args.checkpoint)))
-    config = EngineConfig(max_stall_factor=0, max_num_seqs=args.rows + 1)
+    config = EngineConfig(max_stall_factor=0, max_num_seqs=args.rows + 1, warm_up_seconds=0)
     engine = LLMEngine(loaded, config)
     rng = random.Random(0)
     endless = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)

@@ -224,7 +224,9 @@ def bench_step(
     from deltaserve.models.build import load_model
 
     loaded = load_model(path)
-    config = EngineConfig(max_num_seqs=rows, max_num_batched_tokens=max(512, rows * 16))
+    config = EngineConfig(
+        max_num_seqs=rows, max_num_batched_tokens=max(512, rows * 16), warm_up_seconds=0
+    )
     engine = LLMEngine(loaded, config)
     if cache_mb is not None:  # after the engine, which raises it on CPU
         mx.set_cache_limit(cache_mb << 20)

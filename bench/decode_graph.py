@@ -69,7 +69,9 @@ def main() -> None:
 
     path = args.shape if "/" in args.shape else str(cached_checkpoint(args.shape))
     loaded = load_model(path, getattr(mx, args.dtype))
-    config = EngineConfig(compile_decode=not args.no_compile, pipeline_steps=True)
+    config = EngineConfig(
+        compile_decode=not args.no_compile, pipeline_steps=True, warm_up_seconds=0
+    )
     engine = LLMEngine(loaded, config)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     for i in range(args.batch):

@@ -104,7 +104,7 @@ def _prefilled_engine(
 
     config = EngineConfig(
         max_num_seqs=max(batch, 1), max_num_batched_tokens=2048, max_prefill_chunk=512,
-        memory_budget_bytes=8 * 2**30, kv_cache=kv,
+        memory_budget_bytes=8 * 2**30, kv_cache=kv, warm_up_seconds=0,
     )  # fmt: skip
     engine = LLMEngine(loaded, config)
     rng = random.Random(batch)

@@ -48,7 +48,9 @@ def soak(args: argparse.Namespace) -> dict:
 
     # bf16 on the CPU never reaches BLAS: 100 requests took 312 s (2.3 s a step)
     loaded = load_model(_f32_copy(cached_checkpoint(args.checkpoint)))
-    config = EngineConfig(memory_budget_bytes=args.budget_mib * 2**20, prefix_min_tokens=128)
+    config = EngineConfig(
+        memory_budget_bytes=args.budget_mib * 2**20, prefix_min_tokens=128, warm_up_seconds=0
+    )
     engine = LLMEngine(loaded, config)
     pending = _workload(args)
     total, steps, peak, violations, mismatches = len(pending), 0, 0, 0, 0

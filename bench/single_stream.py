@@ -27,9 +27,8 @@ def bench_ours(path: str, prompt: list[int], gen: int) -> dict:
     from deltaserve.engine.types import GenerationRequest, SamplingParams
     from deltaserve.models.build import load_model
 
-    engine = LLMEngine(
-        load_model(path), EngineConfig(max_num_batched_tokens=2048, max_prefill_chunk=2048)
-    )
+    config = EngineConfig(max_num_batched_tokens=2048, max_prefill_chunk=2048, warm_up_seconds=0)
+    engine = LLMEngine(load_model(path), config)
     params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
     engine.generate([prompt[:16]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     engine.add_request(GenerationRequest("b", tuple(prompt), params))

@@ -105,7 +105,7 @@ def main() -> int:
     parallel = join_group(args.backend)
     config = EngineConfig(
         max_num_seqs=64, max_num_batched_tokens=2048, max_prefill_chunk=2048,
-        memory_budget_bytes=40 << 30, prefix_cache=False,
+        memory_budget_bytes=40 << 30, prefix_cache=False, warm_up_seconds=0,
     )  # fmt: skip
     if args.no_pipeline:
         config = dataclasses.replace(config, pipeline_steps=False)

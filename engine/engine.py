@@ -169,7 +169,8 @@ class LLMEngine:
         if warm > 0 and leader is None and loaded.parallel is None:
             new_state = partial(BatchState.empty, cfg, kv_factory)
             chunk = self.config.max_prefill_chunk
-            warm_up(new_state, self.compiled_prompts, compiled, chunk, max_rows, warm)
+            columns = drafter.num_draft + 1 if drafter is not None else 0
+            warm_up(new_state, self.compiled_prompts, compiled, chunk, max_rows, warm, columns)
         self._inflight: _InFlight | None = None
 
     def _speculation(self) -> Speculation | None:

@@ -59,3 +59,14 @@ def _device_platform() -> Iterator[None]:
     use_platform(None)
     yield
     use_platform(None)
+
+
+@pytest.fixture(autouse=True)
+def _no_start_up_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines built without warm_up_seconds do not trace at start on a GPU (its 60 s
+    default is the server's start-up, tested with an explicit value in
+    tests/test_compiled_prompt.py): on the GPU test machine every engine a test builds
+    would otherwise spend it."""
+    from deltaserve.engine import engine
+
+    monkeypatch.setattr(engine, "WARM_UP_GPU_SECONDS", 0.0)

@@ -148,6 +148,9 @@ def test_warm_up_traces_each_shape_and_keeps_tokens(loaded: LoadedModel) -> None
     ran = warm_up(new_state, engine.compiled_prompts, engine.runner.compiled, 48, 4, 600.0)
     assert ran == 3 + 2 * 3 + 1  # [1, L] x 3, decode x 3 x 2 capacities, [2, 16] (<= the chunk)
     assert warm_up(new_state, engine.compiled_prompts, None, 48, 4, 0.0) == 0  # no time
+    # with speculation (k = 2) the verify batch too, at each row bucket
+    ran = warm_up(new_state, engine.compiled_prompts, engine.runner.compiled, 48, 4, 600.0, 3)
+    assert ran == 3 + 2 * 3 + 3 + 1
     requests = _requests(4)
     warm = LLMEngine(loaded, dataclasses.replace(base, warm_up_seconds=600.0))
     assert _drive(warm, requests) == _drive(engine, requests)
