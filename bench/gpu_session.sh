@@ -13,6 +13,7 @@
 #   call 3:              bash bench/gpu_session.sh serve08
 #   call 4:              bash bench/gpu_session.sh serve9b
 #   call 5, 6:           bash bench/gpu_session.sh spec; bash bench/gpu_session.sh spec35
+#   call 7:              bash bench/gpu_session.sh serve35   (after spec35 wrote its checkpoint)
 #
 # Logs go under $OUT (the device tool brings them back); each step prints a short table.
 set -uo pipefail
@@ -73,6 +74,12 @@ spec35() {  # the same at 35B-A3B 4-bit (its checkpoint is written first, if mis
     timeout 570 python3 -m bench.speculative --checkpoint 35B-A3B-mlx-4bit --batches 1 8 64 \
         >"$OUT/spec35b.log" 2>&1
     grep '^|' "$OUT/spec35b.log"
+}
+
+serve35() {  # issue 30's third shape: 35B-A3B 4-bit at 16 clients
+    timeout 570 python3 -m bench.serve --checkpoint 35B-A3B-mlx-4bit --clients 16 \
+        --log-dir "$OUT/s35" --plot "$OUT/s35.png" >"$OUT/serve35.log" 2>&1
+    tail -12 "$OUT/serve35.log"
 }
 
 for step in "$@"; do

@@ -37,6 +37,9 @@ class EngineStats:
     # Speculative decoding (0 when it is off): drafts verified and accepted since start
     speculative_drafted_tokens_total: int = 0
     speculative_accepted_tokens_total: int = 0
+    # accepted drafts a verify must average to beat plain decoding, as measured on this
+    # device (Speculation.break_even); -1 while not measured or speculation is off
+    speculative_break_even_drafts: float = -1.0
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,7 @@ class AsyncEngine:
             prefix_cache_evictions_total=cache.evictions,
             speculative_drafted_tokens_total=spec.num_drafted,
             speculative_accepted_tokens_total=spec.num_accepted,
+            speculative_break_even_drafts=_break_even(eng),
         )
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -276,3 +277,9 @@ def _wait_os_thread_exit(thread: threading.Thread, timeout: float) -> bool:
             return False
         time.sleep(0.001)
     return True
+
+
+def _break_even(engine: LLMEngine) -> float:
+    """Speculation's measured break-even (EngineStats), -1 when there is none."""
+    measured = engine.speculation.break_even() if engine.speculation is not None else None
+    return -1.0 if measured is None else measured

@@ -45,6 +45,11 @@ class _EngineCollector(Collector):
                 "prefix cache: KV blocks + DeltaNet snapshots held (part of state bytes)",
                 stats.prefix_cache_bytes,
             ),
+            "speculative_break_even_drafts": (
+                "accepted drafts a verify must average to beat plain decoding, measured on "
+                "this device; rows below it pause drafting (-1: not measured yet, or off)",
+                stats.speculative_break_even_drafts,
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"deltaserve_{name}", doc, value=value)

@@ -42,6 +42,7 @@ def test_speculative_server_gives_the_same_greedy_text() -> None:
         metrics = httpx.get(f"{live.url}/metrics").text
     assert got == plain
     assert _drafted(metrics) > 0
+    assert "deltaserve_speculative_break_even_drafts" in metrics
 
 
 def test_a_request_with_speculative_false_does_not_draft() -> None:

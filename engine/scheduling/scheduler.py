@@ -300,6 +300,7 @@ class Scheduler:
             return
         # a step that verified is no sample of the cost model's kinds; without prompt
         # work it prices a verify (Speculation.break_even) against a plain step
+        self.step_cost.advance(done)
         total = rows + len(out.verify_row_ids)
         if not out.prefill and self.step_cost.is_ready and self.step_cost.knows_decode(total):
             assert self.speculation is not None, "a verify step without speculation"

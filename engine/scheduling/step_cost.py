@@ -179,6 +179,12 @@ class StepCostModel:
         kind.append(sample)
         self._line = self._token_cost = self._vision_cost = None
 
+    def advance(self, done: float) -> None:
+        """A step that is no sample (one that verified drafts) completed at `done`: the
+        clock moves on all the same, so samples age as steps run."""
+        self._now = max(self._now, done)
+        self._forget_before(done - MAX_AGE)
+
     def _forget_before(self, oldest: float) -> None:
         for kind in (self._prefill, self._vision):
             while kind and kind[0].done < oldest:
