@@ -29,8 +29,11 @@ agree).
 The head pairs each trunk hidden h_t with the token x_{t+1} after it (models/mtp.py).
 Its KV store (BatchState.draft) gets every prompt pair at prefill (`prompt_pairs`), and
 after each verify the a + 1 kept pairs, at the next draft. Pairs not stored yet wait
-here (`_Pairs`); a row that decoded without speculating has none (its head store then
-misses those positions, which only makes its drafts worse, never its output wrong).
+here: a verify batch's as they came out of it (`_VerifiedPairs`: when the next verify
+batch is the same rows, one gather right-aligns them all, instead of a few small ops per
+row, each a kernel launch on a GPU), other rows' one by one (`_Pairs`); a row that
+decoded without speculating has none (its head store then misses those positions, which
+only makes its drafts worse, never its output wrong).
 """
 
 from __future__ import annotations
@@ -60,6 +63,38 @@ class _Pairs:
     positions: mx.array  # [3, n] int32: the hidden's rotary positions
     tokens: mx.array | None  # [n] int32: the token after each (None: the last one is the
     # first token sampled from a prompt, known at read-back)
+
+
+@dataclass(frozen=True)
+class _VerifiedPairs:
+    """A verify batch's kept columns, still batched: row b's pairs are columns
+    0 .. counts[b] - 1 of hidden and tokens."""
+
+    row_ids: tuple[str, ...]
+    hidden: mx.array  # [B, k + 1, H]: the verify's final-normed hidden states
+    tokens: mx.array  # [B, k + 1] int32: the emitted tokens (each kept column's next)
+    first: tuple[int, ...]  # each row's first column's position
+    counts: tuple[int, ...]  # kept columns per row (its accepted drafts + 1)
+
+    def row(self, b: int) -> _Pairs:
+        """Row b's pairs on their own."""
+        n, first = self.counts[b], self.first[b]
+        positions = mx.broadcast_to(mx.arange(first, first + n, dtype=mx.int32), (3, n))
+        return _Pairs(self.hidden[b, :n], positions, self.tokens[b, :n])
+
+    def aligned(self) -> tuple[mx.array, mx.array, mx.array, list[int]]:
+        """Every row's pairs right-aligned to the longest, by one gather each: hidden
+        [B, W, H], tokens [B, W], positions [3, B, W] and each row's padding columns
+        (which hold copies of its first pair, masked as padding by the head)."""
+        width = max(self.counts)
+        pads = [width - n for n in self.counts]
+        shift = mx.array(pads, dtype=mx.int32)[:, None]
+        source = mx.maximum(mx.arange(width, dtype=mx.int32)[None] - shift, 0)  # [B, W]
+        hidden = mx.take_along_axis(self.hidden, source[..., None], axis=1)
+        tokens = mx.take_along_axis(self.tokens, source, axis=1)
+        first = mx.array(self.first, dtype=mx.int32)[:, None]
+        positions = mx.broadcast_to((first + source)[None], (3, *source.shape))
+        return hidden, tokens, positions, pads
 
 
 @dataclass(frozen=True)
@@ -109,21 +144,35 @@ class Drafter:
         self.head = head
         self.num_draft = num_draft
         self._pending: dict[str, _Pairs] = {}
+        self._verified: _VerifiedPairs | None = None  # the last verify batch's pairs
 
     # -- rows -----------------------------------------------------------------------------
     def forget(self, row_ids: Sequence[str]) -> None:
         """Freed rows, or rows that decode without speculating (their pairs go stale)."""
+        batch = self._verified
+        if row_ids and batch is not None and not set(row_ids).isdisjoint(batch.row_ids):
+            self._unbatch()
         for row_id in row_ids:
             self._pending.pop(row_id, None)
 
     def fork(self, child: str, parent: str) -> None:
         """A fork's first token was sampled with its parent's: it starts from its pairs."""
+        if self._verified is not None and parent in self._verified.row_ids:
+            self._unbatch()
         pairs = self._pending.get(parent)
         if pairs is not None and child not in self._pending:
             self._pending[child] = _Pairs(pairs.hidden, pairs.positions, pairs.tokens)
 
     def clear(self) -> None:
         self._pending.clear()
+        self._verified = None
+
+    def _unbatch(self) -> None:
+        """The last verify batch's pairs become per-row pairs (its rows changed)."""
+        batch, self._verified = self._verified, None
+        if batch is not None:
+            for b, row_id in enumerate(batch.row_ids):
+                self._pending[row_id] = batch.row(b)
 
     # -- prompts --------------------------------------------------------------------------
     def prompt_pairs(
@@ -174,13 +223,16 @@ class Drafter:
         nothing, and their drafts are not returned."""
         k, store = self.num_draft, state.aligned_draft()
         assert store is not None, "the verify batch has a head store"
+        batch = self._verified
+        if batch is not None and batch.row_ids == tuple(row_ids):
+            self._verified = None  # the same rows as the last verify: one gather
+            hidden, tokens, positions, pads = batch.aligned()
+            return self._chain(state, store, hidden, tokens, positions, pads, rows)
+        self._unbatch()
         pairs = [self._pending.pop(r, None) for r in row_ids]
         pairs = [p if p is not None and p.tokens is not None else None for p in pairs]
         if all(p is None for p in pairs):  # nothing to draft from yet: certain drafts
             return DraftRound(mx.repeat(last[:, None], k, axis=1), None)
-        live, dead = len(row_ids), state.num_rows - len(row_ids)
-        pairs += [None] * dead
-        rows = [*rows, *[rows[-1]] * dead]  # dead rows draw as a live one, unread
         width = max(int(p.hidden.shape[0]) for p in pairs if p is not None)
         template = next(p for p in pairs if p is not None)
         hidden, tokens, positions, pads = [], [], [], []
@@ -196,12 +248,39 @@ class Drafter:
             hidden.append(mx.pad(p.hidden, [(pad, 0), (0, 0)]))
             tokens.append(mx.pad(p.tokens, [(pad, 0)]))
             positions.append(mx.pad(p.positions, [(0, 0), (pad, 0)]))
+        stacked = mx.stack(hidden), mx.stack(tokens), mx.stack(positions, axis=1)
+        return self._chain(state, store, *stacked, pads, rows)
+
+    def _chain(
+        self,
+        state: BatchState,
+        store: KVStore,
+        hidden: mx.array,
+        tokens: mx.array,
+        positions: mx.array,
+        pads: list[int],
+        rows: Sequence[SamplingRow],
+    ) -> DraftRound:
+        """The head's k drafts from the live rows' right-aligned pairs (hidden [B, W, H],
+        tokens [B, W], positions [3, B, W], pads per row); dead rows after them (a
+        bucketed batch) draft from nothing and are not returned."""
+        k, live = self.num_draft, hidden.shape[0]
+        dead = state.num_rows - live
+        if dead:
+            width = hidden.shape[1]
+            hidden = mx.concatenate([hidden, mx.zeros((dead, *hidden.shape[1:]), hidden.dtype)])
+            tokens = mx.concatenate([tokens, mx.zeros((dead, width), tokens.dtype)])
+            positions = mx.concatenate(
+                [positions, mx.zeros((3, dead, width), positions.dtype)], axis=1
+            )
+            pads = [*pads, *[width] * dead]
+            rows = [*rows, *[rows[-1]] * dead]  # dead rows draw as a live one, unread
         drafts = draft(
             self.model,
             self.head,
-            mx.stack(hidden),
-            mx.stack(tokens),
-            mx.stack(positions, axis=1),
+            hidden,
+            tokens,
+            positions,
             store,
             k,
             tuple(pads) if any(pads) else None,
@@ -251,14 +330,15 @@ class Drafter:
         lps = verdicts.logprobs.tolist() if verdicts.logprobs is not None else None
         ids = verdicts.top_ids.tolist() if verdicts.top_ids is not None else None
         vals = verdicts.top_logprobs.tolist() if verdicts.top_logprobs is not None else None
+        kept = tuple(a + 1 for a in counts)
+        self._verified = _VerifiedPairs(
+            step.row_ids, step.hidden, verdicts.tokens, step.positions, kept
+        )
+        for row_id in step.row_ids:
+            self._pending.pop(row_id, None)
         runs = []
         for b, (row_id, a) in enumerate(zip(step.row_ids, counts, strict=True)):
             emitted = tuple(tokens[b][: a + 1])
-            first = step.positions[b]
-            positions = mx.broadcast_to(mx.arange(first, first + a + 1, dtype=mx.int32), (3, a + 1))
-            self._pending[row_id] = _Pairs(
-                step.hidden[b, : a + 1], positions, mx.array(emitted, dtype=mx.int32)
-            )
             logprobs: list[TokenLogprob | None] = [None] * len(emitted)
             if lps is not None and rows[b].params.logprobs:
                 n = rows[b].params.top_logprobs

@@ -254,6 +254,45 @@ def test_compiled_verify_keeps_tokens(loaded: LoadedModel, kv: KVCacheConfig) ->
     assert not engine.scheduler.rows and engine.states.verify.num_rows == 0
 
 
+def test_batched_pairs_draft_as_row_by_row(loaded: LoadedModel) -> None:
+    """When a verify batch is the same rows as the last one, its kept pairs reach the
+    head right-aligned by one gather (Drafter's _VerifiedPairs) instead of row by row:
+    the same drafts and draft logits, step for step, as a drafter made to go row by row
+    (with rows joining, so both paths run, and forced drafts, so rows keep different
+    counts of pairs)."""
+    prompts = _prompts(5, seed=12)
+    joins = _joins(prompts, _greedy(max_tokens=16))
+    oracle = _oracle(loaded, joins)
+    rounds: dict[bool, list] = {}
+    for batched in (True, False):
+        engine = LLMEngine(loaded, _spec(dataclasses.replace(SMALL, compile_decode=True)))
+        drafter = engine.runner.drafter
+        assert drafter is not None
+        draft, seen, hits = drafter.draft, [], []
+
+        def recording(row_ids, state, last, rows, batched=batched, draft=draft, seen=seen,
+                      hits=hits, drafter=drafter):  # type: ignore[no-untyped-def]  # fmt: skip
+            held = drafter._verified
+            hits.append(held is not None and held.row_ids == tuple(row_ids))
+            if not batched:
+                drafter._unbatch()
+            out = draft(row_ids, state, last, rows)
+            seen.append((tuple(row_ids), out.tokens.tolist(), out.logits))
+            return out
+
+        drafter.draft = recording  # type: ignore[method-assign]
+        counts = force_drafts(engine, oracle, _cycle)  # wraps `recording`
+        _drive(engine, joins)
+        assert any(hits) and not all(hits) and len(counts) > 2, (hits, counts)
+        rounds[batched] = seen
+    assert len(rounds[True]) == len(rounds[False]) > 0
+    for (ids_a, tok_a, lg_a), (ids_b, tok_b, lg_b) in zip(*rounds.values(), strict=True):
+        assert ids_a == ids_b and tok_a == tok_b
+        assert (lg_a is None) == (lg_b is None)
+        if lg_a is not None:
+            assert mx.allclose(lg_a, lg_b, atol=1e-4).item()
+
+
 def test_max_tokens_and_stop_tokens_inside_an_accepted_run(loaded: LoadedModel) -> None:
     """All drafts right: a run of k + 1 tokens crosses max_tokens or a stop token; the row
     ends exactly there (tokens after it dropped), as without speculation."""
