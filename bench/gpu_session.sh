@@ -16,6 +16,8 @@
 #   call 7:              bash bench/gpu_session.sh serve35   (after spec35 wrote its checkpoint)
 #
 # Logs go under $OUT (the device tool brings them back); each step prints a short table.
+# The GPU machine has no matplotlib: plot here afterwards from the fetched logs, e.g.
+#   .venv/bin/python -m bench.serve --replot <files_at>/serve08.log --plot bench/results/serve_0.8B.png
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}

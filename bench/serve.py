@@ -296,6 +296,15 @@ def _plot(rows: list[Row], path: Path, title: str) -> None:
     print(f"plot: {path}")
 
 
+def _replot(log: Path, path: Path) -> None:
+    """--plot from a run's printed JSON lines (its rows and its config line)."""
+    lines = [ln for ln in log.read_text().splitlines() if ln.startswith("{")]
+    records = [json.loads(ln) for ln in lines]
+    rows = [r for r in records if "server" in r and "tok_s" in r]
+    model = next((Path(r["model"]).name for r in records if r.get("config")), log.stem)
+    _plot(rows, path, f"{model}: deltaserve (default config) vs mlx_lm.server")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -323,7 +332,17 @@ def main() -> None:
     ap.add_argument("--start-timeout-s", type=float, default=600)
     ap.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temp dir)")
     ap.add_argument("--plot", type=Path, default=None, help="PNG of tok/s and TTFT vs clients")
+    ap.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        help="only draw --plot from an earlier run's printed output (a machine without "
+        "matplotlib ran it: the lent GPU)",
+    )
     args = ap.parse_args()
+    if args.replot is not None:
+        _replot(args.replot, args.plot or args.replot.with_suffix(".png"))
+        return
     args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-serve-"))
     args.log_dir.mkdir(parents=True, exist_ok=True)
     model, args.on_cpu = _checkpoint(args.checkpoint, args.dtype)
