@@ -71,7 +71,6 @@ class SpeculationStats:
 
     num_drafted: int = 0
     num_accepted: int = 0
-    num_verify_steps: int = 0  # row-steps that ran a verify
 
 
 class Speculation:
@@ -119,7 +118,6 @@ class Speculation:
         """A verify step's outcome for `req`'s row (accepted of drafted)."""
         self.stats.num_drafted += drafted
         self.stats.num_accepted += accepted
-        self.stats.num_verify_steps += 1
         req.num_drafted += drafted
         req.num_accepted += accepted
         record = self._rows.setdefault(req.row_id, _RowRecord())
