@@ -35,16 +35,26 @@ from deltaserve.models.qwen35 import Qwen35Model
 from deltaserve.models.state import ForwardGroup
 
 
-class _KVView:
-    """AttentionState over a KVStore's arrays inside the trace (writes new arrays)."""
+class KVView:
+    """AttentionState over a KVStore's arrays inside a trace (writes new arrays); here,
+    and for the MTP head's store in engine/speculative.py's compiled draft."""
 
     def __init__(
-        self, store: KVStore, arrays: list[mx.array], left_pad: mx.array, size: mx.array
+        self,
+        store: KVStore,
+        arrays: list[mx.array],
+        left_pad: mx.array,
+        size: mx.array,
+        moved: mx.array | None = None,
     ) -> None:
+        """left_pad: each row's padding columns after this call's first write; moved:
+        how far that write's padding shifts each row's stored tokens right (KVStore.store
+        for a left-padded block after real tokens), None: not at all."""
         self.store = store  # for its encoding and attention only; never mutated here
         self.arrays = arrays  # each [B, Hkv, capacity, X]
         self.left_pad = left_pad  # [B] int32
-        self.size = size  # [1] int32: the column the step's token is written to
+        self.size = size  # [1] int32: the column the next write starts at
+        self.moved = moved  # [B] int32, or None
 
     def attend(
         self,
@@ -54,17 +64,28 @@ class _KVView:
         scale: float,
         left_pad: tuple[int, ...] | None,
     ) -> mx.array:
-        """L new columns per row ([B, Hkv, L, D] K/V, written at `size`); query i of row
-        b attends over columns left_pad[b] .. size + i (inclusive) of the whole capacity."""
+        """L new columns per row ([B, Hkv, L, D] K/V, written at `size`); the last of
+        the q queries ([B, Hq, q, D], q <= L) attends over columns left_pad[b] .. its own
+        (inclusive) of the whole capacity. A first write with `moved` shifts each row's
+        stored tokens right over its padding, as KVStore.store does, by one gather."""
         encoded = self.store.encode(keys, values)
         start = mx.concatenate([mx.zeros((2,), mx.int32), self.size, mx.zeros((1,), mx.int32)])
         self.arrays = [
             mx.slice_update(a, n, start, (0, 1, 2, 3))
             for a, n in zip(self.arrays, encoded, strict=True)
         ]
-        cols = mx.arange(self.arrays[0].shape[2], dtype=mx.int32)[None, None]
-        last = self.size + mx.arange(queries.shape[2], dtype=mx.int32)  # [L]
+        cols = mx.arange(self.arrays[0].shape[2], dtype=mx.int32)
+        if self.moved is not None:
+            shift = self.moved[:, None]
+            source = mx.where(cols[None] < self.size + shift, cols[None] - shift, cols[None])
+            source = mx.maximum(source, 0)[:, None, :, None]  # [B, 1, capacity, 1]
+            self.arrays = [mx.take_along_axis(a, source, axis=2) for a in self.arrays]
+            self.moved = None
+        length, q = keys.shape[2], queries.shape[2]
+        last = self.size + (length - q) + mx.arange(q, dtype=mx.int32)  # [q]
+        cols = cols[None, None]
         mask = (cols >= self.left_pad[:, None, None]) & (cols <= last[None, :, None])
+        self.size = self.size + length
         return self.store.attend_stored(queries, self.arrays, scale, mask[:, None])
 
 
@@ -154,16 +175,16 @@ class CompiledDecode:
 
     def _views(
         self, flat: Sequence[mx.array], left_pad: mx.array, size: mx.array
-    ) -> tuple[list[_KVView | SSMView], list[_KVView], list[SSMView]]:
+    ) -> tuple[list[KVView | SSMView], list[KVView], list[SSMView]]:
         """Per-layer views over the traced call's flat arrays (KV stores' first, then
         each DeltaNet layer's conv and state)."""
-        views: list[_KVView | SSMView] = []
+        views: list[KVView | SSMView] = []
         rest = list(flat)
         kv_views, ssm_views = [], []
         for store in self._stores:
             if isinstance(store, KVStore):
                 n = len(store.arrays)
-                view = _KVView(store, rest[:n], left_pad, size)
+                view = KVView(store, rest[:n], left_pad, size)
                 rest = rest[n:]
                 kv_views.append(view)
             else:

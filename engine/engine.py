@@ -159,7 +159,8 @@ class LLMEngine:
         sampler = Sampler(lazy_tokens=self.pipeline)
         drafter = None
         if self.speculation is not None and loaded.mtp is not None:
-            drafter = Drafter(loaded.model, loaded.mtp, self.speculation.num_draft)
+            num_draft, compiled_draft = self.speculation.num_draft, compiled is not None
+            drafter = Drafter(loaded.model, loaded.mtp, num_draft, compiled_draft)
         self.runner = ModelRunner(
             loaded.model, self.states, sampler, compiled, batch_prefill, vision,
             self.constraints, self.compiled_prompts, drafter,

@@ -45,6 +45,7 @@ import mlx.core as mx
 
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.kv import KVStore
+from deltaserve.engine.decode import KVView
 from deltaserve.engine.plan import VerifiedRun
 from deltaserve.engine.sampling.noise import gumbel_noise, uniform_noise
 from deltaserve.engine.sampling.sampler import SamplingRow, noise_keys, top_sorted
@@ -136,13 +137,80 @@ class Verdicts:
         return [a for a in out if a is not None]
 
 
-class Drafter:
-    """The MTP head's drafting for the rows that speculate, and its pending pairs."""
+class CompiledDraft:
+    """The head's greedy drafting chain (models/mtp.py's `draft`: a pass over the rows'
+    pairs, then k - 1 passes over its own drafts) as one compiled call per shape (rows,
+    pairs per row, the head store's capacity): on a GPU an eager head pass costs its op
+    count, k of them a step. The store is a KVView inside the trace, so a row's uneven
+    pairs shift its stored tokens as KVStore.store would; the k - 1 speculative pairs are
+    written past the store's new size, which is their rollback."""
 
     def __init__(self, model: Qwen35Model, head: MTPHead, num_draft: int) -> None:
         self.model = model
         self.head = head
         self.num_draft = num_draft
+        self._fn = mx.compile(self._chain)
+        self._store: KVStore | None = None  # the store of the traced call
+
+    @staticmethod
+    def supports(store: KVStore, rows: Sequence[SamplingRow]) -> bool:
+        """Greedy rows over a store that holds arrays (sampled rows' draws and draft
+        logits take the eager chain)."""
+        return store.arrays is not None and all(r.params.is_greedy for r in rows)
+
+    def __call__(
+        self,
+        hidden: mx.array,
+        tokens: mx.array,
+        positions: mx.array,
+        pads: Sequence[int],
+        store: KVStore,
+    ) -> mx.array:
+        """The drafts [B, k] of right-aligned pairs (as `draft` takes them, pads[b]
+        padding columns in row b); the store keeps the real pairs, as after `draft` and
+        the rollback of its k - 1 speculative pairs."""
+        width, k = hidden.shape[1], self.num_draft
+        store.reserve(width + k - 1)
+        size = store.size
+        # rows with stored tokens move them right over the padding; empty rows just pad
+        moved = [p if lp != size else 0 for p, lp in zip(pads, store.left_pad, strict=True)]
+        left_pad = [lp + p for lp, p in zip(store.left_pad, pads, strict=True)]
+        self._store = store
+        drafts, *arrays = self._fn(
+            hidden, tokens, positions, mx.array(moved, dtype=mx.int32),
+            mx.array(left_pad, dtype=mx.int32), mx.array([size], dtype=mx.int32), *store.arrays,
+        )  # fmt: skip
+        store.arrays, store.left_pad, store.size = list(arrays), left_pad, size + width
+        return drafts
+
+    def _chain(
+        self,
+        hidden: mx.array,
+        tokens: mx.array,
+        positions: mx.array,
+        moved: mx.array,
+        left_pad: mx.array,
+        size: mx.array,
+        *arrays: mx.array,
+    ) -> list[mx.array]:
+        """The traced body: the drafts, then the store's new arrays."""
+        assert self._store is not None
+        view = KVView(self._store, list(arrays), left_pad, size, moved)
+        out = draft(self.model, self.head, hidden, tokens, positions, view, self.num_draft)
+        return [out.tokens, *view.arrays]
+
+
+class Drafter:
+    """The MTP head's drafting for the rows that speculate, and its pending pairs.
+    compiled: greedy batches draft through it (None: always the eager chain)."""
+
+    def __init__(
+        self, model: Qwen35Model, head: MTPHead, num_draft: int, compiled: bool = False
+    ) -> None:
+        self.model = model
+        self.head = head
+        self.num_draft = num_draft
+        self.compiled = CompiledDraft(model, head, num_draft) if compiled else None
         self._pending: dict[str, _Pairs] = {}
         self._verified: _VerifiedPairs | None = None  # the last verify batch's pairs
 
@@ -275,6 +343,9 @@ class Drafter:
             )
             pads = [*pads, *[width] * dead]
             rows = [*rows, *[rows[-1]] * dead]  # dead rows draw as a live one, unread
+        if self.compiled is not None and self.compiled.supports(store, rows):
+            tokens = self.compiled(hidden, tokens, positions, pads, store)
+            return DraftRound(tokens[:live] if dead else tokens, None)
         drafts = draft(
             self.model,
             self.head,
