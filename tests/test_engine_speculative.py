@@ -27,7 +27,7 @@ from deltaserve.engine.config import EngineConfig, KVCacheConfig
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.sampling.sampler import SamplingRow
 from deltaserve.engine.scheduling.speculation import Speculation
-from deltaserve.engine.speculative import DraftRound
+from deltaserve.engine.speculative import Drafter, DraftRound
 from deltaserve.engine.structured.spec import Constraint
 from deltaserve.engine.types import GenerationRequest, SamplingParams
 from deltaserve.models.build import LoadedModel, load_model
@@ -35,6 +35,11 @@ from deltaserve.models.testing import cached_checkpoint
 
 SMALL = EngineConfig(max_num_seqs=16, max_num_batched_tokens=64, max_prefill_chunk=24)
 K = 3
+KV_KINDS = [
+    KVCacheConfig(),
+    KVCacheConfig(kind="affine", bits=8),
+    KVCacheConfig(kind="turboquant", key_bits=8, value_bits=3),
+]
 
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-moe"])
@@ -193,15 +198,7 @@ def test_forced_drafts_accept_every_count_and_keep_greedy_output(
     assert 0 < stats.num_accepted < stats.num_drafted
 
 
-@pytest.mark.parametrize(
-    "kv",
-    [
-        KVCacheConfig(),
-        KVCacheConfig(kind="affine", bits=8),
-        KVCacheConfig(kind="turboquant", key_bits=8, value_bits=3),
-    ],
-    ids=["fp", "affine8", "turboquant"],
-)
+@pytest.mark.parametrize("kv", KV_KINDS, ids=["fp", "affine8", "turboquant"])
 def test_every_kv_kind_with_aborts_mid_draft(loaded: LoadedModel, kv: KVCacheConfig) -> None:
     """Per KV kind, with rows aborted while they speculate: the others' tokens equal the
     same kind without speculation, and every row's state is freed."""
@@ -221,15 +218,7 @@ def test_every_kv_kind_with_aborts_mid_draft(loaded: LoadedModel, kv: KVCacheCon
     assert not engine.states.prefill and engine.states.verify.num_rows == 0
 
 
-@pytest.mark.parametrize(
-    "kv",
-    [
-        KVCacheConfig(),
-        KVCacheConfig(kind="affine", bits=8),
-        KVCacheConfig(kind="turboquant", key_bits=8, value_bits=3),
-    ],
-    ids=["fp", "affine8", "turboquant"],
-)
+@pytest.mark.parametrize("kv", KV_KINDS, ids=["fp", "affine8", "turboquant"])
 def test_compiled_verify_keeps_tokens(loaded: LoadedModel, kv: KVCacheConfig) -> None:
     """With compile_decode on, the verify batch runs as the compiled verify
     (CompiledDecode.verify: k + 1 columns, every column's DeltaNet state kept) at bucket
@@ -264,6 +253,13 @@ def test_compiled_verify_keeps_tokens(loaded: LoadedModel, kv: KVCacheConfig) ->
     assert not engine.scheduler.rows and engine.states.verify.num_rows == 0
 
 
+def _compiled_engine(loaded: LoadedModel) -> tuple[LLMEngine, Drafter]:
+    """A speculating engine with the compiled decode step on, and its drafter."""
+    engine = LLMEngine(loaded, _spec(dataclasses.replace(SMALL, compile_decode=True)))
+    assert engine.runner.drafter is not None
+    return engine, engine.runner.drafter
+
+
 def test_batched_pairs_draft_as_row_by_row(loaded: LoadedModel) -> None:
     """When a verify batch is the same rows as the last one, its kept pairs reach the
     head right-aligned by one gather (Drafter's _VerifiedPairs) instead of row by row:
@@ -275,9 +271,7 @@ def test_batched_pairs_draft_as_row_by_row(loaded: LoadedModel) -> None:
     oracle = _oracle(loaded, joins)
     rounds: dict[bool, list] = {}
     for batched in (True, False):
-        engine = LLMEngine(loaded, _spec(dataclasses.replace(SMALL, compile_decode=True)))
-        drafter = engine.runner.drafter
-        assert drafter is not None
+        engine, drafter = _compiled_engine(loaded)
         draft, seen, hits = drafter.draft, [], []
 
         def recording(row_ids, state, last, rows, batched=batched, draft=draft, seen=seen,
@@ -313,9 +307,8 @@ def test_compiled_draft_drafts_as_the_eager_chain(loaded: LoadedModel) -> None:
     oracle = _oracle(loaded, joins)
     rounds: dict[bool, list] = {}
     for compiled in (True, False):
-        engine = LLMEngine(loaded, _spec(dataclasses.replace(SMALL, compile_decode=True)))
-        drafter = engine.runner.drafter
-        assert drafter is not None and drafter.compiled is not None
+        engine, drafter = _compiled_engine(loaded)
+        assert drafter.compiled is not None
         traced = drafter.compiled._fn
         calls = []
 
