@@ -10,7 +10,7 @@ execute (the forward, queued with mx.async_eval), sample (queued behind it), rea
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import mlx.core as mx
@@ -29,6 +29,7 @@ from deltaserve.engine.speculative import (
     store_arrays,
 )
 from deltaserve.engine.structured.matchers import TokenMask
+from deltaserve.engine.types import SamplingParams
 from deltaserve.engine.vision.features import VisionInputs
 from deltaserve.models.qwen35 import Qwen35Model
 from deltaserve.models.state import ForwardGroup, text_positions
@@ -260,7 +261,8 @@ class ModelRunner:
         if output.verify is not None:
             assert self.drafter is not None, "a verify step without a drafter"
             verify_rows = self.rows.sampling_rows(output.verify.row_ids)
-            verdicts = self.drafter.accept(output.verify, verify_rows)
+            verify = self._processed(output.verify, verify_rows)
+            verdicts = self.drafter.accept(verify, verify_rows)
             mx.async_eval(*verdicts.arrays())
         if output.logits is None:
             self._last_tokens = None
@@ -272,6 +274,24 @@ class ModelRunner:
         mx.async_eval(*batch.arrays())
         self._last_tokens = batch.tokens
         return SampledStep(output.step, output.row_ids, batch, tuple(rows), verdicts)
+
+    def _processed(self, verify: VerifyStep, rows: list[SamplingRow]) -> VerifyStep:
+        """The verify logits after each row's logit_bias and penalties, column j processed
+        as the sampler would with the row's first j drafts as output (so acceptance and
+        logprobs are the processed distribution's, as without speculation). Reads the
+        drafts back (they are computed ahead of the verify forward queued behind them);
+        unchanged when no row asks for processing."""
+        if not any(_processes(r.params) for r in rows):
+            return verify
+        b, columns, vocab = verify.logits.shape
+        drafts = verify.drafts.tolist()
+        expanded = [
+            SamplingRow(r.params, r.prompt_ids, [*r.output_ids, *d[:j]], r.choice)
+            for r, d in zip(rows, drafts, strict=True)
+            for j in range(columns)
+        ]
+        flat = self.sampler.process(verify.logits.reshape(b * columns, vocab), expanded)
+        return replace(verify, logits=flat.reshape(b, columns, vocab))
 
     def read_back(self, sampled: SampledStep) -> StepResult:
         """Wait for a step's tokens, record them (rows, grammar), and start the step's
@@ -523,6 +543,12 @@ def _verify_inputs(plan: StepPlan, drafts: DraftRound, rows: int) -> tuple[mx.ar
         tokens = mx.concatenate([tokens, mx.zeros((dead, tokens.shape[1]), mx.int32)])
         offsets += [0] * dead
     return tokens, offsets
+
+
+def _processes(params: SamplingParams) -> bool:
+    """Whether the sampler processes this row's logits (logit_bias or a penalty)."""
+    penalties = params.repetition_penalty != 1.0 or params.presence_penalty
+    return bool(penalties or params.frequency_penalty or params.logit_bias)
 
 
 def _slots(state: BatchState) -> list[mx.array]:

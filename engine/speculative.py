@@ -10,7 +10,10 @@ no forward is replayed.
 
 Greedy rows draft the head's argmax and accept the leading drafts that equal the
 trunk's argmax (sampling/speculative.py's accept_greedy), so greedy output equals plain
-decoding token for token.
+decoding token for token. "The trunk's" logits are the sampler's processed ones: a row
+with logit_bias or penalties has verify column j processed as if its first j drafts were
+output already (the runner's `_processed`), so every rule below sees what the plain
+sampler would at that position.
 
 Sampled rows draw each draft from q, the head's distribution under the row's own
 temperature / top_k / top_p / min_p (sampling/warp.py, the sampler's transform), by
@@ -365,9 +368,9 @@ class Drafter:
 
     def accept(self, step: VerifyStep, rows: Sequence[SamplingRow]) -> Verdicts:
         """Each row's accepted drafts and next token (the module docstring), with
-        logprobs of the emitted tokens for rows that ask (queued, lazy). The logprobs
-        are the model's log-softmax at temperature 1, as the sampler reports them (a
-        speculating row has no bias or penalties to process its logits)."""
+        logprobs of the emitted tokens for rows that ask (queued, lazy). `step.logits`
+        are processed already (the runner applies logit_bias and penalties per column);
+        the logprobs are their log-softmax at temperature 1, as the sampler reports them."""
         k, params = step.drafts.shape[1], [r.params for r in rows]
         verdict = verify_verdict(step, rows)
         column = mx.arange(k + 1, dtype=mx.int32)[None]

@@ -25,11 +25,11 @@ from test_engine_images import image, prompt_with
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.config import EngineConfig, KVCacheConfig
 from deltaserve.engine.engine import LLMEngine
-from deltaserve.engine.sampling.sampler import SamplingRow
+from deltaserve.engine.sampling.sampler import Sampler, SamplingRow
 from deltaserve.engine.scheduling.speculation import Speculation
-from deltaserve.engine.speculative import Drafter, DraftRound
+from deltaserve.engine.speculative import Drafter, DraftRound, VerifyStep
 from deltaserve.engine.structured.spec import Constraint
-from deltaserve.engine.types import GenerationRequest, SamplingParams
+from deltaserve.engine.types import GenerationRequest, SamplingParams, TokenLogprob
 from deltaserve.models.build import LoadedModel, load_model
 from deltaserve.models.testing import cached_checkpoint
 
@@ -377,9 +377,9 @@ def test_logprobs_per_accepted_token(loaded: LoadedModel) -> None:
 def test_n_choices_constrained_and_image_rows_in_a_speculating_batch(
     loaded: LoadedModel,
 ) -> None:
-    """n > 1 choices each speculate from their own state; a constrained row and a
-    logit_bias row do not draft; an image row does, at its shifted rotary positions: all equal the
-    engine without speculation, and batched equals alone."""
+    """n > 1 choices each speculate from their own state; a constrained row does not
+    draft; a logit_bias row and an image row (at its shifted rotary positions) do: all
+    equal the engine without speculation, and batched equals alone."""
     prompts = _prompts(3, seed=6)
     pic = image(7)
     image_ids = prompt_with(loaded, [pic], 7)
@@ -407,6 +407,88 @@ def test_n_choices_constrained_and_image_rows_in_a_speculating_batch(
     alone = LLMEngine(loaded, _spec())
     force_drafts(alone, oracle, _cycle)
     assert _drive(alone, {0: [reqs[2]]})[("img", 0)] == got[("img", 0)]
+
+
+def test_rows_with_penalties_and_bias_speculate_as_they_sample(loaded: LoadedModel) -> None:
+    """Rows with presence / frequency / repetition penalties and logit_bias draft, each
+    verify column processed with the drafts before it as output: greedy and seeded
+    sampled rows write their text without speculation (every accepted count 0..k, with
+    forced drafts), with the same logprobs."""
+    prompts = _prompts(4, seed=14)
+    # Each row's bias makes the runner-up of its first step win (these logits span ~100)
+    # until a penalty over the tokens before each column (drafts included) stops it
+    # repeating: the processing changes the text, column by column.
+    top = [lp.top for lp in (_logprobs_of(LLMEngine(loaded, SMALL), [GenerationRequest(
+        f"t{i}", tuple(p), _greedy(max_tokens=1, logprobs=True, top_logprobs=2))])[0]
+        for i, p in enumerate(prompts))]  # fmt: skip
+    runner_up = [t[1][0] for t in top]
+    penalised = [
+        _greedy(max_tokens=14, logit_bias={runner_up[0]: 100.0}, repetition_penalty=1.5,
+                presence_penalty=2.0, frequency_penalty=2.0, logprobs=True, top_logprobs=2),
+        _greedy(max_tokens=14, logit_bias={runner_up[1]: 100.0}, repetition_penalty=1.5),
+        _greedy(max_tokens=14, logit_bias={runner_up[2]: 100.0, top[2][0][0]: -100.0},
+                repetition_penalty=1.5),
+        _sampled(max_tokens=14, seed=3, logit_bias={runner_up[3]: 100.0},
+                 repetition_penalty=1.5),
+    ]  # fmt: skip
+    reqs = [
+        GenerationRequest(f"r{i}", tuple(p), params)
+        for i, (p, params) in enumerate(zip(prompts, penalised, strict=True))
+    ]
+    joins = {0: reqs[:2], 1: reqs[2:]}
+    oracle = _oracle(loaded, joins)
+    want = _drive(LLMEngine(loaded, SMALL), joins)
+    for i, token in enumerate(runner_up):  # the bias wins, the penalty stops it
+        text = want[(f"r{i}", 0)]
+        assert text[0] == token and text.count(token) < len(text) / 2, (token, text)
+    engine = LLMEngine(loaded, _spec())
+    seen = force_drafts(engine, oracle, _cycle)
+    assert _drive(engine, joins) == want
+    assert seen == set(range(K + 1)), seen
+    speculating = LLMEngine(loaded, _spec())
+    force_drafts(speculating, oracle, _cycle)
+    got_lp = _logprobs_of(speculating, reqs[:1])
+    want_lp = _logprobs_of(LLMEngine(loaded, SMALL), reqs[:1])
+    assert [lp.token_id for lp in got_lp] == [lp.token_id for lp in want_lp]
+    for a, b in zip(got_lp, want_lp, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_verify_columns_are_processed_with_the_drafts_before_them(loaded: LoadedModel) -> None:
+    """The runner processes verify column j of a row with logit_bias and penalties as the
+    plain sampler would with the row's first j drafts appended to its output."""
+    runner = LLMEngine(loaded, _spec()).runner
+    vocab = loaded.config.vocab_size
+    logits = 10 * mx.random.normal((2, K + 1, vocab), key=mx.random.key(0))
+    drafts = [[5, 6, 5], [7, 7, 8]]
+    params = [
+        _greedy(logit_bias={5: 2.0}, presence_penalty=1.5, frequency_penalty=0.7,
+                repetition_penalty=1.3),
+        _sampled(frequency_penalty=2.0),
+    ]  # fmt: skip
+    rows = [SamplingRow(params[0], (1, 2, 3), [5, 9]), SamplingRow(params[1], (4,), [])]
+    step = VerifyStep(("a", "b"), mx.array(drafts), None, mx.zeros((2, K + 1, 8)), logits, (3, 1))
+    got = runner._processed(step, rows).logits
+    for b, row in enumerate(rows):
+        for j in range(K + 1):
+            seen = SamplingRow(row.params, row.prompt_ids, [*row.output_ids, *drafts[b][:j]])
+            want = Sampler().process(logits[b : b + 1, j], [seen])[0]
+            assert mx.allclose(got[b, j], want).item(), (b, j)
+    plain = [SamplingRow(_greedy(), (1,), []), SamplingRow(_sampled(), (2,), [])]
+    assert runner._processed(step, plain) is step  # nothing to process: as it came
+
+
+def _logprobs_of(engine: LLMEngine, reqs: list[GenerationRequest]) -> list[TokenLogprob]:
+    """The first request's logprobs, driving `reqs` to the end."""
+    for req in reqs:
+        engine.add_request(req)
+    out: list[TokenLogprob] = []
+    while engine.has_work():
+        for delta in engine.step():
+            if delta.request_id == reqs[0].request_id and delta.logprobs:
+                out += delta.logprobs
+    return out
 
 
 def test_speculation_without_a_head_warns_and_runs_plainly(
@@ -504,8 +586,9 @@ def test_a_speculating_row_reserves_the_heads_kv(loaded: LoadedModel) -> None:
     )
     prompts = _prompts(2, seed=11)
     engine.add_request(GenerationRequest("spec", tuple(prompts[0]), _sampled(max_tokens=9)))
-    biased = _greedy(max_tokens=9, logit_bias={5: -1.0})
-    engine.add_request(GenerationRequest("plain", tuple(prompts[1]), biased))
+    engine.add_request(
+        GenerationRequest("plain", tuple(prompts[1]), _greedy(max_tokens=9, speculative=False))
+    )
     engine.step()
     rows = {r.request_id: r for r in engine.scheduler.rows.values()}
     spec, plain = rows["spec"], rows["plain"]

@@ -1,11 +1,10 @@
 """Which decoding rows speculate each step, and what their drafts earned. Pure Python.
 
 A row may speculate (engine/speculative.py) when its request allows it
-(SamplingParams.speculative) and its tokens are drawn from the model's
-own logits under temperature / top_k / top_p / min_p only: greedy rows (argmax matching)
-and sampled rows (speculative sampling); no grammar, no logit_bias or penalties (they
-would need each draft position processed with the tokens before it), no thinking
-budget (forced tokens).
+(SamplingParams.speculative), greedy or sampled, with logit_bias and penalties (each
+verify column's logits are processed with the drafts before it as output); not with a
+grammar (its matcher would have to walk every draft) or a thinking budget (forced
+tokens).
 
 A speculating row's step costs a verify of k + 1 tokens (and k head passes) instead of
 one decode token; it pays when enough drafts are accepted. How many is the device's
@@ -48,11 +47,8 @@ PROBE_STEPS = 2  # verify steps a retry is judged on
 
 def may_speculate(params: SamplingParams) -> bool:
     """Whether a row with these parameters can speculate (the module docstring)."""
-    penalties = params.repetition_penalty != 1.0 or params.presence_penalty
-    penalties = penalties or params.frequency_penalty or params.logit_bias
     forced = params.max_thinking_tokens is not None
-    allowed = params.speculative and params.constraint is None
-    return allowed and not penalties and not forced
+    return params.speculative and params.constraint is None and not forced
 
 
 @dataclass
