@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 import mlx.core as mx
+import numpy as np
 
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.rows import RowStates
@@ -29,6 +30,7 @@ from deltaserve.engine.speculative import (
     store_arrays,
 )
 from deltaserve.engine.structured.matchers import TokenMask
+from deltaserve.engine.structured.token_mask import apply_token_mask
 from deltaserve.engine.types import SamplingParams
 from deltaserve.engine.vision.features import VisionInputs
 from deltaserve.models.qwen35 import Qwen35Model
@@ -44,6 +46,12 @@ class TokenMasks(Protocol):
     def masks(self, row_ids: Sequence[str]) -> TokenMask | None: ...
 
     def accept(self, row_ids: Sequence[str], tokens: Sequence[int]) -> None: ...
+
+    def verify_masks(
+        self, row_ids: Sequence[str], drafts: Sequence[Sequence[int]]
+    ) -> np.ndarray | None: ...
+
+    def accept_runs(self, runs: Sequence[tuple[str, Sequence[int]]]) -> None: ...
 
 
 class WorkerRows:
@@ -276,21 +284,34 @@ class ModelRunner:
         return SampledStep(output.step, output.row_ids, batch, tuple(rows), verdicts)
 
     def _processed(self, verify: VerifyStep, rows: list[SamplingRow]) -> VerifyStep:
-        """The verify logits after each row's logit_bias and penalties, column j processed
-        as the sampler would with the row's first j drafts as output (so acceptance and
-        logprobs are the processed distribution's, as without speculation). Reads the
+        """The verify logits as the sampler would see them at each column, column j with
+        the row's first j drafts as output: under the grammar's mask after those drafts
+        (RowConstraints.verify_masks), then logit_bias and penalties. So acceptance and
+        logprobs are the processed distribution's, as without speculation. Reads the
         drafts back (they are computed ahead of the verify forward queued behind them);
-        unchanged when no row asks for processing."""
-        if not any(_processes(r.params) for r in rows):
+        unchanged when no row is constrained or asks for processing."""
+        constrained = self.masks is not None and len(self.masks) > 0
+        processes = any(_processes(r.params) for r in rows)
+        if not constrained and not processes:
             return verify
         b, columns, vocab = verify.logits.shape
         drafts = verify.drafts.tolist()
-        expanded = [
-            SamplingRow(r.params, r.prompt_ids, [*r.output_ids, *d[:j]], r.choice)
-            for r, d in zip(rows, drafts, strict=True)
-            for j in range(columns)
-        ]
-        flat = self.sampler.process(verify.logits.reshape(b * columns, vocab), expanded)
+        bits = None
+        if constrained:
+            assert self.masks is not None
+            bits = self.masks.verify_masks(verify.row_ids, drafts)
+        if bits is None and not processes:
+            return verify
+        flat = verify.logits.reshape(b * columns, vocab)
+        if bits is not None:
+            flat = apply_token_mask(flat, bits.reshape(b * columns, -1))
+        if processes:
+            expanded = [
+                SamplingRow(r.params, r.prompt_ids, [*r.output_ids, *d[:j]], r.choice)
+                for r, d in zip(rows, drafts, strict=True)
+                for j in range(columns)
+            ]
+            flat = self.sampler.process(flat, expanded)
         return replace(verify, logits=flat.reshape(b, columns, vocab))
 
     def read_back(self, sampled: SampledStep) -> StepResult:
@@ -319,6 +340,8 @@ class ModelRunner:
         rows = self.rows.sampling_rows(verdicts.step.row_ids)
         runs = self.drafter.read_back(verdicts, self.states.verify, rows)
         self.rows.extend(runs)
+        if self.masks is not None and len(self.masks):
+            self.masks.accept_runs([(run.row_id, run.token_ids) for run in runs])
         mx.async_eval(*store_arrays(self.states.verify))
         return tuple(runs)
 

@@ -377,9 +377,9 @@ def test_logprobs_per_accepted_token(loaded: LoadedModel) -> None:
 def test_n_choices_constrained_and_image_rows_in_a_speculating_batch(
     loaded: LoadedModel,
 ) -> None:
-    """n > 1 choices each speculate from their own state; a constrained row does not
-    draft; a logit_bias row and an image row (at its shifted rotary positions) do: all
-    equal the engine without speculation, and batched equals alone."""
+    """n > 1 choices each speculate from their own state, beside a constrained row, a
+    logit_bias row and an image row (at its shifted rotary positions): all equal the
+    engine without speculation, and batched equals alone."""
     prompts = _prompts(3, seed=6)
     pic = image(7)
     image_ids = prompt_with(loaded, [pic], 7)
@@ -453,6 +453,54 @@ def test_rows_with_penalties_and_bias_speculate_as_they_sample(loaded: LoadedMod
     for a, b in zip(got_lp, want_lp, strict=True):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_constrained_rows_speculate_under_their_grammar(loaded: LoadedModel) -> None:
+    """Rows with a grammar draft, each verify column masked by the grammar after the
+    drafts before it (RowConstraints.verify_masks): greedy JSON, a regex, a row whose
+    grammar starts after a token it drafts, and a seeded sampled JSON row write their
+    text without speculation, with forced drafts (the true continuations, some
+    corrupted, which the grammar or the model then refuses), and they all verified."""
+    prompts = _prompts(4, seed=15)
+    free = LLMEngine(loaded, SMALL).generate([prompts[2]], _greedy(max_tokens=6))[0]
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "minLength": 12, "maxLength": 40},
+            "tags": {"type": "array", "items": {"type": "integer"}, "minItems": 3},
+        },
+        "required": ["name", "tags"],
+        "additionalProperties": False,
+    }
+    grammars = [
+        Constraint("json_schema", schema=schema),
+        Constraint("regex", grammar=r"[a-z]{4,12}( [a-z]{4,12}){4,8}"),
+        Constraint("json_schema", schema=schema, start_after_token_id=free.token_ids[2]),
+        Constraint("json_schema", schema=schema),
+    ]
+    params = [_greedy(max_tokens=24)] * 3 + [_sampled(max_tokens=24, seed=5)]
+    reqs = [
+        GenerationRequest(f"r{i}", tuple(prompt), dataclasses.replace(
+            p, constraint=grammar, ignore_eos=False))
+        for i, (prompt, p, grammar) in enumerate(zip(prompts, params, grammars, strict=True))
+    ]  # fmt: skip
+    joins = {0: reqs[:2], 1: reqs[2:]}
+    want = _drive(LLMEngine(loaded, SMALL), joins)
+    assert all(len(text) > 8 for text in want.values()), want
+    engine = LLMEngine(loaded, _spec())
+    drafter = engine.runner.drafter
+    assert drafter is not None
+    draft, verified = drafter.draft, set()
+
+    def recording(row_ids, state, last, rows):  # type: ignore[no-untyped-def]
+        verified.update(row_ids)
+        return draft(row_ids, state, last, rows)
+
+    drafter.draft = recording  # type: ignore[method-assign]
+    seen = force_drafts(engine, _oracle(loaded, joins), _cycle)
+    assert _drive(engine, joins) == want
+    assert verified == {f"r{i}/0" for i in range(4)} and len(seen) > 2, (verified, seen)
+    assert not engine.constraints._rows  # every matcher released
 
 
 def test_verify_columns_are_processed_with_the_drafts_before_them(loaded: LoadedModel) -> None:

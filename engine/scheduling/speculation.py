@@ -1,10 +1,10 @@
 """Which decoding rows speculate each step, and what their drafts earned. Pure Python.
 
 A row may speculate (engine/speculative.py) when its request allows it
-(SamplingParams.speculative), greedy or sampled, with logit_bias and penalties (each
-verify column's logits are processed with the drafts before it as output); not with a
-grammar (its matcher would have to walk every draft) or a thinking budget (forced
-tokens).
+(SamplingParams.speculative), greedy or sampled, with logit_bias and penalties and with
+a grammar (each verify column's logits are processed with the drafts before it as
+output, and masked by the grammar after them); not with a thinking budget (its forced
+tokens come from the step's own count).
 
 A speculating row's step costs a verify of k + 1 tokens (and k head passes) instead of
 one decode token; it pays when enough drafts are accepted. How many is the device's
@@ -47,8 +47,7 @@ PROBE_STEPS = 2  # verify steps a retry is judged on
 
 def may_speculate(params: SamplingParams) -> bool:
     """Whether a row with these parameters can speculate (the module docstring)."""
-    forced = params.max_thinking_tokens is not None
-    return params.speculative and params.constraint is None and not forced
+    return params.speculative and params.max_thinking_tokens is None
 
 
 @dataclass

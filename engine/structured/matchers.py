@@ -103,6 +103,65 @@ class RowConstraints:
             if not row.matcher.consume_token(token):
                 self._break(key, row)
 
+    def accept_runs(self, runs: Sequence[tuple[str, Sequence[int]]]) -> None:
+        """Advance each speculating row's matcher by the tokens its verify kept, in order
+        (a token after the grammar stopped is past the row's end: dropped)."""
+        for key, tokens in runs:
+            for token in tokens:
+                row = self._rows.get(key)
+                live = row is not None and not row.broken and row.start_after is None
+                if live and row.matcher.is_stopped():
+                    break
+                self.accept([key], [token])
+
+    def verify_masks(
+        self, row_ids: Sequence[str], drafts: Sequence[Sequence[int]]
+    ) -> np.ndarray | None:
+        """Allowed tokens at each verify column of the rows (None: no row is
+        constrained): [B, k + 1, words], column j the mask after the row's first j
+        drafts, as masks() would give when they had been sampled. Columns past a draft
+        the grammar refuses are all ones (the verify rejects that draft, so they are
+        never read); each matcher is rolled back to where it was."""
+        if not any(key in self._rows for key in row_ids):
+            return None
+        columns = len(drafts[0]) + 1
+        bits = np.full((len(row_ids), columns, self.words), -1, dtype=np.int32)
+        # per row: where its grammar starts (0 unless a start_after token is drafted)
+        # and how many drafts its matcher walks from there
+        starts, walks = {}, {}
+        for b, key in enumerate(row_ids):
+            row = self._rows.get(key)
+            if row is None:
+                continue
+            if row.broken:
+                bits[b] = self._eos_only
+                continue
+            start, seq = 0, list(drafts[b])
+            if row.start_after is not None:  # free until it drafts start_after
+                if row.start_after not in seq:
+                    continue
+                start = seq.index(row.start_after) + 1
+                seq = seq[start:]
+            starts[b] = start
+            walks[b] = row.matcher.validate_tokens(seq) if seq else 0
+        ptr, stride = bits.ctypes.data, self.words * 4
+        for j in range(columns):
+            live = []
+            for b, start in starts.items():
+                if start <= j <= start + walks[b]:
+                    live.append((self._rows[row_ids[b]].matcher, b * columns + j))
+            if live:
+                self._executor.unsafe_compute_mask_ptr(live, ptr, stride, len(bits) * columns)
+            for b, start in starts.items():
+                if start <= j < start + walks[b]:
+                    self._rows[row_ids[b]].matcher.consume_token(drafts[b][j])
+        for b, walked in walks.items():
+            if walked:
+                self._rows[row_ids[b]].matcher.rollback(walked)
+        empty = ~bits.any(axis=2)
+        bits[empty] = self._eos_only  # a stopped grammar: only the end may follow
+        return bits
+
     def masks(self, row_ids: Sequence[str]) -> TokenMask | None:
         """The allowed tokens of a batch of `row_ids` (None: nothing to mask)."""
         active = [(i, self._rows.get(key)) for i, key in enumerate(row_ids)]
