@@ -30,15 +30,33 @@ def test_speculative_flags_parse() -> None:
     assert settings.engine.num_speculative_tokens == 3
 
 
+def _structured(url: str, seed: int | None) -> str:
+    """A chat whose answer must follow a JSON schema: greedy without thinking (the
+    grammar from the first token), or sampled with a seed and thinking (the grammar
+    from `</think>` on)."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+              "n": {"type": "integer"}}, "required": ["name", "n"]}  # fmt: skip
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "A name and a number."}],
+            "max_tokens": 40, "temperature": 0.8 if seed is not None else 0, "seed": seed,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "x", "schema": schema}},
+            "chat_template_kwargs": {"enable_thinking": seed is not None}}  # fmt: skip
+    reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+    return reply["choices"][0]["message"]["content"]
+
+
 def test_speculative_server_gives_the_same_greedy_text() -> None:
-    """The same prompts through a plain and a speculating server: the same texts; the
-    speculating one reports drafted tokens on /metrics."""
+    """The same prompts through a plain and a speculating server: the same texts, for
+    structured output (greedy and seeded) too; the speculating one reports drafted tokens
+    on /metrics."""
     prompts = [[1000 + 37 * i + j for j in range(5 + 9 * i)] for i in range(3)]
     with served_checkpoint("tiny", CONFIG, MODEL) as (_, _, live):
         plain = [_complete(live.url, p) for p in prompts]
+        plain += [_structured(live.url, None), _structured(live.url, 4)]
     spec = dataclasses.replace(CONFIG, speculative="mtp", num_speculative_tokens=2)
     with served_checkpoint("tiny", spec, MODEL) as (_, _, live):
         got = [_complete(live.url, p) for p in prompts]
+        got += [_structured(live.url, None), _structured(live.url, 4)]
         metrics = httpx.get(f"{live.url}/metrics").text
     assert got == plain
     assert _drafted(metrics) > 0

@@ -17,12 +17,12 @@ Until COST_SAMPLES such steps are measured the floor is MIN_ACCEPTANCE of the dr
 
 Each row keeps its recent verify steps; when they average fewer accepted drafts than the
 break-even (or can no longer reach it within WINDOW_STEPS) the row decodes plainly for a
-pause and then probes with PROBE_STEPS verifies
-(its MTP head store misses the plain steps' positions meanwhile). A failed probe doubles
-the pause (PAUSE_STEPS up to MAX_PAUSE_STEPS), a good one ends the back-off: a row whose
-drafts never land (or never land often enough to pay, as on a device where a verify costs
-several decode steps) pays WINDOW_STEPS verifies once and then a few per thousand steps,
-so speculation that cannot win costs about a plain step.
+pause and then probes with PROBE_STEPS verifies (its MTP head store misses the plain
+steps' positions meanwhile). A failed probe doubles the pause (PAUSE_STEPS up to
+MAX_PAUSE_STEPS), a good one ends the back-off: a row whose drafts never land (or never
+land often enough to pay, as on a device where a verify costs several decode steps) pays
+at most WINDOW_STEPS verifies once and then a few per thousand steps, so speculation
+that cannot win costs about a plain step.
 """
 
 from __future__ import annotations
