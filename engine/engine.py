@@ -161,6 +161,8 @@ class LLMEngine:
         if self.speculation is not None and loaded.mtp is not None:
             num_draft, compiled_draft = self.speculation.num_draft, compiled is not None
             drafter = Drafter(loaded.model, loaded.mtp, num_draft, compiled_draft)
+            log.info("speculative decoding: verify and greedy drafts %s (compile_decode)",
+                     "compiled" if compiled_draft else "eager")  # fmt: skip
         self.runner = ModelRunner(
             loaded.model, self.states, sampler, compiled, batch_prefill, vision,
             self.constraints, self.compiled_prompts, drafter,
