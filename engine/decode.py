@@ -119,21 +119,18 @@ class CompiledDecode:
         `state` may hold dead rows after the B live ones (a bucketed batch); they run on
         token 0 and are never read. Returns logits [B, V] (float32) and stores the new
         state arrays in `state`."""
-        live, rows = tokens.shape[0], state.num_rows
-        if rows > live:  # dead rows that hold the batch at its bucket size (RowStates)
-            tokens = mx.concatenate([tokens, mx.zeros((rows - live, 1), tokens.dtype)])
-            offsets = [*offsets, *([0] * (rows - live))]
         logits, _ = self._run(tokens, offsets, state, verify=False)
-        return logits[:live] if rows > live else logits
+        return logits
 
     def verify(
         self, tokens: mx.array, offsets: Sequence[int], state: BatchState
     ) -> tuple[mx.array, mx.array]:
         """A speculative verify: tokens [B, L] int32 (each row's last token and its
-        drafts), offsets each row's first position. Returns the final-normed hidden
-        states [B, L, H] and logits [B, L, V]; stores the new state arrays in `state`
-        with each DeltaNet layer's state after every column as its `slots`, as an eager
-        forward with ForwardGroup.state_slots does (BatchState.keep_verified reads them)."""
+        drafts), offsets each row's first position; dead rows as in __call__. Returns the
+        final-normed hidden states [B, L, H] and logits [B, L, V]; stores the new state
+        arrays in `state` with each DeltaNet layer's state after every column as its
+        `slots`, as an eager forward with ForwardGroup.state_slots does
+        (BatchState.keep_verified reads them)."""
         hidden, logits = self._run(tokens, offsets, state, verify=True)
         assert logits is not None
         return hidden, logits
@@ -142,7 +139,12 @@ class CompiledDecode:
         self, tokens: mx.array, offsets: Sequence[int], state: BatchState, verify: bool
     ) -> tuple[mx.array, mx.array | None]:
         """Flatten the stores' arrays, call the traced decode (or verify) body, store the
-        new arrays it returns; returns its first output (and the verify's logits)."""
+        new arrays it returns; returns its first output (and the verify's logits) for the
+        live rows. Dead rows after them run on token 0 from position 0."""
+        live, rows = tokens.shape[0], state.num_rows
+        if rows > live:  # dead rows that hold the batch at its bucket size (RowStates)
+            dead = mx.zeros((rows - live, tokens.shape[1]), tokens.dtype)
+            tokens, offsets = mx.concatenate([tokens, dead]), [*offsets, *[0] * (rows - live)]
         stores = state.layers
         kv = [s for s in stores if isinstance(s, KVStore)]
         ssm = [s for s in stores if isinstance(s, SSMState)]
@@ -171,6 +173,9 @@ class CompiledDecode:
             (store.conv, store.ssm), new = new[:2], new[2:]
             if verify:
                 store.slots, new = (new[0], new[1]), new[2:]
+        if rows > live:
+            first = first[:live]
+            second = second[:live] if second is not None else None
         return first, second
 
     def _views(

@@ -161,7 +161,8 @@ class LLMEngine:
         if self.speculation is not None and loaded.mtp is not None:
             num_draft, compiled_draft = self.speculation.num_draft, compiled is not None
             drafter = Drafter(loaded.model, loaded.mtp, num_draft, compiled_draft)
-            log.info("speculative decoding: verify and greedy drafts %s (compile_decode)",
+            log.info("speculative decoding: the MTP head drafts %d tokens per row; verify and "
+                     "greedy drafts %s (compile_decode)", num_draft,
                      "compiled" if compiled_draft else "eager")  # fmt: skip
         self.runner = ModelRunner(
             loaded.model, self.states, sampler, compiled, batch_prefill, vision,
@@ -191,9 +192,7 @@ class LLMEngine:
             log.warning("speculative=mtp: %s has no MTP head; decoding without speculation",
                         self.loaded.path)  # fmt: skip
             return None
-        k = self.config.num_speculative_tokens
-        log.info("speculative decoding: the MTP head drafts %d tokens per row", k)
-        return Speculation(k)
+        return Speculation(self.config.num_speculative_tokens)
 
     def _budget_bytes(self) -> int:
         if self.config.memory_budget_bytes:

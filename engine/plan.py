@@ -80,8 +80,8 @@ class StepPlan:
     decode_rows_wait: bool = False
     # Rows that speculate this step (engine/speculative.py), in verify-batch order: each
     # runs its last token and num_draft drafts the worker made (the plan never carries
-    # drafts), as inputs at verify_positions[i] .. + num_draft. Their last token ids as
-    # decode_token_ids (such a step follows a read-back step: never pending).
+    # drafts), as inputs at verify_positions[i] .. + num_draft. Their last token ids are
+    # known (such a step follows a read-back step: never pending).
     verify_row_ids: tuple[str, ...] = ()
     verify_token_ids: tuple[int, ...] = ()
     verify_positions: tuple[int, ...] = ()

@@ -206,7 +206,6 @@ class ModelRunner:
                 verified, logits_v = compiled_verify
             else:
                 verified = hidden[len(groups) - len(eager) - 1]  # [B, k + 1, H]
-                verified = verified[: len(plan.verify_row_ids)]  # a bucketed batch's live
                 logits_v = self.model.logits(verified)
             positions = plan.verify_positions
             verify = VerifyStep(
@@ -404,19 +403,16 @@ class ModelRunner:
             return None
         if not self.compiled.supports(self.states.verify):
             return None
-        state = self.states.verify
-        tokens, offsets = _verify_inputs(plan, drafts, state.num_rows)
-        hidden, logits = self.compiled.verify(tokens, offsets, state)
-        live = len(plan.verify_row_ids)
-        return (hidden[:live], logits[:live]) if state.num_rows > live else (hidden, logits)
+        tokens = _verify_tokens(plan, drafts)
+        return self.compiled.verify(tokens, plan.verify_positions, self.states.verify)
 
     def _verify_group(self, plan: StepPlan, drafts: DraftRound) -> ForwardGroup:
         """[B, k + 1]: each speculating row's last token and its drafts, unpadded, with
         DeltaNet state kept after every column (BatchState.keep_verified picks one)."""
         state = self.states.verify
-        tokens, offsets = _verify_inputs(plan, drafts, state.num_rows)
-        positions = text_positions(offsets, plan.num_draft + 1)
-        return ForwardGroup(tokens, positions, state.layers, state_slots=True)
+        assert state.num_rows == len(plan.verify_row_ids), "dead rows only when compiled"
+        positions = text_positions(list(plan.verify_positions), plan.num_draft + 1)
+        return ForwardGroup(_verify_tokens(plan, drafts), positions, state.layers, state_slots=True)
 
     def _prompt_pairs(
         self,
@@ -554,18 +550,10 @@ def _decode_tokens(plan: StepPlan, prev_tokens: mx.array | None) -> mx.array:
     return mx.where(pending, prev_tokens.astype(mx.int32)[sources], known)[:, None]
 
 
-def _verify_inputs(plan: StepPlan, drafts: DraftRound, rows: int) -> tuple[mx.array, list[int]]:
-    """[rows, k + 1] int32 tokens (each speculating row's last token, then its drafts)
-    and each row's first position; dead rows after the live ones (a bucketed batch) run
-    on token 0 from position 0 and are never read."""
+def _verify_tokens(plan: StepPlan, drafts: DraftRound) -> mx.array:
+    """[B, k + 1] int32: each speculating row's last token, then its drafts."""
     last = mx.array(plan.verify_token_ids, dtype=mx.int32)[:, None]
-    tokens = mx.concatenate([last, drafts.tokens], axis=1)
-    offsets = list(plan.verify_positions)
-    if rows > tokens.shape[0]:
-        dead = rows - tokens.shape[0]
-        tokens = mx.concatenate([tokens, mx.zeros((dead, tokens.shape[1]), mx.int32)])
-        offsets += [0] * dead
-    return tokens, offsets
+    return mx.concatenate([last, drafts.tokens], axis=1)
 
 
 def _processes(params: SamplingParams) -> bool:

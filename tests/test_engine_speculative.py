@@ -240,7 +240,7 @@ def test_compiled_verify_keeps_tokens(loaded: LoadedModel, kv: KVCacheConfig) ->
     verify = compiled.verify
 
     def counting(tokens: mx.array, offsets: list[int], state: BatchState) -> tuple:
-        calls.append((*tokens.shape, len(engine.states.verify_ids)))
+        calls.append((state.num_rows, tokens.shape[1], tokens.shape[0]))
         return verify(tokens, offsets, state)
 
     compiled.verify = counting  # type: ignore[method-assign]
@@ -256,6 +256,15 @@ def test_compiled_verify_keeps_tokens(loaded: LoadedModel, kv: KVCacheConfig) ->
     assert not engine.scheduler.rows and engine.states.verify.num_rows == 0
 
 
+def _greedy_case(
+    loaded: LoadedModel, count: int, seed: int, max_tokens: int
+) -> tuple[dict, dict[str, list[int]]]:
+    """`count` greedy requests joining two per step, and their tokens without speculation
+    (force_drafts' oracle)."""
+    joins = _joins(_prompts(count, seed=seed), _greedy(max_tokens=max_tokens))
+    return joins, _oracle(loaded, joins)
+
+
 def _compiled_engine(loaded: LoadedModel) -> tuple[LLMEngine, Drafter]:
     """A speculating engine with the compiled decode step on, and its drafter."""
     engine = LLMEngine(loaded, _spec(dataclasses.replace(SMALL, compile_decode=True)))
@@ -269,9 +278,7 @@ def test_batched_pairs_draft_as_row_by_row(loaded: LoadedModel) -> None:
     the same drafts and draft logits, step for step, as a drafter made to go row by row
     (with rows joining, so both paths run, and forced drafts, so rows keep different
     counts of pairs)."""
-    prompts = _prompts(5, seed=12)
-    joins = _joins(prompts, _greedy(max_tokens=16))
-    oracle = _oracle(loaded, joins)
+    joins, oracle = _greedy_case(loaded, 5, seed=12, max_tokens=16)
     rounds: dict[bool, list] = {}
     for batched in (True, False):
         engine, drafter = _compiled_engine(loaded)
@@ -305,9 +312,7 @@ def test_compiled_draft_drafts_as_the_eager_chain(loaded: LoadedModel) -> None:
     chain traced, its store a KVView): the same drafts, step for step, as the eager
     chain, with rows joining and leaving (bucketed batches with dead rows, rows whose
     pairs are uneven or missing) and the head store left the same."""
-    prompts = _prompts(6, seed=13)
-    joins = _joins(prompts, _greedy(max_tokens=32))
-    oracle = _oracle(loaded, joins)
+    joins, oracle = _greedy_case(loaded, 6, seed=13, max_tokens=32)
     rounds: dict[bool, list] = {}
     for compiled in (True, False):
         engine, drafter = _compiled_engine(loaded)

@@ -40,8 +40,8 @@ class RowStates:
         self.prefix = PrefixStore(new_state, prefix_disk) if prefix_cache else None
         self.decode = new_state()
         self.decode_ids: list[str] = []
-        # Rows that speculate (engine/speculative.py): their verify group, apart from the
-        # decode batch's [B, 1] step (never bucketed: it runs eagerly)
+        # Rows that speculate (engine/speculative.py): their verify batch, apart from the
+        # decode batch's [B, 1] step (bucketed like it when the steps are compiled)
         self.verify = new_state()
         self.verify_ids: list[str] = []
         self.prefill: dict[str, BatchState] = {}

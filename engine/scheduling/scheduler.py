@@ -255,7 +255,7 @@ class Scheduler:
             req = self.rows.get(row_id)
             if req is None or req.is_finished:
                 continue  # finished while this step was in flight: its token is dropped
-            outputs.append(self._append(req, token, lp))
+            outputs.append(self._append(req, (token,), (lp,)))
         for run in result.verified:
             delta = self._verified(out, run)
             if delta is not None:
@@ -271,17 +271,7 @@ class Scheduler:
         assert self.speculation is not None, "a verified run without speculation"
         self.speculation.observe(req, run.num_drafted, len(run.token_ids) - 1, out.step)
         req.num_computed += len(run.token_ids)
-        reason, count = None, 0
-        for token in run.token_ids:
-            req.output_ids.append(token)
-            count += 1
-            reason = req.finish_check(token)
-            if reason is not None:
-                self._finish(req, reason)
-                break
-        logprobs = run.logprobs[:count]
-        kept = None if any(lp is None for lp in logprobs) else tuple(logprobs)
-        return req.delta(run.token_ids[:count], kept, reason)
+        return self._append(req, run.token_ids, run.logprobs)
 
     def _observe_step_time(self, out: StepPlan) -> None:
         """Feed the step's wall time (StepTimer) to the cost model."""
@@ -325,12 +315,25 @@ class Scheduler:
             st.forks.append((child.row_id, req.row_id))
         st.decoding.extend(r for r in (req, *req.children) if not r.is_finished)
 
-    def _append(self, req: Request, token: int, lp: TokenLogprob | None) -> RequestOutput:
-        req.output_ids.append(token)
-        reason = req.finish_check(token)
-        if reason is not None:
-            self._finish(req, reason)
-        return req.delta((token,), (lp,) if lp is not None else None, reason)
+    def _append(
+        self,
+        req: Request,
+        tokens: tuple[int, ...],
+        logprobs: tuple[TokenLogprob | None, ...],
+    ) -> RequestOutput:
+        """A row's new tokens (one, or a speculating row's run), appended in order until
+        one finishes the row (the rest are dropped); their delta."""
+        count, reason = 0, None
+        for token in tokens:
+            req.output_ids.append(token)
+            count += 1
+            reason = req.finish_check(token)
+            if reason is not None:
+                self._finish(req, reason)
+                break
+        kept = logprobs[:count]
+        lps = None if any(lp is None for lp in kept) else kept
+        return req.delta(tokens[:count], lps, reason)
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
         """End a choice: the row table releases all it holds (RowTable.release), and it

@@ -232,7 +232,7 @@ class ChoiceStream:
         """One entry per visible token (hidden ones, like EOS, have no text to align)."""
         if not logprobs:
             return []
-        entries = [self._entry(lp) for lp in logprobs or () if lp.token_id not in self._hidden]
+        entries = [self._entry(lp) for lp in logprobs if lp.token_id not in self._hidden]
         self._logprobs += entries
         return entries
 
