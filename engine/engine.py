@@ -263,9 +263,11 @@ class LLMEngine:
         row = self.budget.row_bytes(self.max_context)
         if self.chunk_cost is not None:
             log.info(
-                "a prompt chunk costs %.1f ms + %.3f ms a token here (measured at start)",
+                "a prompt chunk costs %.1f ms + %.3f ms a token here, a later chunk of a "
+                "prompt %.1f ms + the same (measured at start)",
                 1e3 * self.chunk_cost.fixed_seconds,
                 1e3 * self.chunk_cost.token_seconds,
+                1e3 * self.chunk_cost.later_fixed_seconds,
             )
         log.info(
             "steps: up to %d tokens, prompt chunks up to %d tokens, %d rows",

@@ -7,8 +7,8 @@ behind one new trace after another (H200, 0.8B: TTFT p99 5.2 s against p50 0.37 
 Here the engine runs them at start, most common first: fresh prompts alone at each length
 bucket up to a chunk, the decode batch at each row bucket up to max_num_seqs (first two
 KV capacities), with speculation the verify batch at each row bucket (first capacity),
-then cohorts of several prompts. What the time limit leaves out is traced on first use,
-as before.
+then cohorts of several prompts (every bucket a step can reach, the smaller first). What
+the time limit leaves out is traced on first use, as before.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from deltaserve.models.state import ForwardGroup, text_positions
 log = logging.getLogger(__name__)
 
 # Rows' lengths the decode batch is warmed at: one per KV capacity step (engine/cache/kv.py
-# grows a store 256 columns at a time, each capacity a new trace): chats of up to ~500
-# tokens of prompt and answer
-DECODE_TOKENS = (16, 300)
+# grows a store 256 columns at a time, each capacity a new trace): chats of up to ~750
+# tokens of prompt and answer (H200, 0.8B: each trace ~0.4 s, and a batch takes its
+# longest row's capacity, so a missing one stalls every row)
+DECODE_TOKENS = (16, 300, 600)
 
 
 def prompt_lengths(max_chunk: int) -> list[int]:
@@ -101,14 +102,25 @@ def _shapes(
                 decode, new_state, rows, DECODE_TOKENS[0], verify_columns
             )
     if prompts is not None and prompts.applies(new_state(), 1):
-        rows = 2
-        while rows <= min(MAX_ROWS, max_rows):
-            for length in lengths:
-                if rows * length <= max_chunk:
-                    yield lambda rows=rows, length=length: _prompts(
-                        prompts, new_state, rows, length
-                    )
-            rows *= 2
+        for rows, length in cohort_shapes(max_chunk, max_rows):
+            yield lambda rows=rows, length=length: _prompts(prompts, new_state, rows, length)
+
+
+def cohort_shapes(max_chunk: int, max_rows: int) -> list[tuple[int, int]]:
+    """The [rows, length] buckets of cohorts of 2 or more fresh prompts a step of
+    `max_chunk` tokens can hold, the smaller first. A bucket pads rows to a power of two
+    and every row to the longest's length bucket, so a cohort in bucket [8, 256] may hold
+    only 5 prompts and one of them 129 tokens: each such bucket is reachable, not only
+    those whose padded size fits the chunk (H200: three 150-token prompts ran a
+    [4, 256] trace on first use)."""
+    lengths, shapes, rows = prompt_lengths(max_chunk), [], 2
+    while rows <= min(MAX_ROWS, max_rows):
+        for i, length in enumerate(lengths):
+            shortest = lengths[i - 1] + 1 if i else 1  # the longest row's fewest tokens
+            if shortest + rows // 2 <= max_chunk:  # and rows // 2 more of one token
+                shapes.append((rows, length))
+        rows *= 2
+    return sorted(shapes, key=lambda shape: shape[0] * shape[1])
 
 
 def _prompts(

@@ -4,6 +4,7 @@ the engine on a GPU; here on the CPU's tiny checkpoint, for its contract)."""
 from __future__ import annotations
 
 import mlx.core as mx
+import pytest
 
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.scheduling.chunk_cost import measure_chunk_cost
@@ -12,10 +13,14 @@ from deltaserve.models.testing import cached_checkpoint
 
 
 def test_measures_a_line() -> None:
-    """A non-negative fixed part, a positive per-token part, a budget within bounds."""
+    """Non-negative fixed parts (first and later chunks), a positive per-token part, a
+    budget within bounds; a small chunk is priced at the larger fixed part."""
     loaded = load_model(str(cached_checkpoint("tiny")))
     cost = measure_chunk_cost(loaded)
-    assert cost.fixed_seconds >= 0 and cost.token_seconds > 0
+    assert cost.fixed_seconds >= 0 and cost.later_fixed_seconds >= 0 and cost.token_seconds > 0
+    assert cost.split_seconds(16) == pytest.approx(
+        max(cost.fixed_seconds, cost.later_fixed_seconds) + 16 * cost.token_seconds
+    )
     assert 512 <= cost.budget_tokens() <= 8192
 
 

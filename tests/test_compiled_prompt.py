@@ -19,7 +19,7 @@ from deltaserve.engine.compiled_prefill import MAX_ROWS, CompiledPrefill, prompt
 from deltaserve.engine.config import EngineConfig, KVCacheConfig
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.types import GenerationRequest, SamplingParams
-from deltaserve.engine.warmup import decode_sizes, prompt_lengths, warm_up
+from deltaserve.engine.warmup import cohort_shapes, decode_sizes, prompt_lengths, warm_up
 from deltaserve.models.build import LoadedModel, load_model
 from deltaserve.models.state import ForwardGroup, text_positions
 from deltaserve.models.testing import cached_checkpoint
@@ -145,12 +145,16 @@ def test_warm_up_traces_each_shape_and_keeps_tokens(loaded: LoadedModel) -> None
     assert decode_sizes(4) == [1, 2, 4] and decode_sizes(13) == [1, 2, 4, 8, 12, 13]
     new_state = partial(BatchState.empty, loaded.config)
     engine = LLMEngine(loaded, base)
+    # cohorts: [2 or 4, 16 / 32 / 48], e.g. [4, 48] holds 33 + 1 + 1 tokens
+    assert cohort_shapes(48, 4) == [(2, 16), (2, 32), (4, 16), (2, 48), (4, 32), (4, 48)]
+    assert cohort_shapes(48, 2) == [(2, 16), (2, 32), (2, 48)]
+    assert (16, 512) in cohort_shapes(512, 64) and (16, 512) not in cohort_shapes(504, 64)
     ran = warm_up(new_state, engine.compiled_prompts, engine.runner.compiled, 48, 4, 600.0)
-    assert ran == 3 + 2 * 3 + 1  # [1, L] x 3, decode x 3 x 2 capacities, [2, 16] (<= the chunk)
+    assert ran == 3 + 3 * 3 + 6  # [1, L] x 3, decode x 3 x 3 capacities, the cohorts
     assert warm_up(new_state, engine.compiled_prompts, None, 48, 4, 0.0) == 0  # no time
     # with speculation (k = 2) the verify batch too, at each row bucket
     ran = warm_up(new_state, engine.compiled_prompts, engine.runner.compiled, 48, 4, 600.0, 3)
-    assert ran == 3 + 2 * 3 + 3 + 1
+    assert ran == 3 + 3 * 3 + 3 + 6
     requests = _requests(4)
     warm = LLMEngine(loaded, dataclasses.replace(base, warm_up_seconds=600.0))
     assert _drive(warm, requests) == _drive(engine, requests)

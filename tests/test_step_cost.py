@@ -7,6 +7,7 @@ import pytest
 
 from deltaserve.engine.scheduling.step_cost import (
     MAX_AGE,
+    MIN_CHUNK,
     UNBOUNDED,
     ChunkCost,
     StepCostModel,
@@ -244,3 +245,17 @@ def test_budget_tokens_from_a_measured_chunk_cost() -> None:
     assert ChunkCost(0.010, 3e-5).budget_tokens() == 1280
     assert ChunkCost(0.001, 1e-4).budget_tokens() == 512
     assert ChunkCost(0.100, 1e-6).budget_tokens() == 8192
+
+
+def test_a_later_chunks_fixed_cost_past_the_bound_lifts_the_allowance() -> None:
+    """A first chunk that runs compiled may fit the bound while a prompt's later chunks
+    (eager, over the row's state) do not: a prompt split into small chunks pays the later
+    fixed part for each, so the bound counts as unattainable and steps take the budget
+    (H200, 0.8B: 7 ms first, 14 ms later, a ~10 ms decode step of 16 rows)."""
+    cost = ChunkCost(fixed_seconds=0.007, token_seconds=3.5e-5, later_fixed_seconds=0.014)
+    model = StepCostModel(cost)
+    for _ in range(5):
+        model.observe(16, 0, 0.010)
+    assert cost.seconds(MIN_CHUNK) < model.stall_seconds(16, 2.0) < cost.split_seconds(MIN_CHUNK)
+    assert model.prefill_allowance(16, 2.0) == UNBOUNDED
+    assert model.unattainable == (0.014, 3.5e-5)

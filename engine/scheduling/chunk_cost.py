@@ -5,15 +5,18 @@ On a GPU a prompt chunk's forward costs mostly its kernel launches, whatever its
 256), so a scheduler that pays that fixed cost for a handful of tokens at a time wastes
 the device. Two forwards of a scratch row (64 and 1,024 tokens, each after a warm-up
 that also compiles their shapes) give the line t(P) = fixed + token * P
-(engine/scheduling/step_cost.py's ChunkCost). The engine sizes its default token budget from it
-(`ChunkCost.budget_tokens`), and the step-cost model uses it where no chunk can meet the
-stall bound (StepCostModel.prefill_allowance). The CPU is not measured: there a chunk
+(engine/scheduling/step_cost.py's ChunkCost), and a later chunk over the row's state (the
+eager path, where a first chunk may run compiled) its own fixed part. The engine sizes its
+default token budget from the first line (`ChunkCost.budget_tokens`), and the step-cost
+model uses the larger fixed part where no chunk can meet the stall bound
+(StepCostModel.prefill_allowance). The CPU is not measured: there a chunk
 costs its arithmetic, and the online model prices it.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import mlx.core as mx
 
@@ -24,6 +27,7 @@ from deltaserve.models.build import LoadedModel
 from deltaserve.models.state import ForwardGroup, text_positions
 
 LENGTHS = (64, 1024)  # the two chunk lengths measured
+LATER = 64  # a later chunk's length (after a first chunk of LATER tokens)
 RUNS = 3  # timed runs of each, after one that compiles its shapes
 
 
@@ -31,27 +35,64 @@ def measure_chunk_cost(loaded: LoadedModel, compiled: CompiledPrefill | None = N
     """Time one fresh row's prefill forward (and its last position's logits) at each of
     LENGTHS, through `compiled` when the engine runs prompts that way: the fastest of RUNS
     after a first that compiles (on the H200 the second run of the 64-token forward still
-    took ~37 ms against ~16 ms once warm); the state is thrown away."""
-    model, seconds = loaded.model, []
-    for length in LENGTHS:
-        tokens = mx.full((1, length), 100, mx.int32)
-        positions = text_positions([0], length)
-        times = []
-        for _ in range(1 + RUNS):
-            state = BatchState.empty(loaded.config)
-            mx.synchronize()
-            start = time.perf_counter()
-            if compiled is not None and compiled.applies(state, 1):
-                hidden, states = compiled([[100] * length], state)
-                state = states[0]
-            else:
-                group = ForwardGroup(tokens, positions, state.layers, outputs="last")
-                hidden = model([group])[0]
-            arrays = [a for layer in state.layers for a in layer.state_arrays()]
-            mx.eval(model.logits(hidden[:, -1]), *arrays)
-            mx.synchronize()
-            times.append(time.perf_counter() - start)
-        seconds.append(min(times[1:]))
+    took ~37 ms against ~16 ms once warm); then a later chunk of LATER tokens over such a
+    row's state, which always takes the eager path: its fixed part is what a prompt split
+    into small chunks pays for each (H200, 0.8B: ~14 ms next to ~7 ms for a compiled first
+    chunk). The states are thrown away."""
+    seconds = [
+        _fastest(lambda: BatchState.empty(loaded.config), loaded, 0, length, compiled)
+        for length in LENGTHS
+    ]
     (short, long), (t_short, t_long) = LENGTHS, seconds
     token = max((t_long - t_short) / (long - short), 1e-7)
-    return ChunkCost(max(t_short - token * short, 0.0), token)
+
+    def started() -> BatchState:
+        state = BatchState.empty(loaded.config)
+        _forward(loaded, state, 0, LATER, None)
+        mx.eval([a for layer in state.layers for a in layer.state_arrays()])
+        return state
+
+    t_later = _fastest(started, loaded, LATER, LATER, None)
+    fixed = max(t_short - token * short, 0.0)
+    return ChunkCost(fixed, token, max(t_later - token * LATER, 0.0))
+
+
+def _fastest(
+    fresh: Callable[[], BatchState],
+    loaded: LoadedModel,
+    start: int,
+    length: int,
+    compiled: CompiledPrefill | None,
+) -> float:
+    """Seconds of the fastest of RUNS forwards of `length` tokens from `start` (each on
+    the state `fresh` returns), after one more that traces and warms its shapes."""
+    times = []
+    for _ in range(1 + RUNS):
+        state = fresh()
+        mx.synchronize()
+        begin = time.perf_counter()
+        _forward(loaded, state, start, length, compiled)
+        mx.synchronize()
+        times.append(time.perf_counter() - begin)
+    return min(times[1:])
+
+
+def _forward(
+    loaded: LoadedModel,
+    state: BatchState,
+    start: int,
+    length: int,
+    compiled: CompiledPrefill | None,
+) -> None:
+    """One row's chunk of `length` tokens at `start` and its last logits, evaluated (the
+    row's state advances in `state`): compiled where `compiled` takes it, else eager."""
+    model = loaded.model
+    if start == 0 and compiled is not None and compiled.applies(state, 1):
+        hidden, states = compiled([[100] * length], state)
+        state = states[0]
+    else:
+        tokens = mx.full((1, length), 100, mx.int32)
+        group = ForwardGroup(tokens, text_positions([start], length), state.layers, outputs="last")
+        hidden = model([group])[0]
+    arrays = [a for layer in state.layers for a in layer.state_arrays()]
+    mx.eval(model.logits(hidden[:, -1]), *arrays)

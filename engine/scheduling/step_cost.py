@@ -106,13 +106,26 @@ MIN_BUDGET, MAX_BUDGET, ROUND = 512, 8192, 256
 @dataclass(frozen=True)
 class ChunkCost:
     """A prompt chunk's forward: `fixed_seconds` + `token_seconds` x its tokens, as
-    measured when the engine started (engine/scheduling/chunk_cost.py; None on the CPU)."""
+    measured when the engine started (engine/scheduling/chunk_cost.py; None on the CPU).
+    `later_fixed_seconds` is the fixed part of a prompt's later chunk (one over the row's
+    state: an eager forward where a first chunk may run compiled)."""
 
     fixed_seconds: float
     token_seconds: float
+    later_fixed_seconds: float = 0.0
 
     def seconds(self, tokens: int) -> float:
         return self.fixed_seconds + self.token_seconds * tokens
+
+    @property
+    def most_fixed_seconds(self) -> float:
+        """The larger fixed part: what a prompt split into chunks pays per chunk."""
+        return max(self.fixed_seconds, self.later_fixed_seconds)
+
+    def split_seconds(self, tokens: int) -> float:
+        """What a chunk of `tokens` costs at the larger fixed part: the price of a small
+        chunk, which a prompt too long for one step pays again for each of its pieces."""
+        return self.most_fixed_seconds + self.token_seconds * tokens
 
     def budget_tokens(self) -> int:
         """The per-step token budget where the tokens cost TOKENS_PER_FIXED x the fixed
@@ -292,10 +305,10 @@ class StepCostModel:
             return None
         bound = self.stall_seconds(num_decode, max_stall_factor)
         prior = self.chunk_cost
-        if prior is not None and prior.seconds(MIN_CHUNK) > bound:
+        if prior is not None and prior.split_seconds(MIN_CHUNK) > bound:
             # Measured: the fixed part alone breaks the bound, so no chunk size meets it;
             # the fewest, largest chunks pay it least often (no slow start: not a probe)
-            self.unattainable = (prior.fixed_seconds, prior.token_seconds)
+            self.unattainable = (prior.most_fixed_seconds, prior.token_seconds)
             return UNBOUNDED
         if not self.prices_tokens:
             return 0
