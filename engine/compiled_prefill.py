@@ -43,6 +43,25 @@ def prompt_bucket(rows: int, length: int) -> tuple[int, int]:
     return rows_b, -(-length // _LENGTH_STEP) * _LENGTH_STEP
 
 
+def cohort_splits(lengths: Sequence[int], max_area: int) -> list[list[int]]:
+    """Indices of a cohort's fresh prompts (of these lengths) in groups of at most
+    MAX_ROWS whose bucket holds at most `max_area` padded tokens (a lone prompt always
+    forms a group), each in the given order. Longest first, so rows of like lengths share
+    a bucket: less padding for the DeltaNet scan, and only the buckets within the area
+    run, which are those warm-up traces (engine/warmup.py; H200, 0.8B: a bucket first met
+    under load cost ~0.4 s of tracing, a stall of every decoding row)."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        group = groups[-1] if groups else None
+        if group and len(group) < MAX_ROWS:
+            rows_b, length_b = prompt_bucket(len(group) + 1, lengths[group[0]])
+            if rows_b * length_b <= max_area:
+                group.append(i)
+                continue
+        groups.append([i])
+    return [sorted(group) for group in groups]
+
+
 class _FreshKV:
     """AttentionState of fresh rows inside the trace: the chunk's encoded K/V become the
     rows' stored arrays; queries attend causally, never to a row's padding."""
@@ -74,8 +93,12 @@ class _FreshKV:
 class CompiledPrefill:
     """First chunks of fresh prompts through the whole model, compiled per bucket."""
 
-    def __init__(self, model: Qwen35Model) -> None:
+    def __init__(self, model: Qwen35Model, max_area: int = 1 << 30) -> None:
+        """max_area: the most padded tokens (rows x length bucket) one call runs: the
+        runner splits larger cohorts (`cohort_splits`); the engine sets its chunk size."""
         self.model = model
+        self.max_area = max_area
+        self.shapes: set[tuple[int, int]] = set()  # the buckets run so far (traced)
         self._fn = mx.compile(self._forward)
         self._stores: list[KVStore | SSMState] = []  # the layers of the traced call
         self._arity: list[int] = []  # arrays per KV layer, recorded by the first trace
@@ -96,6 +119,7 @@ class CompiledPrefill:
         state of this engine's layer kinds (read for their kinds and encodings)."""
         rows, longest = len(prompts), max(len(p) for p in prompts)
         rows_b, length_b = prompt_bucket(rows, longest)
+        self.shapes.add((rows_b, length_b))
         pads = [length_b - len(p) for p in prompts] + [length_b - 1] * (rows_b - rows)
         ids = [[0] * pad + list(p) for pad, p in zip(pads, prompts, strict=False)]
         ids += [[0] * length_b] * (rows_b - rows)

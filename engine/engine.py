@@ -115,6 +115,8 @@ class LLMEngine:
             self.chunk_cost = measure_chunk_cost(loaded, self.compiled_prompts)
         measured = self.chunk_cost.budget_tokens() if self.chunk_cost is not None else 0
         self.config = config.for_device(gpu, measured)
+        if self.compiled_prompts is not None:  # its calls hold at most a chunk's tokens
+            self.compiled_prompts.max_area = self.config.max_prefill_chunk
         self.pipeline = self.platform.pipeline_steps
         cfg = loaded.config
         loaded.model.pack_token_wise = self.platform.pack_token_wise

@@ -18,7 +18,7 @@ import numpy as np
 
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.rows import RowStates
-from deltaserve.engine.compiled_prefill import CompiledPrefill
+from deltaserve.engine.compiled_prefill import CompiledPrefill, cohort_splits
 from deltaserve.engine.decode import CompiledDecode
 from deltaserve.engine.plan import NewRow, PrefillChunk, StepPlan, StepResult, VerifiedRun
 from deltaserve.engine.sampling.sampler import SampledBatch, Sampler, SamplingRow
@@ -445,7 +445,8 @@ class ModelRunner:
     def _cohorts(self, chunks: tuple[PrefillChunk, ...]) -> list[_Cohort]:
         """Which chunks share a group. Left padding may only precede a row's first token
         (engine/cache/kv.py), so first chunks of any lengths batch together, and later
-        chunks only with others of the same length (no padding)."""
+        chunks only with others of the same length (no padding). First chunks that take
+        the compiled forward split into the buckets it runs (`cohort_splits`)."""
         by_key: dict[object, _Cohort] = {}
         for i, chunk in enumerate(chunks):
             if chunk.length == 0:
@@ -456,7 +457,18 @@ class ModelRunner:
             cohort = by_key.setdefault(key, _Cohort([], []))
             cohort.chunk_indices.append(i)
             cohort.row_ids.append(chunk.row_id)
-        return list(by_key.values())
+        cohorts = []
+        for key, cohort in by_key.items():
+            members = [chunks[i] for i in cohort.chunk_indices]
+            if key != "first" or self.compiled_prompts is None or not self._fresh(members):
+                cohorts.append(cohort)
+                continue
+            # fresh prompts: as many compiled calls as keep each bucket within its area
+            lengths = [c.length for c in members]
+            for group in cohort_splits(lengths, self.compiled_prompts.max_area):
+                indices = [cohort.chunk_indices[j] for j in group]
+                cohorts.append(_Cohort(indices, [chunks[i].row_id for i in indices]))
+        return cohorts
 
     def _prefill_group(self, chunks: tuple[PrefillChunk, ...], cohort: _Cohort) -> ForwardGroup:
         """[P, L] tokens right-aligned (row p left-padded to the longest chunk)."""
@@ -498,7 +510,20 @@ class ModelRunner:
         if self.compiled_prompts is None:
             return None
         members, rows = [chunks[i] for i in cohort.chunk_indices], self.rows.rows
-        fresh = all(
+        template = self.states.prefill_state(members[0].row_id)
+        if not self._fresh(members) or not self.compiled_prompts.applies(template, len(members)):
+            return None
+        prompts = [rows[c.row_id].prompt_ids[: c.length] for c in members]
+        hidden, states = self.compiled_prompts(prompts, template)
+        for chunk, state in zip(members, states, strict=True):
+            self.states.prefill[chunk.row_id] = state
+        return hidden, states
+
+    def _fresh(self, members: list[PrefillChunk]) -> bool:
+        """Whether these chunks are fresh text prompts' first chunks, whole (the compiled
+        forward's inputs)."""
+        rows = self.rows.rows
+        return all(
             c.start == 0
             and not c.restore
             and not c.snapshot_at
@@ -506,14 +531,6 @@ class ModelRunner:
             and not rows[c.row_id].speculative  # the head needs every position's hidden
             for c in members
         )
-        template = self.states.prefill_state(members[0].row_id)
-        if not fresh or not self.compiled_prompts.applies(template, len(members)):
-            return None
-        prompts = [rows[c.row_id].prompt_ids[: c.length] for c in members]
-        hidden, states = self.compiled_prompts(prompts, template)
-        for chunk, state in zip(members, states, strict=True):
-            self.states.prefill[chunk.row_id] = state
-        return hidden, states
 
     def _scatter(self, cohort: _Cohort, group: ForwardGroup) -> list:
         """After a batched chunk: each row's state back to its own prefill state."""

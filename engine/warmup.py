@@ -7,7 +7,7 @@ behind one new trace after another (H200, 0.8B: TTFT p99 5.2 s against p50 0.37 
 Here the engine runs them at start, most common first: fresh prompts alone at each length
 bucket up to a chunk, the decode batch at each row bucket up to max_num_seqs (first two
 KV capacities), with speculation the verify batch at each row bucket (first capacity),
-then cohorts of several prompts (every bucket a step can reach, the smaller first). What
+then cohorts of several prompts (every bucket the runner runs, the smaller first). What
 the time limit leaves out is traced on first use, as before.
 """
 
@@ -107,20 +107,17 @@ def _shapes(
 
 
 def cohort_shapes(max_chunk: int, max_rows: int) -> list[tuple[int, int]]:
-    """The [rows, length] buckets of cohorts of 2 or more fresh prompts a step of
-    `max_chunk` tokens can hold, the smaller first. A bucket pads rows to a power of two
-    and every row to the longest's length bucket, so a cohort in bucket [8, 256] may hold
-    only 5 prompts and one of them 129 tokens: each such bucket is reachable, not only
-    those whose padded size fits the chunk (H200: three 150-token prompts ran a
-    [4, 256] trace on first use)."""
-    lengths, shapes, rows = prompt_lengths(max_chunk), [], 2
+    """The [rows, length] buckets of cohorts of 2 or more fresh prompts, the smaller
+    first: those of at most `max_chunk` padded tokens, the only ones the runner runs
+    (compiled_prefill.cohort_splits splits a larger cohort)."""
+    shapes, rows = set(), 2
     while rows <= min(MAX_ROWS, max_rows):
-        for i, length in enumerate(lengths):
-            shortest = lengths[i - 1] + 1 if i else 1  # the longest row's fewest tokens
-            if shortest + rows // 2 <= max_chunk:  # and rows // 2 more of one token
-                shapes.append((rows, length))
+        for length in prompt_lengths(max_chunk):
+            rows_b, length_b = prompt_bucket(rows, length)
+            if rows_b * length_b <= max_chunk:
+                shapes.add((rows, length))
         rows *= 2
-    return sorted(shapes, key=lambda shape: shape[0] * shape[1])
+    return sorted(shapes, key=lambda shape: (shape[0] * shape[1], shape))
 
 
 def _prompts(

@@ -15,7 +15,12 @@ from test_engine_batching import _drive as drive
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.factory import kv_store_factory
 from deltaserve.engine.cache.kv import KVStore
-from deltaserve.engine.compiled_prefill import MAX_ROWS, CompiledPrefill, prompt_bucket
+from deltaserve.engine.compiled_prefill import (
+    MAX_ROWS,
+    CompiledPrefill,
+    cohort_splits,
+    prompt_bucket,
+)
 from deltaserve.engine.config import EngineConfig, KVCacheConfig
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.types import GenerationRequest, SamplingParams
@@ -145,16 +150,45 @@ def test_warm_up_traces_each_shape_and_keeps_tokens(loaded: LoadedModel) -> None
     assert decode_sizes(4) == [1, 2, 4] and decode_sizes(13) == [1, 2, 4, 8, 12, 13]
     new_state = partial(BatchState.empty, loaded.config)
     engine = LLMEngine(loaded, base)
-    # cohorts: [2 or 4, 16 / 32 / 48], e.g. [4, 48] holds 33 + 1 + 1 tokens
-    assert cohort_shapes(48, 4) == [(2, 16), (2, 32), (4, 16), (2, 48), (4, 32), (4, 48)]
-    assert cohort_shapes(48, 2) == [(2, 16), (2, 32), (2, 48)]
-    assert (16, 512) in cohort_shapes(512, 64) and (16, 512) not in cohort_shapes(504, 64)
+    # cohorts: the buckets of at most a chunk's padded tokens, the only ones that run
+    assert cohort_shapes(48, 4) == [(2, 16)]
+    assert (16, 32) in cohort_shapes(512, 64) and (4, 256) not in cohort_shapes(512, 64)
     ran = warm_up(new_state, engine.compiled_prompts, engine.runner.compiled, 48, 4, 600.0)
-    assert ran == 3 + 3 * 3 + 6  # [1, L] x 3, decode x 3 x 3 capacities, the cohorts
+    assert ran == 3 + 3 * 3 + 1  # [1, L] x 3, decode x 3 x 3 capacities, [2, 16]
     assert warm_up(new_state, engine.compiled_prompts, None, 48, 4, 0.0) == 0  # no time
     # with speculation (k = 2) the verify batch too, at each row bucket
     ran = warm_up(new_state, engine.compiled_prompts, engine.runner.compiled, 48, 4, 600.0, 3)
-    assert ran == 3 + 3 * 3 + 3 + 6
+    assert ran == 3 + 3 * 3 + 3 + 1
     requests = _requests(4)
     warm = LLMEngine(loaded, dataclasses.replace(base, warm_up_seconds=600.0))
     assert _drive(warm, requests) == _drive(engine, requests)
+
+
+def test_cohorts_split_into_the_buckets_warm_up_traced(loaded: LoadedModel) -> None:
+    """Fresh prompts that join together run as compiled calls whose buckets hold at most
+    a chunk's padded tokens (longest first, at most MAX_ROWS rows), so an engine warmed
+    up at start meets no new bucket under load; tokens stay the eager path's."""
+    assert cohort_splits([40, 10, 10, 10, 10], 64) == [[0], [1, 2, 3, 4]]
+    assert cohort_splits([150, 20, 150, 150], 512) == [[0, 2], [1, 3]]
+    assert cohort_splits([5] * 20, 1 << 20) == [list(range(16)), list(range(16, 20))]
+    base = EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=160, max_prefill_chunk=64, compile_decode=True,
+        batch_prefill=True, compile_prompt=True, warm_up_seconds=600.0,
+    )  # fmt: skip
+    engine = LLMEngine(loaded, base)
+    warmed = set(engine.compiled_prompts.shapes)
+    assert (4, 16) in warmed and (2, 64) not in warmed  # 128 padded tokens > 64
+    rng = np.random.default_rng(5)
+    requests = [
+        GenerationRequest(
+            f"r{i}",
+            tuple(int(t) for t in rng.integers(100, 200000, size=n)),
+            SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+        )
+        for i, n in enumerate([40, 10, 12, 9, 60, 3, 33, 7])
+    ]
+    joins = {0: requests[:4], 2: requests[4:]}  # 71 then 103 tokens in one step each
+    got = drive(engine, joins, {})
+    assert engine.compiled_prompts.shapes == warmed
+    plain = LLMEngine(loaded, dataclasses.replace(base, compile_prompt=False, warm_up_seconds=0))
+    assert drive(plain, joins, {}) == got
