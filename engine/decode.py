@@ -108,6 +108,9 @@ class CompiledDecode:
         self._fn = mx.compile(self._forward)
         self._verify_fn = mx.compile(self._verify_forward)
         self._stores: list[KVStore | SSMState] = []  # the layers of the traced call
+        # (verify?, tokens' shape, the KV arrays' shape) of each call so far: a new one
+        # was traced by that call (the runner reports it with the step)
+        self.shapes: set[tuple] = set()
 
     @staticmethod
     def supports(state: BatchState) -> bool:
@@ -160,6 +163,7 @@ class CompiledDecode:
         flat = [a for s in kv for a in s.arrays] + [a for s in ssm for a in (s.conv, s.ssm)]
         left_pad = mx.array(kv[0].left_pad if kv else [0] * state.num_rows, dtype=mx.int32)
         self._stores = stores
+        self.shapes.add((verify, tuple(tokens.shape), tuple(flat[0].shape) if kv else ()))
         fn = self._verify_fn if verify else self._fn
         first, *new = fn(
             tokens, mx.array(offsets, dtype=mx.int32), left_pad, mx.array([size], mx.int32), *flat

@@ -124,3 +124,5 @@ class StepResult:
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob | None, ...] = ()
     verified: tuple[VerifiedRun, ...] = ()  # the speculating rows', in verify order
+    # compiled shapes the step ran for the first time: their traces are in its time
+    traced: int = 0

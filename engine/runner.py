@@ -165,11 +165,15 @@ class ModelRunner:
         self.drafter = drafter
         self._saved: list[mx.array] = []  # prefix-cache copies not yet started
         self._last_tokens: mx.array | None = None  # the last sampled step's tokens [N]
+        # step -> compiled shapes it traced, until read back (a follower rank never reads
+        # back: its entries stay, at most one per shape the buckets allow)
+        self._traced: dict[int, int] = {}
 
     def execute(self, plan: StepPlan) -> ModelOutput:
         """Queue the step's forward (mx.async_eval) and return the logits of the rows
         that sample. Decode inputs still pending (StepPlan.decode_sources) are gathered
         from the last sampled step's tokens, possibly not computed yet."""
+        shapes = self._shapes_run()
         self._apply_rows(plan)
         if plan.cache_loads:
             self.states.load_prefix(plan.cache_loads)
@@ -241,7 +245,15 @@ class ModelRunner:
         if verify is not None:
             pending += [verify.logits, *_slots(self.states.verify)]
         mx.async_eval(*pending, *([logits] if logits is not None else []))
+        if self._shapes_run() > shapes:
+            self._traced[plan.step] = self._shapes_run() - shapes
         return ModelOutput(plan.step, plan.sample_row_ids, logits, verify)
+
+    def _shapes_run(self) -> int:
+        """How many compiled shapes (decode, verify, fresh prompts) have run so far."""
+        compiled = len(self.compiled.shapes) if self.compiled is not None else 0
+        prompts = self.compiled_prompts
+        return compiled + (len(prompts.shapes) if prompts is not None else 0)
 
     def _apply_rows(self, plan: StepPlan) -> None:
         """The plan's row changes, in one place: a freed row's inputs, tokens, state and
@@ -317,9 +329,10 @@ class ModelRunner:
         """Wait for a step's tokens, record them (rows, grammar), and start the step's
         prefix-cache copies (flush_saves)."""
         runs = self._read_verdicts(sampled.verdicts)
+        traced = self._traced.pop(sampled.step, 0)
         if sampled.batch is None:
             self.flush_saves()
-            return StepResult(sampled.step, verified=runs)
+            return StepResult(sampled.step, verified=runs, traced=traced)
         tokens, logprobs = sampled.batch.to_python(sampled.rows)
         self.rows.append(sampled.row_ids, tokens)
         if self.masks is not None:
@@ -328,7 +341,7 @@ class ModelRunner:
             self.drafter.sampled(sampled.row_ids, tokens)
         self.flush_saves()
         return StepResult(
-            sampled.step, sampled.row_ids, tuple(tokens), tuple(logprobs), verified=runs
+            sampled.step, sampled.row_ids, tuple(tokens), tuple(logprobs), runs, traced
         )
 
     def _read_verdicts(self, verdicts: Verdicts | None) -> tuple[VerifiedRun, ...]:
@@ -361,6 +374,7 @@ class ModelRunner:
         is reset with the states)."""
         self._saved = []
         self._last_tokens = None
+        self._traced.clear()
         self.rows.clear()
         self.states.reset()
         if self.drafter is not None:

@@ -3,7 +3,7 @@ learns it, and steps holding decode rows stay within max_stall_factor x decode-o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -13,7 +13,7 @@ from deltaserve.engine.cache.budget import MemoryBudget, StateCosts
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.plan import StepPlan
-from deltaserve.engine.scheduling.scheduler import MIN_PREFILL_TOKENS, Scheduler
+from deltaserve.engine.scheduling.scheduler import MIN_PREFILL_TOKENS, SLOW_STEP_EVERY, Scheduler
 from deltaserve.engine.scheduling.step_cost import HEADROOM, MAX_AGE, ChunkCost
 from deltaserve.engine.types import GenerationRequest, ImageInput, SamplingParams
 from deltaserve.engine.vision.media import PromptMedia
@@ -407,3 +407,64 @@ def test_a_measured_fixed_chunk_cost_past_the_bound_takes_the_budget(
     assert all(len(out.decode_row_ids) == 4 for out in outs)
     said = [r.getMessage() for r in caplog.records if "cannot be met" in r.getMessage()]
     assert len(said) == 1 and "a fixed 30.0 ms" in said[0] and f"up to {BUDGET - 4}" in said[0]
+
+
+def test_a_step_that_traced_a_shape_is_no_cost_sample_and_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A step whose time holds a compiled shape's first trace (StepResult.traced) is a
+    one-off: the cost model does not learn from it, and a slow one is logged at INFO with
+    its cause; other slow steps at most one per SLOW_STEP_EVERY seconds, with a count."""
+    cost = FakeCost()
+    s = _scheduler(cost)
+    _decoding(s, cost)
+    predicted, samples = s.step_cost.decode_seconds(4), len(s.step_cost._decode)
+    with caplog.at_level("INFO", logger="deltaserve.engine.scheduling.scheduler"):
+        for _ in range(3):  # decode-only steps of 0.5 s, each tracing a shape
+            out = s.schedule()
+            cost.now += 0.5
+            s.update(out, replace(sampled(out), traced=1))
+        assert s.step_cost.decode_seconds(4) == pytest.approx(predicted)
+        assert len(s.step_cost._decode) == samples
+        said = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
+        assert len(said) == 3 and all("it traced 1 new compiled shape(s)" in m for m in said)
+        caplog.clear()
+        for _ in range(3):  # slow without a trace: learned from, logged once
+            out = s.schedule()
+            cost.now += 0.5
+            s.update(out, sampled(out))
+        cost.now += SLOW_STEP_EVERY
+        _step(s, cost)  # a fast step says nothing
+        out = s.schedule()
+        cost.now += 0.3
+        s.update(out, sampled(out))
+    said = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
+    assert len(said) == 2 and "4 decode rows" in said[0] and "traced" not in said[0]
+    assert "(2 more slow steps since the last)" in said[1]
+    assert len(s.step_cost._decode) == samples + 5  # the slow steps are samples
+
+
+def test_the_runner_reports_the_shapes_a_step_traced() -> None:
+    """With the compiled paths on, a fresh engine's first prompt and decode steps report
+    the shapes they ran first (StepResult.traced); the same work again reports none."""
+    loaded = load_model(str(cached_checkpoint("tiny")))
+    cfg = EngineConfig(compile_decode=True, compile_prompt=True, batch_prefill=True)
+    engine = LLMEngine(loaded, cfg)
+    traced: list[int] = []
+    update = engine.scheduler.update
+
+    def spy(plan: StepPlan, result):  # noqa: ANN202 (a pass-through)
+        traced.append(result.traced)
+        return update(plan, result)
+
+    engine.scheduler.update = spy  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for run in range(2):
+        traced.clear()
+        engine.add_request(GenerationRequest(f"r{run}", tuple(range(5, 25)), params))
+        while engine.has_work():
+            engine.step()
+        if run == 0:
+            assert traced[0] >= 1 and traced[1] >= 1 and sum(traced) == 2  # [1, 32], decode
+        else:
+            assert traced and not any(traced)

@@ -45,6 +45,9 @@ from deltaserve.engine.vision.media import PromptMedia
 
 log = logging.getLogger(__name__)
 
+SLOW_STEP_SECONDS = 0.25  # a step this long is logged (at INFO): every decode row waited
+SLOW_STEP_EVERY = 10.0  # seconds between such lines, unless the step traced a shape
+
 __all__ = ["MIN_PREFILL_TOKENS", "Scheduler"]
 
 
@@ -88,6 +91,8 @@ class Scheduler:
         self._pending_step = -1  # the step whose samples `_pending` refers to
         self._clock = clock
         self._timer = StepTimer()
+        self._slow_said = float("-inf")  # when a slow step was last logged (the clock)
+        self._slow_unsaid = 0  # slow steps since then, not logged
 
     @property
     def rows(self) -> dict[str, Request]:
@@ -246,7 +251,7 @@ class Scheduler:
     # -- after the forward ----------------------------------------------------------------
     def update(self, out: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Append the step's sampled tokens and finish rows; returns the deltas."""
-        self._observe_step_time(out)
+        self._observe_step_time(out, result.traced)
         if out.step == self._pending_step:
             self._pending = {}  # planned and updated in lockstep: every token is known
         outputs = []
@@ -273,8 +278,10 @@ class Scheduler:
         req.num_computed += len(run.token_ids)
         return self._append(req, run.token_ids, run.logprobs)
 
-    def _observe_step_time(self, out: StepPlan) -> None:
-        """Feed the step's wall time (StepTimer) to the cost model."""
+    def _observe_step_time(self, out: StepPlan, traced: int = 0) -> None:
+        """Feed the step's wall time (StepTimer) to the cost model, unless it traced a
+        compiled shape (`traced`: a one-off, ~0.4 s on an H200, that would price every
+        later step of its kind); say when a step was slow."""
         done = self._clock()
         seconds, settled = self._timer.completed(out.step, done)
         num_prefill = sum(c.length for c in out.prefill)
@@ -282,6 +289,11 @@ class Scheduler:
         first = sum(len(c.sample_row_ids) for c in out.prefill)
         log.debug("step %d: %d decode rows, %d prompt tokens, %d tower units: %.3f s",
                   out.step, len(out.decode_row_ids), num_prefill, num_vision, seconds)  # fmt: skip
+        if seconds >= SLOW_STEP_SECONDS:
+            self._slow_step(out, seconds, num_prefill, traced, done)
+        if traced:
+            self.step_cost.advance(done)
+            return
         if not settled:
             return
         rows = len(out.decode_row_ids)
@@ -296,6 +308,24 @@ class Scheduler:
             assert self.speculation is not None, "a verify step without speculation"
             plain = self.step_cost.decode_seconds(total)
             self.speculation.observe_step(rows, len(out.verify_row_ids), seconds, plain)
+
+    def _slow_step(
+        self, out: StepPlan, seconds: float, num_prefill: int, traced: int, done: float
+    ) -> None:
+        """An INFO line for a step of SLOW_STEP_SECONDS or more (every decoding row waited
+        that long for its token): each one that traced compiled shapes, others at most one
+        per SLOW_STEP_EVERY seconds with a count of those not logged since the last."""
+        if not traced and done - self._slow_said < SLOW_STEP_EVERY:
+            self._slow_unsaid += 1
+            return
+        if traced:
+            cause = f"; it traced {traced} new compiled shape(s)"
+        else:
+            unsaid = self._slow_unsaid
+            cause = f" ({unsaid} more slow steps since the last)" if unsaid else ""
+            self._slow_said, self._slow_unsaid = done, 0
+        log.info("step %d took %.2f s: %d decode rows, %d prompt tokens%s", out.step,
+                 seconds, len(out.decode_row_ids), num_prefill, cause)  # fmt: skip
 
     def _promote(self, req: Request) -> None:
         """Prefill done: the request and its forks join the decode batch (a choice that
