@@ -46,6 +46,7 @@ from deltaserve.engine.vision.media import PromptMedia
 log = logging.getLogger(__name__)
 
 SLOW_STEP_SECONDS = 0.25  # a step this long is logged (at INFO): every decode row waited
+SLOW_STEP_FACTOR = 10.0  # ... and this many decode steps of its rows long
 SLOW_STEP_EVERY = 10.0  # seconds between such lines, unless the step traced a shape
 
 __all__ = ["MIN_PREFILL_TOKENS", "Scheduler"]
@@ -81,7 +82,10 @@ class Scheduler:
         hooks = (*on_release, speculation.release) if speculation is not None else on_release
         self.state = SchedulerState(RowTable(budget, hooks))
         self.step_cost = StepCostModel(chunk_cost)
-        self.chunking = Chunking(self.state, config, prefix, snapshot_in_chunk)
+        # where a prompt's later chunk costs more than its first (measured), a fresh
+        # prompt is not split across steps to fill one (Chunking.whole_prompts)
+        whole = chunk_cost is not None and chunk_cost.later_fixed_seconds > chunk_cost.fixed_seconds
+        self.chunking = Chunking(self.state, config, prefix, snapshot_in_chunk, whole)
         self.admission = Admission(self.state, config, budget, prefix, self.chunking)
         self.run_ahead = RunAhead(self.state, config, self.step_cost, self.admission, self.chunking)
         self.stall = StallBound(self.state, config, self.step_cost)
@@ -289,7 +293,7 @@ class Scheduler:
         first = sum(len(c.sample_row_ids) for c in out.prefill)
         log.debug("step %d: %d decode rows, %d prompt tokens, %d tower units: %.3f s",
                   out.step, len(out.decode_row_ids), num_prefill, num_vision, seconds)  # fmt: skip
-        if seconds >= SLOW_STEP_SECONDS:
+        if out.decode_row_ids and seconds >= self._slow_seconds(len(out.decode_row_ids)):
             self._slow_step(out, seconds, num_prefill, traced, done)
         if traced:
             self.step_cost.advance(done)
@@ -309,11 +313,18 @@ class Scheduler:
             plain = self.step_cost.decode_seconds(total)
             self.speculation.observe_step(rows, len(out.verify_row_ids), seconds, plain)
 
+    def _slow_seconds(self, rows: int) -> float:
+        """A step with `rows` decode rows is slow from SLOW_STEP_SECONDS, or SLOW_STEP_FACTOR
+        x a decode step of those rows where that is longer (a CPU's steps are ~0.1 s)."""
+        if not (self.step_cost.is_ready and self.step_cost.knows_decode(rows)):
+            return SLOW_STEP_SECONDS
+        return max(SLOW_STEP_SECONDS, SLOW_STEP_FACTOR * self.step_cost.decode_seconds(rows))
+
     def _slow_step(
         self, out: StepPlan, seconds: float, num_prefill: int, traced: int, done: float
     ) -> None:
-        """An INFO line for a step of SLOW_STEP_SECONDS or more (every decoding row waited
-        that long for its token): each one that traced compiled shapes, others at most one
+        """An INFO line for a slow step with decode rows (`_slow_seconds`: each of them
+        waited that long for its token): each one that traced compiled shapes, others at most one
         per SLOW_STEP_EVERY seconds with a count of those not logged since the last."""
         if not traced and done - self._slow_said < SLOW_STEP_EVERY:
             self._slow_unsaid += 1
