@@ -324,8 +324,8 @@ class Scheduler:
         self, out: StepPlan, seconds: float, num_prefill: int, traced: int, done: float
     ) -> None:
         """An INFO line for a slow step with decode rows (`_slow_seconds`: each of them
-        waited that long for its token): each one that traced compiled shapes, others at most one
-        per SLOW_STEP_EVERY seconds with a count of those not logged since the last."""
+        waited that long for its token): each one that traced compiled shapes, others at
+        most one per SLOW_STEP_EVERY seconds with a count of those not logged since."""
         if not traced and done - self._slow_said < SLOW_STEP_EVERY:
             self._slow_unsaid += 1
             return
