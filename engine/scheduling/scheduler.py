@@ -84,7 +84,7 @@ class Scheduler:
         self.step_cost = StepCostModel(chunk_cost)
         # where a prompt's later chunk costs more than its first (measured), a fresh
         # prompt is not split across steps to fill one (Chunking.whole_prompts)
-        whole = chunk_cost is not None and chunk_cost.later_fixed_seconds > chunk_cost.fixed_seconds
+        whole = chunk_cost is not None and chunk_cost.later_costs_more
         self.chunking = Chunking(self.state, config, prefix, snapshot_in_chunk, whole)
         self.admission = Admission(self.state, config, budget, prefix, self.chunking)
         self.run_ahead = RunAhead(self.state, config, self.step_cost, self.admission, self.chunking)

@@ -114,8 +114,11 @@ class ChunkCost:
     token_seconds: float
     later_fixed_seconds: float = 0.0
 
-    def seconds(self, tokens: int) -> float:
-        return self.fixed_seconds + self.token_seconds * tokens
+    @property
+    def later_costs_more(self) -> bool:
+        """Whether a later chunk's fixed part is above a first chunk's (a GPU's compiled
+        first chunk against an eager later one)."""
+        return self.later_fixed_seconds > self.fixed_seconds
 
     @property
     def most_fixed_seconds(self) -> float:
