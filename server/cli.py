@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from deltaserve.kernels.cpu import reexec_with_openblas
+from deltaserve.server import heap
 from deltaserve.server.flags import Shown, add_arguments, effective_defaults
 from deltaserve.server.settings import ConfigError, ServerSettings, Settings, load_settings
 from deltaserve.server.startup import (
@@ -178,6 +179,14 @@ def serve(settings: Settings, checkpoint: Path) -> int:
         host, port = sock.getsockname()[:2]  # port 0 binds a free one: name it
         log_startup(engine, settings, f"http://{_url_host(host)}:{port}")
         app = create_app(engine, tokenizer, settings)
+        frozen, seconds = heap.freeze_startup()
+        heap.PAUSES.install()  # after the deliberate collection: it is logged below
+        logger.info(
+            "  heap: %s start-up objects frozen out of garbage collection (a full "
+            "collection over them took %.0f ms, a pause of every stream)",
+            f"{frozen:,}",
+            seconds * 1e3,
+        )
         config = uvicorn.Config(
             app,
             host=settings.server.host,

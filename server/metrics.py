@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deltaserve.engine.api import EngineClient
+from deltaserve.server.heap import GcPauseCollector
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -110,6 +111,7 @@ class ServerMetrics:
             registry=reg,
         )
         reg.register(_EngineCollector(engine))
+        reg.register(GcPauseCollector())
 
     def timer(self, start: float) -> RequestTimer:
         """Latency bookkeeping for one request that arrived at `start` (monotonic)."""

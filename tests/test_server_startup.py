@@ -106,6 +106,21 @@ def test_loading_is_announced_before_the_summary(demo_server: tuple[int, str, st
     assert loading < loaded < ready
 
 
+def test_served_process_froze_its_start_up_heap(
+    demo_server: tuple[int, str, str],
+) -> None:
+    """`deltaserve serve` says how many start-up objects it froze, and /metrics counts
+    the collections it has run since (a chat request allocates enough for some)."""
+    _, url, log = demo_server
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    count = re.search(r'^deltaserve_gc_pause_seconds_count\{generation="0"\} (\S+)', metrics, re.M)
+    assert count and float(count[1]) > 0
+    match = re.search(r"heap: ([\d,]+) start-up objects frozen out of garbage collection", log)
+    assert match and int(match[1].replace(",", "")) > 100_000, log[-2000:]
+
+
 @pytest.mark.parametrize("launched", [False, True], ids=["alone", "under-mlx-launch"])
 def test_taken_port_fails_before_the_model_loads(tmp_path: Path, launched: bool) -> None:
     """A port another process listens on: one error line naming it, exit 2, and the
