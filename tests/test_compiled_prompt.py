@@ -1,6 +1,7 @@
-"""Fresh prompts' first chunk as one compiled forward (engine/compiled_prefill.py), run on
-the CPU: the hidden state and every layer's row state equal an eager forward of each
-prompt alone, for every KV kind, and the engine's tokens do not change with it on."""
+"""Fresh prompts' first chunk as one compiled forward (engine/compiled_prefill.py), on the
+CPU and on a GPU (bench/gpu_session.sh): the hidden state and every layer's row state
+equal an eager forward of each prompt alone, for every KV kind, and the engine's tokens
+do not change with it on."""
 
 from __future__ import annotations
 
@@ -36,9 +37,19 @@ KINDS = {
 }
 
 
+# CUDA may run float32 matmuls in reduced precision (TF32: a DeltaNet probe agreed to 5e-4
+# there against 3e-7 on the CPU, ../shared/DESIGN.md), and a compiled graph fuses and pads
+# differently from the eager one: the hidden and row states agree to this on a GPU.
+TOL = 2e-4 if mx.default_device() == mx.cpu else 2e-3
+
+
 @pytest.fixture(scope="module", params=["tiny", "tiny-moe"])
 def loaded(request: pytest.FixtureRequest) -> LoadedModel:
-    return load_model(str(cached_checkpoint(request.param)))
+    # float32 on every device (the CPU's default anyway): on a GPU the checkpoints' bf16
+    # rounds a bucketed compiled forward and an eager one differently, and random weights
+    # have near ties, so token equality would test the rounding, not the code (the H200,
+    # 2026-12-05: two cases of this file failed in bf16)
+    return load_model(str(cached_checkpoint(request.param)), dtype=mx.float32)
 
 
 def test_buckets() -> None:
@@ -57,13 +68,13 @@ def _eager(loaded: LoadedModel, prompt: list[int], kv: KVCacheConfig) -> tuple:
 
 
 def _close(got: np.ndarray, want: np.ndarray) -> None:
-    """Float arrays to 2e-4. Packed integer codes (quantized KV) exactly, except a rare
+    """Float arrays to TOL. Packed integer codes (quantized KV) exactly, except a rare
     value on a quantization boundary that the compiled graph's fused float ops round to
     the neighbouring level (seen: 2 of 736 words)."""
     if np.issubdtype(got.dtype, np.integer):
         assert got.shape == want.shape and np.mean(got != want) < 0.01
     else:
-        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+        np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
 
 
 def _valid(layer) -> list[np.ndarray]:
@@ -88,7 +99,7 @@ def test_compiled_prompts_equal_eager_alone(loaded: LoadedModel, kind: str) -> N
     for p, prompt in enumerate(prompts):
         want_hidden, want = _eager(loaded, prompt, kv)
         np.testing.assert_allclose(
-            np.array(hidden[p, -1]), np.array(want_hidden[0, -1]), rtol=2e-4, atol=2e-4
+            np.array(hidden[p, -1]), np.array(want_hidden[0, -1]), rtol=TOL, atol=TOL
         )
         for got_layer, want_layer in zip(states[p].layers, want.layers, strict=True):
             if isinstance(got_layer, KVStore):
