@@ -46,7 +46,7 @@ tests() {  # the GPU-only kernels' tests, and the compiled paths against the eag
 }
 
 mixed() {  # issue 30's mixed-step target: 64 decode rows + 256 prompt tokens <= 2x decode
-    for fresh in "" "--fresh"; do
+    for fresh in "" "--eager-chunks" "--fresh"; do
         timeout 200 python3 -m bench.mixed_step --shape 0.8B --rows 64 --sizes 16 256 \
             --prompt 2048 --reps 3 --skip-model $fresh >>"$OUT/mixed_step.log" 2>&1
     done

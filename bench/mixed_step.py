@@ -1,6 +1,6 @@
 """What a mixed step (decode rows + one prompt chunk) costs, and where its time goes.
 
-    python -m bench.mixed_step --shape 0.8B --rows 8 64 --sizes 16 64 256 [--fresh]
+    python -m bench.mixed_step --shape 0.8B --rows 8 64 --sizes 16 64 256 [--fresh] [--eager-chunks]
 
 Model level: a fresh [1, L] prompt group through the whole model and through one layer
 of each kind, timed as graph building (the Python call until it returns lazy arrays)
@@ -94,18 +94,31 @@ def model_lines(loaded, sizes: list[int]) -> list[dict]:
 
 
 def engine_lines(
-    path: str, rows: int, sizes: list[int], prompt: int, reps: int, fresh: bool = False
+    path: str,
+    rows: int,
+    sizes: list[int],
+    prompt: int,
+    reps: int,
+    fresh: bool = False,
+    eager_chunks: bool = False,
 ) -> list[dict]:
     """Alternate decode-only and mixed steps while a `prompt`-token prompt prefills, or
     with `fresh`, each mixed step's chunk a new `size`-token prompt (a chat arriving:
-    its first and only chunk; it samples one token and leaves)."""
+    its first and only chunk; it samples one token and leaves). The long prompt's later
+    chunks run compiled where the device's default says so (a shape traced at its first
+    use: the first pass meets them all), eagerly with `eager_chunks`."""
+    from deltaserve.engine import runner as runner_module
     from deltaserve.engine.config import EngineConfig
     from deltaserve.engine.engine import LLMEngine
     from deltaserve.engine.types import GenerationRequest, SamplingParams
     from deltaserve.models.build import load_model
 
     loaded = load_model(path)
-    config = EngineConfig(max_num_seqs=max(64, rows + 1), max_stall_factor=0, warm_up_seconds=0)
+    runner_module.CHUNK_TRACE_AFTER = 0
+    config = EngineConfig(
+        max_num_seqs=max(64, rows + 1), max_stall_factor=0, warm_up_seconds=0,
+        compile_chunks=False if eager_chunks else None,
+    )  # fmt: skip
     engine = LLMEngine(loaded, config)
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True)
@@ -161,6 +174,7 @@ def engine_lines(
     for size in [0, *sizes]:
         line = {
             "what": "engine_step", "rows": rows, "chunk": size, "fresh": fresh,
+            "compiled_chunks": engine.runner.compile_chunks,
             "wall_ms": round(statistics.median(walls[size]), 3),
             "execute_cpu_ms": round(statistics.median(builds[size]), 3),
             "x_decode": round(statistics.median(walls[size]) / decode, 2), "n": len(walls[size]),
@@ -183,6 +197,7 @@ def main() -> None:
     ap.add_argument(
         "--fresh", action="store_true", help="each chunk a new prompt (a chat arriving)"
     )
+    ap.add_argument("--eager-chunks", action="store_true", help="later chunks eagerly")
     args = ap.parse_args()
     from deltaserve.models.build import load_model
     from deltaserve.models.testing import cached_checkpoint
@@ -192,7 +207,7 @@ def main() -> None:
     if not args.skip_model:
         model_lines(load_model(path), args.sizes)
     for rows in args.rows:
-        engine_lines(path, rows, args.sizes, args.prompt, args.reps, args.fresh)
+        engine_lines(path, rows, args.sizes, args.prompt, args.reps, args.fresh, args.eager_chunks)
 
 
 if __name__ == "__main__":

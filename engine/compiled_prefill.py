@@ -24,23 +24,18 @@ import mlx.core as mx
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.kv import KVStore, with_headroom
 from deltaserve.engine.cache.ssm import SSMState
-from deltaserve.engine.decode import SSMView
+from deltaserve.engine.decode import SSMView, chunk_bucket
 from deltaserve.models.qwen35 import Qwen35Model
 from deltaserve.models.state import ForwardGroup
 
-# Rows up to a power of two; lengths up to a power of two up to 128, then a multiple of
-# 128 (the DeltaNet scan walks every padded column, so padding is not free).
+# Rows up to a power of two (lengths: engine/decode.py's chunk_bucket)
 MAX_ROWS = 16
-_LENGTH_STEP = 128
 
 
 def prompt_bucket(rows: int, length: int) -> tuple[int, int]:
     """The traced [rows, length] shape a group of `rows` first chunks (the longest
     `length` tokens) runs at."""
-    rows_b = 1 << max(rows - 1, 0).bit_length()
-    if length <= _LENGTH_STEP:
-        return rows_b, max(16, 1 << max(length - 1, 0).bit_length())
-    return rows_b, -(-length // _LENGTH_STEP) * _LENGTH_STEP
+    return 1 << max(rows - 1, 0).bit_length(), chunk_bucket(length)
 
 
 def cohort_splits(lengths: Sequence[int], max_area: int) -> list[list[int]]:

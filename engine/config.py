@@ -69,6 +69,11 @@ class EngineConfig:
     # (engine/compiled_prefill.py); unset: on for Metal/CUDA, where an eager prompt forward
     # costs its op count whatever its length; off on CPU, where it costs its arithmetic
     compile_prompt: bool | None = None
+    # A prompt's later chunks (a prompt longer than a chunk, the rest of one after a
+    # prefix-cache hit) as one mx.compile'd forward per bucketed shape (engine/decode.py
+    # CompiledDecode.chunk; with compile_decode); unset: on for Metal/CUDA, off on CPU, as
+    # compile_prompt
+    compile_chunks: bool | None = None
     # Seconds the engine may spend at start tracing the compiled paths' common shapes
     # (engine/warmup.py), so the first busy minute does not; unset: 60 on Metal/CUDA, 0 on
     # CPU (nothing compiled there by default)

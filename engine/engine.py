@@ -110,9 +110,11 @@ class LLMEngine:
         self.compiled_prompts = (
             CompiledPrefill(loaded.model) if self.platform.compile_prompt else None
         )
+        compiled = self._compiled_decode()
+        chunks = compiled if compiled is not None and self.platform.compile_chunks else None
         self.chunk_cost = None
         if gpu and leader is None and loaded.parallel is None:
-            self.chunk_cost = measure_chunk_cost(loaded, self.compiled_prompts)
+            self.chunk_cost = measure_chunk_cost(loaded, self.compiled_prompts, chunks)
         measured = self.chunk_cost.budget_tokens() if self.chunk_cost is not None else 0
         self.config = config.for_device(gpu, measured)
         if self.compiled_prompts is not None:  # its calls hold at most a chunk's tokens
@@ -146,7 +148,6 @@ class LLMEngine:
             speculation=self.speculation,
         )
         kv_factory = kv_store_factory(self.config.kv_cache)
-        compiled = self._compiled_decode()
         # A compiled step retraces per batch size: hold the decode batch at bucket sizes.
         max_rows = self.config.max_num_seqs
         bucket = partial(decode_bucket, max_rows=max_rows) if compiled else None
@@ -168,7 +169,7 @@ class LLMEngine:
                      "compiled" if compiled_draft else "eager")  # fmt: skip
         self.runner = ModelRunner(
             loaded.model, self.states, sampler, compiled, batch_prefill, vision,
-            self.constraints, self.compiled_prompts, drafter,
+            self.constraints, self.compiled_prompts, drafter, chunks is not None,
         )  # fmt: skip
         warm = self.config.warm_up_seconds
         warm = (WARM_UP_GPU_SECONDS if gpu else 0.0) if warm is None else warm

@@ -9,6 +9,7 @@ execute (the forward, queued with mx.async_eval), sample (queued behind it), rea
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -35,6 +36,10 @@ from deltaserve.engine.types import SamplingParams
 from deltaserve.engine.vision.features import VisionInputs
 from deltaserve.models.qwen35 import Qwen35Model
 from deltaserve.models.state import ForwardGroup, text_positions
+
+# Times a later-chunk shape not traced yet runs eagerly next to decoding rows before it is
+# traced (ModelRunner._compiled_chunk)
+CHUNK_TRACE_AFTER = 2
 
 
 class TokenMasks(Protocol):
@@ -136,6 +141,8 @@ class ModelRunner:
     group each: on the GPU a prefill forward costs its op count, not its tokens.
     compiled_prompts: cohorts of fresh text prompts' first chunks run through that
     compiled forward instead of a group.
+    compile_chunks: a row's later prompt chunk runs through `compiled`'s chunk forward
+    instead of a group (`_compiled_chunk` says when).
     """
 
     def __init__(
@@ -149,6 +156,7 @@ class ModelRunner:
         masks: TokenMasks | None = None,
         compiled_prompts: CompiledPrefill | None = None,
         drafter: Drafter | None = None,
+        compile_chunks: bool = False,
     ) -> None:
         """vision: the image work of prompts with images (None: text only). masks: the
         grammar hook of constrained rows (None: none). drafter: speculative decoding's
@@ -163,6 +171,9 @@ class ModelRunner:
         self.rows = WorkerRows()
         self.compiled_prompts = compiled_prompts
         self.drafter = drafter
+        self.compile_chunks = compile_chunks and compiled is not None
+        # later-chunk shapes not traced yet -> times they came next to decoding rows
+        self._chunk_shapes_seen: Counter[tuple] = Counter()
         self._saved: list[mx.array] = []  # prefix-cache copies not yet started
         self._last_tokens: mx.array | None = None  # the last sampled step's tokens [N]
         # step -> compiled shapes it traced, until read back (a follower rank never reads
@@ -193,6 +204,9 @@ class ModelRunner:
         cohorts = self._cohorts(plan.prefill)
         fresh = {i: self._compiled_prompts(plan.prefill, c) for i, c in enumerate(cohorts)}
         fresh = {i: run for i, run in fresh.items() if run is not None}
+        for i, cohort in enumerate(cohorts):  # later chunks through the compiled forward
+            if i not in fresh and (run := self._compiled_chunk(plan, cohort)) is not None:
+                fresh[i] = run
         eager = [c for i, c in enumerate(cohorts) if i not in fresh]
         groups += [self._prefill_group(plan.prefill, c) for c in eager]
         if self.vision is not None:
@@ -250,7 +264,8 @@ class ModelRunner:
         return ModelOutput(plan.step, plan.sample_row_ids, logits, verify)
 
     def _shapes_run(self) -> int:
-        """How many compiled shapes (decode, verify, fresh prompts) have run so far."""
+        """How many compiled shapes (decode, verify, later chunks, fresh prompts) have run
+        so far."""
         compiled = len(self.compiled.shapes) if self.compiled is not None else 0
         prompts = self.compiled_prompts
         return compiled + (len(prompts.shapes) if prompts is not None else 0)
@@ -532,6 +547,37 @@ class ModelRunner:
         for chunk, state in zip(members, states, strict=True):
             self.states.prefill[chunk.row_id] = state
         return hidden, states
+
+    def _compiled_chunk(
+        self, plan: StepPlan, cohort: _Cohort
+    ) -> tuple[mx.array, list[BatchState]] | None:
+        """A row's later prompt chunk through the compiled chunk forward
+        (CompiledDecode.chunk): its [1, 1, H] last hidden state and the row's state,
+        updated in place. None (the eager path) for compile_chunks off, a cohort of
+        several rows, a first chunk, a split for a prefix-cache snapshot, a row with
+        images (its positions are not text positions) or one that speculates (the MTP
+        head reads every position), a store kind without a traced form, and a shape not
+        traced yet that came at most CHUNK_TRACE_AFTER times next to decoding rows: a
+        trace stalls every decoding row (~0.4 s on the H200, 0.8B), so a shape that
+        recurs pays it once and a rare one never; with no row decoding it traces at once."""
+        if not self.compile_chunks or len(cohort.chunk_indices) != 1:
+            return None
+        assert self.compiled is not None
+        chunk = plan.prefill[cohort.chunk_indices[0]]
+        row = self.rows.rows[chunk.row_id]
+        if chunk.start == 0 or chunk.snapshot_at or row.media is not None or row.speculative:
+            return None
+        state = self.states.prefill_state(chunk.row_id)
+        if not self.compiled.supports(state):
+            return None
+        shape = self.compiled.chunk_shape([chunk.length], state)
+        if shape not in self.compiled.shapes and plan.decode_row_ids:
+            self._chunk_shapes_seen[shape] += 1
+            if self._chunk_shapes_seen[shape] <= CHUNK_TRACE_AFTER:
+                return None
+        self._chunk_shapes_seen.pop(shape, None)
+        ids = row.prompt_ids[chunk.start : chunk.start + chunk.length]
+        return self.compiled.chunk([ids], [chunk.start], state), [state]
 
     def _fresh(self, members: list[PrefillChunk]) -> bool:
         """Whether these chunks are fresh text prompts' first chunks, whole (the compiled

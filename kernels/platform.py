@@ -38,6 +38,7 @@ FUSED_KERNEL_DEVICES = {
 GPU_DEFAULT_ON = (
     "compile_decode",
     "compile_prompt",
+    "compile_chunks",
     "compile_prefill",
     "batch_prefill",
     "pipeline_steps",
@@ -50,6 +51,7 @@ class PlatformSwitches(Protocol):
 
     compile_decode: bool | None
     compile_prompt: bool | None
+    compile_chunks: bool | None
     compile_prefill: bool | None
     batch_prefill: bool | None
     pipeline_steps: bool | None
@@ -72,6 +74,7 @@ class Platform:
     # Compiled paths and step shapes (engine/config.py says what each does)
     compile_decode: bool = False  # the decode step as one mx.compile'd call
     compile_prompt: bool = False  # fresh prompts' first chunk as one mx.compile'd call
+    compile_chunks: bool = False  # a prompt's later chunks as one mx.compile'd call
     compile_prefill: bool = False  # DeltaNet's prompt-chunk core compiled
     batch_prefill: bool = False  # prompt chunks of several requests as one padded group
     pipeline_steps: bool = False  # step N+1 queued before step N is read back

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from test_engine_batching import _drive as drive
 
+from deltaserve.engine import runner as runner_module
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.factory import kv_store_factory
 from deltaserve.engine.cache.kv import KVStore
@@ -23,6 +24,7 @@ from deltaserve.engine.compiled_prefill import (
     prompt_bucket,
 )
 from deltaserve.engine.config import EngineConfig, KVCacheConfig
+from deltaserve.engine.decode import CompiledDecode
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.types import GenerationRequest, SamplingParams
 from deltaserve.engine.warmup import cohort_shapes, decode_sizes, prompt_lengths, warm_up
@@ -109,6 +111,43 @@ def test_compiled_prompts_equal_eager_alone(loaded: LoadedModel, kind: str) -> N
                 _close(g, w)
 
 
+def _eager_chunk(loaded: LoadedModel, ids: list[int], start: int, state: BatchState) -> mx.array:
+    tokens = mx.array([ids], dtype=mx.int32)
+    group = ForwardGroup(tokens, text_positions([start], len(ids)), state.layers, outputs="last")
+    return loaded.model([group])[0]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_compiled_chunks_equal_eager(loaded: LoadedModel, kind: str) -> None:
+    """A row's later chunks through CompiledDecode.chunk, left-padded to their bucket
+    (25 tokens in 32, 16 in 16, 9 in 16) and chained, so that later ones start from a
+    row whose KV holds left padding, give the hidden state and row state of eager
+    chunks of that row; each chunk's bucket and capacity is the shape it reports."""
+    kv = KINDS[kind]
+    rng = np.random.default_rng(7)
+    prompt = [int(t) for t in rng.integers(100, 200000, size=70)]
+    got = BatchState.empty(loaded.config, kv_store_factory(kv))
+    want = BatchState.empty(loaded.config, kv_store_factory(kv))
+    for state in (got, want):
+        _eager_chunk(loaded, prompt[:20], 0, state)
+    compiled = CompiledDecode(loaded.model)
+    for a, b in [(20, 45), (45, 61), (61, 70)]:
+        shape = compiled.chunk_shape([b - a], got)
+        hidden = compiled.chunk([prompt[a:b]], [a], got)
+        assert shape in compiled.shapes and shape[1] == (1, 32 if b - a == 25 else 16)
+        want_hidden = _eager_chunk(loaded, prompt[a:b], a, want)
+        np.testing.assert_allclose(
+            np.array(hidden[0, -1]), np.array(want_hidden[0, -1]), rtol=TOL, atol=TOL
+        )
+        for got_layer, want_layer in zip(got.layers, want.layers, strict=True):
+            if isinstance(got_layer, KVStore):
+                assert got_layer.lengths() == want_layer.lengths() == [b]
+            for g, w in zip(_valid(got_layer), _valid(want_layer), strict=True):
+                _close(g, w)
+    kv_layer = next(layer for layer in got.layers if isinstance(layer, KVStore))
+    assert kv_layer.left_pad == [7 + 0 + 7]  # each chunk's padding joined the row's
+
+
 def _requests(count: int) -> list[GenerationRequest]:
     rng = np.random.default_rng(3)
     out = []
@@ -141,6 +180,61 @@ def test_engine_tokens_unchanged(loaded: LoadedModel, batch_prefill: bool) -> No
     engine = LLMEngine(loaded, dataclasses.replace(base, compile_prompt=True))
     assert engine.runner.compiled_prompts is not None
     assert _drive(engine, requests) == plain
+
+
+@pytest.mark.parametrize("trace_after", [0, 2])
+def test_engine_tokens_unchanged_with_compiled_chunks(
+    loaded: LoadedModel, trace_after: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Later chunks through the compiled chunk forward (prompts longer than a chunk; the
+    rest of a prompt after a prefix-cache hit, in a second round of the same prompts),
+    a shape traced at once or after it recurred next to decoding rows, give the eager
+    path's tokens, with joins and an abort; the chunk forward did run."""
+    monkeypatch.setattr(runner_module, "CHUNK_TRACE_AFTER", trace_after)
+    base = EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=64, max_prefill_chunk=24, compile_decode=True,
+        compile_prompt=True, batch_prefill=True, prefix_block_tokens=8, prefix_min_tokens=1,
+    )  # fmt: skip
+    first = _requests(8)
+    again = [dataclasses.replace(r, request_id=f"{r.request_id}b") for r in first]
+
+    def rounds(engine: LLMEngine) -> dict:
+        return {**_drive(engine, first), **_drive(engine, again)}
+
+    plain = rounds(LLMEngine(loaded, dataclasses.replace(base, compile_chunks=False)))
+    engine = LLMEngine(loaded, dataclasses.replace(base, compile_chunks=True))
+    assert engine.runner.compile_chunks
+    assert rounds(engine) == plain
+    assert any(shape[0] == "chunk" for shape in engine.runner.compiled.shapes)
+    assert engine.prefix_cache is not None and engine.prefix_cache.stats.hit_tokens > 0
+
+
+def test_a_chunk_shape_traces_once_it_recurs(loaded: LoadedModel) -> None:
+    """Next to decoding rows, a later-chunk shape not traced yet runs eagerly
+    CHUNK_TRACE_AFTER times, then compiled (a trace stalls every decoding row); with no
+    row decoding it traces at once."""
+    base = EngineConfig(
+        max_num_seqs=4, max_num_batched_tokens=128, max_prefill_chunk=48, compile_decode=True,
+        compile_chunks=True, prefix_cache=False, max_stall_factor=0,
+    )  # fmt: skip
+    engine = LLMEngine(loaded, base)
+    chunk_shapes = lambda: {s for s in engine.runner.compiled.shapes if s[0] == "chunk"}  # noqa: E731
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    engine.generate([list(range(100, 160))], params)  # alone: its later chunk (12) traces
+    alone = chunk_shapes()
+    assert alone
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    engine.add_request(GenerationRequest("d", (5, 6, 7), long))
+    while not engine.scheduler.state.decoding:
+        engine.step()
+    seen = []
+    for k in range(runner_module.CHUNK_TRACE_AFTER + 1):
+        # 48 + 40 tokens: the later chunk's bucket (64) is not traced yet
+        engine.add_request(GenerationRequest(f"p{k}", tuple(range(300, 388)), params))
+        while not any(o.request_id == f"p{k}" and o.finish_reason for o in engine.step()):
+            pass
+        seen.append(chunk_shapes() - alone)
+    assert seen[:-1] == [set()] * runner_module.CHUNK_TRACE_AFTER and seen[-1]
 
 
 def test_prefix_kv_stays_eager(loaded: LoadedModel) -> None:

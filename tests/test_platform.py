@@ -34,6 +34,7 @@ KERNELS = tuple(FUSED_KERNEL_DEVICES)
 STEP_SHAPES = (
     "compile_decode",
     "compile_prompt",
+    "compile_chunks",
     "compile_prefill",
     "batch_prefill",
     "pipeline_steps",
@@ -100,7 +101,7 @@ def test_log_line_says_device_dtype_blas_and_each_switch() -> None:
     line = profile.describe()
     assert "\n" not in line
     assert line.startswith("platform: metal (Apple M3), bfloat16, mlx 0.31.1; on: ")
-    assert "on: compile_decode, fused_rms_norm; off: compile_prompt, compile_prefill" in line
+    assert "on: compile_decode, fused_rms_norm; off: compile_prompt, compile_chunks," in line
     assert line.endswith("fused_deltanet_decode, fused_gated_delta_step") and "BLAS" not in line
     cpu_line = Platform("cpu", blas="OpenBLAS (/x.so)", pack_token_wise=True).describe()
     assert "; BLAS: OpenBLAS (/x.so); on: pack_token_wise; off: compile_decode" in cpu_line

@@ -1,0 +1,128 @@
+"""How many kernels each kind of step launches: the graph's primitives, counted on the CPU.
+
+    python -m bench.step_kernels --shape 0.8B --chunk 256 --rows 64
+
+On the H200 a step costs about its kernel launches (bench/README.md: a compiled decode
+step of 64 rows spent 7.1 of its 8.1 ms inside runner.execute), so the number of
+primitives a step's graph holds is a figure the CPU can give for the GPU. The GPU-only
+kernels (the DeltaNet prompt scan and decode token) are stubbed with one primitive each,
+as they launch there; the rest of the graph is the model's own. View-like primitives
+(reshape, slice, broadcast, transpose, ...) launch nothing and are counted apart.
+
+Counts, for the model at `--shape` with random weights (nothing is written to disk):
+a later prompt chunk of `--chunk` tokens eagerly (compiled DeltaNet core, as on a GPU)
+and through the compiled chunk forward (engine/decode.py), a fresh prompt's first chunk
+of that length compiled (engine/compiled_prefill.py), and the compiled decode step of
+`--rows` rows. Prints JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import io
+import json
+import re
+
+import mlx.core as mx
+from mlx.utils import tree_map
+
+VIEWS = {
+    "AsStrided", "Broadcast", "Copy", "ExpandDims", "Flatten", "Reshape", "Slice",
+    "Squeeze", "StopGradient", "Transpose", "Unflatten",
+}  # fmt: skip
+
+
+def count(arrays: list[mx.array]) -> dict:
+    """Primitives of the unevaluated graph behind `arrays`: kernels and views."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *arrays)
+    labels = collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', dot.getvalue()))
+    views = sum(n for name, n in labels.items() if name in VIEWS)
+    return {"kernels": sum(labels.values()) - views, "views": views}
+
+
+def _stub_gpu_kernels() -> None:
+    """The DeltaNet scan and decode kernels as one primitive each (the CPU runs their
+    references, hundreds of ops; a GPU launches one kernel)."""
+    import deltaserve.models.deltanet as deltanet
+
+    def scan(q, k, v, g, beta, ssm, mask=None, scan=False, every_state=False):
+        return v * beta[..., None].astype(v.dtype), ssm * 1.0
+
+    def decode(dims, proj, conv, ssm, *weights):
+        return proj[:, : dims.num_v_heads * dims.head_v_dim] * 1.0, conv * 1.0, ssm * 1.0
+
+    deltanet.gated_delta = scan
+    deltanet.dn_decode.deltanet_decode = decode
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shape", default="0.8B", help="deltaserve.models.testing shape name")
+    ap.add_argument("--chunk", type=int, default=256, help="prompt chunk tokens")
+    ap.add_argument("--rows", type=int, default=64, help="decode rows")
+    args = ap.parse_args()
+    _stub_gpu_kernels()
+    from deltaserve.engine.cache.batch import BatchState
+    from deltaserve.engine.compiled_prefill import CompiledPrefill
+    from deltaserve.engine.decode import CompiledDecode
+    from deltaserve.models.config import TextConfig
+    from deltaserve.models.qwen35 import Qwen35Model
+    from deltaserve.models.state import ForwardGroup, text_positions
+    from deltaserve.models.testing.config import SHAPES, text_config
+
+    cfg = TextConfig.from_dict(text_config(SHAPES[args.shape]))
+    model = Qwen35Model(cfg)
+    model.update(tree_map(lambda p: p * 0.02, model.parameters()))
+    model.fuse_projections()
+    mx.eval(model.parameters())
+    for layer in model.layers:
+        if not layer.is_full_attention:  # as on a GPU
+            layer.linear_attn.compile_prefill = True
+            layer.linear_attn.fused_decode = True
+
+    def arrays(state: BatchState) -> list[mx.array]:
+        return [a for layer in state.layers for a in layer.state_arrays()]
+
+    def started(length: int, rows: int = 1) -> BatchState:
+        state = BatchState.empty(cfg)
+        tokens = mx.zeros((rows, length), mx.int32)
+        group = ForwardGroup(tokens, text_positions([0] * rows, length), state.layers)
+        mx.eval(model([group]), arrays(state))
+        return state
+
+    def line(what: str, graph: list[mx.array]) -> None:
+        print(json.dumps({"what": what, "shape": args.shape, **count(graph)}), flush=True)
+        mx.eval(graph)
+
+    n, start = args.chunk, 64
+    state = started(start)
+    group = ForwardGroup(mx.zeros((1, n), mx.int32), text_positions([start], n), state.layers,
+                         outputs="last")  # fmt: skip
+    line(f"later chunk of {n}, eager", [model([group])[0], *arrays(state)])
+    chunks = CompiledDecode(model)
+    for run in range(2):  # the first call traces
+        state = started(start)
+        hidden = chunks.chunk([[0] * n], [start], state)
+        if run:
+            line(f"later chunk of {n}, compiled", [hidden, *arrays(state)])
+        mx.eval(hidden, arrays(state))
+    prompts = CompiledPrefill(model)
+    for run in range(2):
+        hidden, states = prompts([[0] * n], BatchState.empty(cfg))
+        graph = [hidden, *(a for s in states for a in arrays(s))]
+        if run:
+            line(f"first chunk of {n}, compiled", graph)
+        mx.eval(graph)
+    decode = started(8, args.rows)
+    steps = CompiledDecode(model)
+    for run in range(2):
+        logits = steps(mx.zeros((args.rows, 1), mx.int32), [8 + run] * args.rows, decode)
+        if run:
+            line(f"decode step of {args.rows} rows, compiled", [logits, *arrays(decode)])
+        mx.eval(logits, arrays(decode))
+
+
+if __name__ == "__main__":
+    main()
