@@ -202,19 +202,20 @@ class ModelRunner:
         if verify_drafts is not None and compiled_verify is None:
             groups.append(self._verify_group(plan, verify_drafts))
         cohorts = self._cohorts(plan.prefill)
-        fresh = {i: self._compiled_prompts(plan.prefill, c) for i, c in enumerate(cohorts)}
-        fresh = {i: run for i, run in fresh.items() if run is not None}
-        for i, cohort in enumerate(cohorts):  # later chunks through the compiled forward
-            if i not in fresh and (run := self._compiled_chunk(plan, cohort)) is not None:
-                fresh[i] = run
-        eager = [c for i, c in enumerate(cohorts) if i not in fresh]
+        # cohorts run by a compiled forward: fresh prompts' first chunks, later chunks
+        runs = {i: self._compiled_prompts(plan.prefill, c) for i, c in enumerate(cohorts)}
+        runs = {i: run for i, run in runs.items() if run is not None}
+        for i, cohort in enumerate(cohorts):
+            if i not in runs and (run := self._compiled_chunk(plan, cohort)) is not None:
+                runs[i] = run
+        eager = [c for i, c in enumerate(cohorts) if i not in runs]
         groups += [self._prefill_group(plan.prefill, c) for c in eager]
         if self.vision is not None:
             self.vision.release(plan.prefill, rows)
         hidden = self.model(groups) if groups else []
         eager_hidden = iter(hidden[len(groups) - len(eager) :])
         prefill_hidden = [
-            fresh[i][0] if i in fresh else next(eager_hidden) for i in range(len(cohorts))
+            runs[i][0] if i in runs else next(eager_hidden) for i in range(len(cohorts))
         ]
         last = [hidden[0][:, -1]] if plan.decode_row_ids and decode_logits is None else []
         last += self._last_prefill_hidden(plan.prefill, cohorts, prefill_hidden)
@@ -247,7 +248,7 @@ class ModelRunner:
         for j, (cohort, group) in enumerate(zip(eager, groups[first_eager:], strict=True)):
             layers += self._scatter(cohort, group)
             self._prompt_pairs(plan.prefill, cohort, group, hidden[first_eager + j])
-        layers += [layer for _, states in fresh.values() for s in states for layer in s.layers]
+        layers += [layer for _, states in runs.values() for s in states for layer in s.layers]
         # Start computing now (states of every group, even chunks that sample nothing, so
         # no lazy graph carries over to the next step); the sampler's work queues behind.
         pending = [a for layer in layers for a in layer.state_arrays()]
