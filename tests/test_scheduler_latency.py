@@ -470,22 +470,24 @@ def test_the_runner_reports_the_shapes_a_step_traced() -> None:
             assert traced and not any(traced)
 
 
-@pytest.mark.parametrize("later_fixed", [0.0, 0.017])
-def test_fresh_prompts_wait_whole_where_later_chunks_cost_more(later_fixed: float) -> None:
-    """Where a prompt's later chunk costs more than a first one (measured: a GPU's eager
-    later chunk against its compiled first chunk), prompts that fit a chunk run as one
-    chunk each instead of one starting with a step's leftover; without that (the CPU's
-    case, and a device where they cost alike) the leftover is used."""
+@pytest.mark.parametrize("later_fixed", [None, 0.0, 0.017])
+def test_fresh_prompts_wait_whole_where_chunk_costs_are_measured(
+    later_fixed: float | None,
+) -> None:
+    """Where a chunk's fixed cost was measured (a GPU; whether a later chunk's fixed part
+    is above a first one's or not), prompts that fit a chunk run as one chunk each
+    instead of one starting with a step's leftover; without a measurement (the CPU) the
+    leftover is used."""
     cost = FakeCost()
     cfg = EngineConfig(max_num_seqs=16, max_num_batched_tokens=512, max_prefill_chunk=512)
-    measured = ChunkCost(0.009, 3.3e-5, later_fixed)
+    measured = None if later_fixed is None else ChunkCost(0.009, 3.3e-5, later_fixed)
     s = Scheduler(cfg, MemoryBudget(10**9, StateCosts(10, 100)), 20000, cost, None, measured)
     for i in range(4):
         s.add(_req(f"p{i}", 300), EOS)
     chunks = []
     while any(r.is_prefilling for r in s.rows.values()) or s.state.waiting:
         chunks += [(c.row_id, c.start, c.length) for c in _step(s, cost).prefill]
-    if later_fixed:
+    if later_fixed is not None:
         assert chunks == [(f"p{i}/0", 0, 300) for i in range(4)]
     else:
         assert ("p1/0", 0, 212) in chunks and ("p1/0", 212, 88) in chunks

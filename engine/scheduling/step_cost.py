@@ -115,12 +115,6 @@ class ChunkCost:
     later_fixed_seconds: float = 0.0
 
     @property
-    def later_costs_more(self) -> bool:
-        """Whether a later chunk's fixed part is above a first chunk's (a GPU's compiled
-        first chunk against an eager later one)."""
-        return self.later_fixed_seconds > self.fixed_seconds
-
-    @property
     def most_fixed_seconds(self) -> float:
         """The larger fixed part: what a prompt split into chunks pays per chunk."""
         return max(self.fixed_seconds, self.later_fixed_seconds)
