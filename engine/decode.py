@@ -119,8 +119,9 @@ class SSMView:
 
 
 class CompiledDecode:
-    """Decode forward + logits for the decode batch, and the verify forward for the rows
-    that speculate, each compiled per input shape."""
+    """Decode forward + logits for the decode batch, the verify forward for the rows that
+    speculate, and a prompt's later chunk over its row's state, each compiled per input
+    shape."""
 
     def __init__(self, model: Qwen35Model) -> None:
         self.model = model
@@ -128,8 +129,9 @@ class CompiledDecode:
         self._verify_fn = mx.compile(self._verify_forward)
         self._chunk_fn = mx.compile(self._chunk_forward)
         self._stores: list[KVStore | SSMState] = []  # the layers of the traced call
-        # (verify?, tokens' shape, the KV arrays' shape) of each call so far: a new one
-        # was traced by that call (the runner reports it with the step)
+        # (verify?, tokens' shape, the KV arrays' shape) of each decode or verify call so
+        # far, ("chunk", (rows, bucket), KV capacity) of each chunk call: a new one was
+        # traced by that call (the runner reports it with the step)
         self.shapes: set[tuple] = set()
 
     @staticmethod
