@@ -11,9 +11,13 @@
 #   call 1 (carry .wa):  mkdir -p /tmp/parts && cp .wa/* /tmp/parts/
 #   call 2 (carry .wb):  bash bench/gpu_session.sh setup serve08     (~7 min: ~80 s start-up)
 #   call 3:              bash bench/gpu_session.sh serve9b            (~8 min)
-#   call 4:              bash bench/gpu_session.sh tests mixed
-#   call 5, 6:           bash bench/gpu_session.sh spec; bash bench/gpu_session.sh spec35
-#   call 7:              bash bench/gpu_session.sh serve35   (after spec35 wrote its checkpoint)
+#   call 4:              bash bench/gpu_session.sh mixed              (~9 min)
+#   call 5:              bash bench/gpu_session.sh tests              (~4 min)
+#   call 6, 7:           bash bench/gpu_session.sh spec; bash bench/gpu_session.sh spec35
+#   call 8:              bash bench/gpu_session.sh serve35   (after spec35 wrote its checkpoint)
+# A session's 30 device minutes hold calls 1-4 or 1-5 (2026-12-05: 9B was cut when the
+# time ran out after serve08): run them back to back, the machine is given back after
+# 30 s idle.
 #
 # Logs go under $OUT (the device tool brings them back); each step prints a short table.
 # The GPU machine has no matplotlib: plot here afterwards from the fetched logs, e.g.
@@ -47,7 +51,7 @@ tests() {  # the GPU-only kernels' tests, and the compiled paths against the eag
 
 mixed() {  # issue 30's mixed-step target: 64 decode rows + 256 prompt tokens <= 2x decode
     for fresh in "" "--eager-chunks" "--fresh"; do
-        timeout 200 python3 -m bench.mixed_step --shape 0.8B --rows 64 --sizes 16 256 \
+        timeout 180 python3 -m bench.mixed_step --shape 0.8B --rows 64 --sizes 16 256 \
             --prompt 2048 --reps 3 --skip-model $fresh >>"$OUT/mixed_step.log" 2>&1
     done
     grep '"engine_step"' "$OUT/mixed_step.log"
