@@ -177,7 +177,10 @@ class LLMEngine:
             new_state = partial(BatchState.empty, cfg, kv_factory)
             chunk = self.config.max_prefill_chunk
             columns = drafter.num_draft + 1 if drafter is not None else 0
-            warm_up(new_state, self.compiled_prompts, compiled, chunk, max_rows, warm, columns)
+            warm_up(
+                new_state, self.compiled_prompts, compiled, chunk, max_rows, warm, columns,
+                chunks is not None,
+            )  # fmt: skip
         self._inflight: _InFlight | None = None
 
     def _speculation(self) -> Speculation | None:

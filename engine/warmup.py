@@ -7,8 +7,10 @@ behind one new trace after another (H200, 0.8B: TTFT p99 5.2 s against p50 0.37 
 Here the engine runs them at start, most common first: fresh prompts alone at each length
 bucket up to a chunk, the decode batch at each row bucket up to max_num_seqs (first two
 KV capacities), with speculation the verify batch at each row bucket (first capacity),
-then cohorts of several prompts (every bucket the runner runs, the smaller first). What
-the time limit leaves out is traced on first use, as before.
+then cohorts of several prompts (every bucket the runner runs, the smaller first), and
+with compiled later chunks a long prompt's second and third full chunk (other later
+chunks trace once their shape recurs: engine/runner.py). What the time limit leaves out
+is traced on first use, as before.
 """
 
 from __future__ import annotations
@@ -63,11 +65,14 @@ def warm_up(
     max_rows: int,
     seconds: float,
     verify_columns: int = 0,
+    chunks: bool = False,
 ) -> int:
     """Run each shape of `_shapes` until `seconds` have passed; returns how many ran. The
-    states are thrown away. verify_columns: a speculative verify's k + 1 (0: none)."""
+    states are thrown away. verify_columns: a speculative verify's k + 1 (0: none);
+    chunks: later chunks run through `decode`'s chunk forward."""
     start, done = time.perf_counter(), 0
-    for run in _shapes(new_state, prompts, decode, max_chunk, max_rows, verify_columns):
+    shapes = _shapes(new_state, prompts, decode, max_chunk, max_rows, verify_columns, chunks)
+    for run in shapes:
         if time.perf_counter() - start > seconds:
             break
         run()
@@ -87,6 +92,7 @@ def _shapes(
     max_chunk: int,
     max_rows: int,
     verify_columns: int = 0,
+    chunks: bool = False,
 ) -> Iterator[Callable[[], None]]:
     """Runs of one shape each, the most common first."""
     lengths = prompt_lengths(max_chunk)
@@ -104,6 +110,9 @@ def _shapes(
     if prompts is not None and prompts.applies(new_state(), 1):
         for rows, length in cohort_shapes(max_chunk, max_rows):
             yield lambda rows=rows, length=length: _prompts(prompts, new_state, rows, length)
+    if chunks and decode is not None and CompiledDecode.supports(new_state()):
+        for start in (max_chunk, 2 * max_chunk):
+            yield lambda start=start: _chunk(decode, new_state, start, max_chunk)
 
 
 def cohort_shapes(max_chunk: int, max_rows: int) -> list[tuple[int, int]]:
@@ -125,6 +134,18 @@ def _prompts(
 ) -> None:
     hidden, states = prompts([[100] * length] * rows, new_state())
     mx.eval(hidden, *[a for s in states for layer in s.layers for a in layer.state_arrays()])
+
+
+def _chunk(
+    decode: CompiledDecode, new_state: Callable[[], BatchState], start: int, length: int
+) -> None:
+    """A later chunk of `length` tokens over a row that holds `start`."""
+    state = new_state()
+    tokens = mx.full((1, start), 100, mx.int32)
+    group = ForwardGroup(tokens, text_positions([0], start), state.layers, outputs="none")
+    decode.model([group])
+    hidden = decode.chunk([[100] * length], [start], state)
+    mx.eval(hidden, *[a for layer in state.layers for a in layer.state_arrays()])
 
 
 def _decode(

@@ -264,6 +264,11 @@ def test_warm_up_traces_each_shape_and_keeps_tokens(loaded: LoadedModel) -> None
     # with speculation (k = 2) the verify batch too, at each row bucket
     ran = warm_up(new_state, engine.compiled_prompts, engine.runner.compiled, 48, 4, 600.0, 3)
     assert ran == 3 + 3 * 3 + 3 + 1
+    # with compiled later chunks a long prompt's second and third full chunk too
+    decode = CompiledDecode(loaded.model)
+    assert warm_up(new_state, None, decode, 48, 4, 600.0, 0, True) == 3 * 3 + 2
+    chunk_shapes = {s for s in decode.shapes if s[0] == "chunk"}
+    assert chunk_shapes == {("chunk", (1, 64), 256)}  # 48 tokens' bucket, both in 256 columns
     requests = _requests(4)
     warm = LLMEngine(loaded, dataclasses.replace(base, warm_up_seconds=600.0))
     assert _drive(warm, requests) == _drive(engine, requests)
