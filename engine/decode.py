@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from deltaserve.engine.cache.batch import BatchState
-from deltaserve.engine.cache.kv import KVStore, round_capacity
+from deltaserve.engine.cache.kv import KVStore
 from deltaserve.engine.cache.ssm import SSMState
 from deltaserve.models.qwen35 import Qwen35Model
 from deltaserve.models.state import ForwardGroup
@@ -44,6 +44,21 @@ from deltaserve.models.state import ForwardGroup
 # Lengths up to a power of two up to 128, then a multiple of 128 (the DeltaNet scan walks
 # every padded column, so padding is not free)
 _LENGTH_STEP = 128
+
+
+# A later chunk's KV capacity: a power of two up to this many columns, then a multiple of it
+_CAPACITY_STEP = 8192
+
+
+def chunk_capacity(columns: int) -> int:
+    """The KV capacity a later chunk runs its row at, for `columns` in use after it: a
+    power of two >= 256 up to 8,192, then a multiple of 8,192. A trace is keyed by its
+    capacity, so the store's own (a multiple of 256) would make every few hundred
+    tokens of history a new shape; this keeps them few (9 up to 32k columns) at the
+    price of up to 2x one prefilling row's KV (at most 8,192 columns beyond 8,192)."""
+    if columns > _CAPACITY_STEP:
+        return -(-columns // _CAPACITY_STEP) * _CAPACITY_STEP
+    return max(256, 1 << (columns - 1).bit_length())
 
 
 def chunk_bucket(length: int) -> int:
@@ -165,19 +180,15 @@ class CompiledDecode:
         `shapes` once it has run): the bucketed block and the KV capacity it needs."""
         length_b = chunk_bucket(max(lengths))
         kv = [s for s in state.layers if isinstance(s, KVStore)]
-        capacity = 0
-        if kv:
-            store = kv[0]
-            capacity = store.capacity
-            if store.size + length_b > capacity:
-                capacity = round_capacity(store.size + length_b - 1)
+        capacity = chunk_capacity(kv[0].size + length_b) if kv else 0
         return ("chunk", (len(lengths), length_b), capacity)
 
     def chunk(
         self, prompts: Sequence[Sequence[int]], starts: Sequence[int], state: BatchState
     ) -> mx.array:
         """Rows holding state take their next prompt tokens: row p's `prompts[p]` from
-        position starts[p], left-padded to a bucketed length (`chunk_bucket`). Returns the
+        position starts[p], left-padded to a bucketed length (`chunk_bucket`), the rows'
+        KV stores reallocated at `chunk_capacity` columns if they have another. Returns the
         final-normed hidden state of each row's last token [P, 1, H]; stores the rows' new
         state in `state` as an eager forward of the unpadded chunk leaves it, but that the
         padding joins each KV row's left pad (the row's stored tokens move right over it,
@@ -192,9 +203,9 @@ class CompiledDecode:
             raise ValueError("a compiled chunk needs rows that hold state")
         if state.num_rows != rows:
             raise ValueError(f"{rows} chunks for a state of {state.num_rows} rows")
-        for store in kv:
-            store.reserve(length_b)
         size = kv[0].size if kv else 0
+        for store in kv:
+            store.reserve(length_b, chunk_capacity(size + length_b))
         old_pad = kv[0].left_pad if kv else [0] * rows
         left_pad = [p + pad for p, pad in zip(old_pad, pads, strict=True)]
         flat = [a for s in kv for a in s.arrays] + [a for s in ssm for a in (s.conv, s.ssm)]

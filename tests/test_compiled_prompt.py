@@ -24,7 +24,7 @@ from deltaserve.engine.compiled_prefill import (
     prompt_bucket,
 )
 from deltaserve.engine.config import EngineConfig, KVCacheConfig
-from deltaserve.engine.decode import CompiledDecode
+from deltaserve.engine.decode import CompiledDecode, chunk_capacity
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.types import GenerationRequest, SamplingParams
 from deltaserve.engine.warmup import cohort_shapes, decode_sizes, prompt_lengths, warm_up
@@ -130,11 +130,17 @@ def test_compiled_chunks_equal_eager(loaded: LoadedModel, kind: str) -> None:
     want = BatchState.empty(loaded.config, kv_store_factory(kv))
     for state in (got, want):
         _eager_chunk(loaded, prompt[:20], 0, state)
+    for layer in got.layers:  # a capacity no chunk runs at (as a restored row may have)
+        if isinstance(layer, KVStore):
+            layer.reserve(0, 768)
     compiled = CompiledDecode(loaded.model)
     for a, b in [(20, 45), (45, 61), (61, 70)]:
         shape = compiled.chunk_shape([b - a], got)
         hidden = compiled.chunk([prompt[a:b]], [a], got)
         assert shape in compiled.shapes and shape[1] == (1, 32 if b - a == 25 else 16)
+        assert shape[2] == 256 and all(
+            layer.capacity == 256 for layer in got.layers if isinstance(layer, KVStore)
+        )
         want_hidden = _eager_chunk(loaded, prompt[a:b], a, want)
         np.testing.assert_allclose(
             np.array(hidden[0, -1]), np.array(want_hidden[0, -1]), rtol=TOL, atol=TOL
@@ -146,6 +152,14 @@ def test_compiled_chunks_equal_eager(loaded: LoadedModel, kind: str) -> None:
                 _close(g, w)
     kv_layer = next(layer for layer in got.layers if isinstance(layer, KVStore))
     assert kv_layer.left_pad == [7 + 0 + 7]  # each chunk's padding joined the row's
+
+
+def test_chunk_capacities() -> None:
+    """A later chunk's KV capacity: powers of two from 256 up to 8,192, then multiples of
+    8,192 (few traced shapes), always the room the chunk needs."""
+    got = [chunk_capacity(n) for n in (1, 256, 257, 5000, 8192, 8193, 20000)]
+    assert got == [256, 256, 512, 8192, 8192, 16384, 24576]
+    assert len({chunk_capacity(n) for n in range(1, 32769)}) == 9
 
 
 def _requests(count: int) -> list[GenerationRequest]:

@@ -155,15 +155,23 @@ class KVStore:
         """Columns allocated (used + free)."""
         return 0 if self.arrays is None else int(self.arrays[0].shape[2])
 
-    def reserve(self, columns: int) -> None:
-        """Make room for `columns` more columns (copies the store only when it grows).
-        Needs existing arrays: their shapes say what the new columns look like."""
+    def reserve(self, columns: int, capacity: int | None = None) -> None:
+        """Make room for `columns` more columns (copies the store only when it grows), or
+        with `capacity` (at least that room) reallocate at exactly that many columns
+        unless the store has them already. Needs existing arrays: their shapes say what
+        the new columns look like."""
         assert self.arrays is not None, "reserve() on a store that holds nothing yet"
-        if self.size + columns > self.capacity:
+        if capacity is not None:
+            assert capacity >= self.size + columns, "a capacity without the room asked for"
+            if capacity != self.capacity:
+                self.arrays = self._grown(self.arrays, self.size + columns, capacity)
+        elif self.size + columns > self.capacity:
             self.arrays = self._grown(self.arrays, self.size + columns)
 
-    def _grown(self, template: list[mx.array], needed: int) -> list[mx.array]:
-        capacity = round_capacity(needed - 1)
+    def _grown(
+        self, template: list[mx.array], needed: int, capacity: int | None = None
+    ) -> list[mx.array]:
+        capacity = capacity or round_capacity(needed - 1)
         grown = []
         for i, t in enumerate(template):
             a = mx.zeros((t.shape[0], t.shape[1], capacity, t.shape[3]), dtype=t.dtype)
