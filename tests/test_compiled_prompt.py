@@ -1,7 +1,8 @@
-"""Fresh prompts' first chunk as one compiled forward (engine/compiled_prefill.py), on the
-CPU and on a GPU (bench/gpu_session.sh): the hidden state and every layer's row state
-equal an eager forward of each prompt alone, for every KV kind, and the engine's tokens
-do not change with it on."""
+"""Fresh prompts' first chunk as one compiled forward (engine/compiled_prefill.py), and a
+prompt's later chunks as one (CompiledDecode.chunk, engine/decode.py), on the CPU and on
+a GPU (bench/gpu_session.sh): the hidden state and every layer's row state equal an
+eager forward, for every KV kind, and the engine's tokens do not change with them on;
+warm-up traces their shapes."""
 
 from __future__ import annotations
 
