@@ -74,6 +74,18 @@ class SamplingParams:
             return None
         return close[j]
 
+    def may_force_within(self, output_ids: Sequence[int], count: int) -> bool:
+        """Whether one of the next `count` tokens after `output_ids` may be forced
+        (forced_token). A speculative verify writes up to k + 1 tokens at once and forces
+        none, so a row with a thinking budget drafts only in steps where this is False."""
+        if self.max_thinking_tokens is None:
+            return False
+        budget = self.max_thinking_tokens
+        if self.thinking_end_id in output_ids[:budget]:
+            return False
+        written = len(output_ids)
+        return written + count > budget and written < budget + len(self.thinking_close_ids)
+
     def __post_init__(self) -> None:
         finite = all(
             math.isfinite(v)

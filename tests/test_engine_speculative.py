@@ -364,6 +364,49 @@ def test_max_tokens_and_stop_tokens_inside_an_accepted_run(loaded: LoadedModel) 
     assert seen == {K}
 
 
+def test_thinking_budget_rows_speculate_around_their_forced_close(
+    loaded: LoadedModel,
+) -> None:
+    """Rows with a thinking budget draft (every draft right) except in steps whose k + 1
+    tokens could reach the forced close: their output, the forced "\n</think>\n\n"
+    included at the budget, is the plain engine's, and they did speculate before and
+    after it (budgets 3 and 7 put the close at different offsets of a verify run)."""
+    prompts = _prompts(2, seed=6)
+    close = (198, 151668, 271)
+
+    def params(budget: int, max_tokens: int = 16) -> SamplingParams:
+        return _greedy(
+            max_tokens=max_tokens, max_thinking_tokens=budget, thinking_close_ids=close,
+            thinking_end_id=close[1],
+        )  # fmt: skip
+
+    joins = {0: [GenerationRequest(f"r{i}", tuple(p), params(3 + 4 * i))
+                 for i, p in enumerate(prompts)]}  # fmt: skip
+    longer = {0: [dataclasses.replace(r, params=params(r.params.max_thinking_tokens, 16 + K + 1))
+                  for r in joins[0]]}  # fmt: skip
+    plain_engine = LLMEngine(loaded, SMALL)
+    oracle = {f"{rid}/{i}": t for (rid, i), t in _drive(plain_engine, longer).items()}
+    plain = _drive(LLMEngine(loaded, SMALL), joins)
+    for i, budget in enumerate((3, 7)):
+        assert tuple(plain[(f"r{i}", 0)][budget : budget + 3]) == close  # forced there
+    engine = LLMEngine(loaded, _spec())
+    seen = force_drafts(engine, oracle, lambda row, r, k: k)  # never corrupted
+    assert _drive(engine, joins) == plain
+    assert seen == {K} and engine.speculation.stats.num_drafted >= 4 * K
+
+
+def test_forcing_window_of_a_verify() -> None:
+    """may_force_within: whether the next `count` tokens reach the forced close (budget
+    4, a 3-token close: output indices 4, 5 and 6), unless `</think>` came in time."""
+    p = SamplingParams(max_thinking_tokens=4, thinking_close_ids=(7, 8, 9), thinking_end_id=8)
+    assert not p.may_force_within([1, 2], 2)  # writes indices 2, 3
+    assert p.may_force_within([1, 2], 3)  # ... and 4
+    assert p.may_force_within([1, 2, 3, 4, 7, 8], 3)  # index 6 is the close's last
+    assert not p.may_force_within([1, 2, 3, 4, 7, 8, 9], 3)  # closed: free again
+    assert not p.may_force_within([1, 8, 3], 3)  # the model closed within the budget
+    assert not SamplingParams().may_force_within([], 100)
+
+
 def test_logprobs_per_accepted_token(loaded: LoadedModel) -> None:
     """Each accepted token carries its own logprob and top logprobs, as without."""
     prompts = _prompts(3, seed=5)

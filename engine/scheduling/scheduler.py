@@ -32,7 +32,7 @@ from deltaserve.engine.scheduling.prefill_policy import (
     RunAhead,
     StallBound,
 )
-from deltaserve.engine.scheduling.speculation import Speculation, may_speculate
+from deltaserve.engine.scheduling.speculation import Speculation
 from deltaserve.engine.scheduling.state import SchedulerState
 from deltaserve.engine.scheduling.step_cost import ChunkCost, StepCostModel, StepTimer
 from deltaserve.engine.types import (
@@ -120,7 +120,7 @@ class Scheduler:
         if any(r.request_id == gen.request_id for r in live):
             raise InvalidRequestError(f"request id {gen.request_id!r} is already in use", None)
         choices = choices_of(gen, eos_ids, media, self.max_context)
-        if self.speculation is not None and may_speculate(gen.params):
+        if self.speculation is not None and gen.params.speculative:
             for r in choices:
                 r.speculative, r.draft_slack = True, self.speculation.num_draft
         need = sum(self.budget.row_bytes(r.max_total_tokens(), r.speculative) for r in choices)

@@ -3,8 +3,9 @@
 A row may speculate (engine/speculative.py) when its request allows it
 (SamplingParams.speculative), greedy or sampled, with logit_bias and penalties and with
 a grammar (each verify column's logits are processed with the drafts before it as
-output, and masked by the grammar after them); not with a thinking budget (its forced
-tokens come from the step's own count).
+output, and masked by the grammar after them), and with a thinking budget except in the
+steps whose k + 1 tokens could reach its forced close (SamplingParams.may_force_within:
+a verify forces no token, so those steps decode plainly).
 
 A speculating row's step costs a verify of k + 1 tokens (and k head passes) instead of
 one decode token; it pays when enough drafts are accepted. How many is the device's
@@ -32,7 +33,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from deltaserve.engine.request import Request
-from deltaserve.engine.types import SamplingParams
 
 WINDOW_STEPS = 8  # verify steps a row's acceptance rate is measured over
 # Below this share of accepted drafts a row stops drafting while the break-even is not
@@ -43,11 +43,6 @@ COST_WINDOW = 32  # the most recent timed verify steps the break-even is measure
 PAUSE_STEPS = 64  # plain decode steps before a row that stopped drafting tries again
 MAX_PAUSE_STEPS = 1024  # the longest pause after failed probes (each doubles it)
 PROBE_STEPS = 2  # verify steps a retry is judged on
-
-
-def may_speculate(params: SamplingParams) -> bool:
-    """Whether a row with these parameters can speculate (the module docstring)."""
-    return params.speculative and params.max_thinking_tokens is None
 
 
 @dataclass
@@ -101,9 +96,12 @@ class Speculation:
         return max(extra / sum(u for _, u in self._costs), 0.0)
 
     def speculates(self, req: Request, step: int) -> bool:
-        """Whether `req`'s row drafts in `step`: it may, is not paused, and has more than
-        one token left to write (a last token gains nothing from drafts)."""
+        """Whether `req`'s row drafts in `step`: it may, is not paused, has more than one
+        token left to write (a last token gains nothing from drafts), and none of the
+        k + 1 it could write is forced (a thinking budget's close)."""
         if not req.speculative:
+            return False
+        if req.params.may_force_within(req.output_ids, self.num_draft + 1):
             return False
         left = min(req.params.max_tokens - len(req.output_ids), req.max_context - req.num_tokens)
         record = self._rows.get(req.row_id)
