@@ -47,10 +47,26 @@ def _stub_gpu_kernels() -> None:
     references, hundreds of ops; a GPU launches one kernel)."""
     import deltaserve.models.deltanet as deltanet
 
-    def scan(q, k, v, g, beta, ssm, mask=None, scan=False, every_state=False):
+    def scan(
+        q: mx.array,
+        k: mx.array,
+        v: mx.array,
+        g: mx.array,
+        beta: mx.array,
+        ssm: mx.array,
+        mask: mx.array | None = None,
+        scan: bool = False,
+        every_state: bool = False,
+    ) -> tuple[mx.array, mx.array]:
         return v * beta[..., None].astype(v.dtype), ssm * 1.0
 
-    def decode(dims, proj, conv, ssm, *weights):
+    def decode(
+        dims: deltanet.dn_decode.DecodeDims,
+        proj: mx.array,
+        conv: mx.array,
+        ssm: mx.array,
+        *weights: mx.array,
+    ) -> tuple[mx.array, mx.array, mx.array]:
         return proj[:, : dims.num_v_heads * dims.head_v_dim] * 1.0, conv * 1.0, ssm * 1.0
 
     deltanet.gated_delta = scan
