@@ -44,8 +44,6 @@ from deltaserve.models.state import ForwardGroup
 # Lengths up to a power of two up to 128, then a multiple of 128 (the DeltaNet scan walks
 # every padded column, so padding is not free)
 _LENGTH_STEP = 128
-
-
 # A later chunk's KV capacity: a power of two up to this many columns, then a multiple of it
 _CAPACITY_STEP = 8192
 
@@ -194,7 +192,8 @@ class CompiledDecode:
         padding joins each KV row's left pad (the row's stored tokens move right over it,
         as KVStore.store does for padding after real tokens)."""
         rows, stores = len(prompts), state.layers
-        length_b = chunk_bucket(max(len(p) for p in prompts))
+        shape = self.chunk_shape([len(p) for p in prompts], state)
+        _, (_, length_b), capacity = shape
         pads = [length_b - len(p) for p in prompts]
         ids = [[0] * pad + list(p) for pad, p in zip(pads, prompts, strict=True)]
         kv = [s for s in stores if isinstance(s, KVStore)]
@@ -205,12 +204,12 @@ class CompiledDecode:
             raise ValueError(f"{rows} chunks for a state of {state.num_rows} rows")
         size = kv[0].size if kv else 0
         for store in kv:
-            store.reserve(length_b, chunk_capacity(size + length_b))
+            store.reserve(length_b, capacity)
         old_pad = kv[0].left_pad if kv else [0] * rows
         left_pad = [p + pad for p, pad in zip(old_pad, pads, strict=True)]
         flat = [a for s in kv for a in s.arrays] + [a for s in ssm for a in (s.conv, s.ssm)]
         self._stores = stores
-        self.shapes.add(("chunk", (rows, length_b), kv[0].capacity if kv else 0))
+        self.shapes.add(shape)
         hidden, *new = self._chunk_fn(
             mx.array(ids, dtype=mx.int32),
             mx.array(starts, dtype=mx.int32),

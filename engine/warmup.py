@@ -136,14 +136,22 @@ def _prompts(
     mx.eval(hidden, *[a for s in states for layer in s.layers for a in layer.state_arrays()])
 
 
+def _holding(
+    decode: CompiledDecode, new_state: Callable[[], BatchState], length: int
+) -> BatchState:
+    """A one-row state that holds `length` tokens (lazy: the caller's eval computes it)."""
+    state = new_state()
+    tokens = mx.full((1, length), 100, mx.int32)
+    group = ForwardGroup(tokens, text_positions([0], length), state.layers, outputs="none")
+    decode.model([group])
+    return state
+
+
 def _chunk(
     decode: CompiledDecode, new_state: Callable[[], BatchState], start: int, length: int
 ) -> None:
     """A later chunk of `length` tokens over a row that holds `start`."""
-    state = new_state()
-    tokens = mx.full((1, start), 100, mx.int32)
-    group = ForwardGroup(tokens, text_positions([0], start), state.layers, outputs="none")
-    decode.model([group])
+    state = _holding(decode, new_state, start)
     hidden = decode.chunk([[100] * length], [start], state)
     mx.eval(hidden, *[a for layer in state.layers for a in layer.state_arrays()])
 
@@ -157,10 +165,7 @@ def _decode(
 ) -> None:
     """A decode step of `rows` rows of `length` tokens each (its KV capacity bucket), or
     with verify_columns a speculative verify of that many columns per row."""
-    state = new_state()
-    tokens = mx.full((1, length), 100, mx.int32)
-    group = ForwardGroup(tokens, text_positions([0], length), state.layers, outputs="none")
-    decode.model([group])
+    state = _holding(decode, new_state, length)
     for _ in range(rows - 1):
         state.merge(state.extract(0))
     if verify_columns:

@@ -82,11 +82,7 @@ class Scheduler:
         hooks = (*on_release, speculation.release) if speculation is not None else on_release
         self.state = SchedulerState(RowTable(budget, hooks))
         self.step_cost = StepCostModel(chunk_cost)
-        # where a chunk's fixed cost was measured (a GPU), a fresh prompt is not split
-        # across steps to fill one (Chunking.whole_prompts): the split pays a second fixed
-        # part, and its rest runs as a later chunk, whose shape (bucketed by length and KV
-        # capacity) is often not traced yet and then runs eagerly (H200, 0.8B: 17.0 ms
-        # fixed against 8.9 for a compiled first chunk)
+        # whole prompts where a chunk's fixed cost was measured (a GPU): Chunking says why
         whole = chunk_cost is not None
         self.chunking = Chunking(self.state, config, prefix, snapshot_in_chunk, whole)
         self.admission = Admission(self.state, config, budget, prefix, self.chunking)
