@@ -24,11 +24,12 @@ import mlx.core as mx
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.kv import KVStore, with_headroom
 from deltaserve.engine.cache.ssm import SSMState
-from deltaserve.engine.decode import SSMView, chunk_bucket
+from deltaserve.engine.decode import SSMView
+from deltaserve.engine.shapes import chunk_bucket
 from deltaserve.models.qwen35 import Qwen35Model
 from deltaserve.models.state import ForwardGroup
 
-# Rows up to a power of two (lengths: engine/decode.py's chunk_bucket)
+# Rows up to a power of two (lengths: engine/shapes.py's chunk_bucket)
 MAX_ROWS = 16
 
 

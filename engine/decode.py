@@ -38,33 +38,9 @@ import mlx.core as mx
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.kv import KVStore
 from deltaserve.engine.cache.ssm import SSMState
+from deltaserve.engine.shapes import chunk_bucket, chunk_capacity
 from deltaserve.models.qwen35 import Qwen35Model
 from deltaserve.models.state import ForwardGroup
-
-# Lengths up to a power of two up to 128, then a multiple of 128 (the DeltaNet scan walks
-# every padded column, so padding is not free)
-_LENGTH_STEP = 128
-# A later chunk's KV capacity: a power of two up to this many columns, then a multiple of it
-_CAPACITY_STEP = 8192
-
-
-def chunk_capacity(columns: int) -> int:
-    """The KV capacity a later chunk runs its row at, for `columns` in use after it: a
-    power of two >= 256 up to 8,192, then a multiple of 8,192. A trace is keyed by its
-    capacity, so the store's own (a multiple of 256) would make every few hundred
-    tokens of history a new shape; this keeps them few (9 up to 32k columns) at the
-    price of up to 2x one prefilling row's KV (at most 8,192 columns beyond 8,192)."""
-    if columns > _CAPACITY_STEP:
-        return -(-columns // _CAPACITY_STEP) * _CAPACITY_STEP
-    return max(256, 1 << (columns - 1).bit_length())
-
-
-def chunk_bucket(length: int) -> int:
-    """The traced length of a prompt chunk of `length` tokens (here and in
-    engine/compiled_prefill.py): a power of two >= 16 up to 128, then a multiple of 128."""
-    if length <= _LENGTH_STEP:
-        return max(16, 1 << max(length - 1, 0).bit_length())
-    return -(-length // _LENGTH_STEP) * _LENGTH_STEP
 
 
 class KVView:

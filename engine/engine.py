@@ -146,6 +146,7 @@ class LLMEngine:
             snapshot_in_chunk=in_chunk,
             on_release=(self.constraints.release,),  # a row's matcher goes with it
             speculation=self.speculation,
+            compiled_chunks=chunks is not None,
         )
         kv_factory = kv_store_factory(self.config.kv_cache)
         # A compiled step retraces per batch size: hold the decode batch at bucket sizes.

@@ -59,7 +59,7 @@ class Request:
     # their tower passes have been scheduled.
     media: PromptMedia | None = None
     vision: VisionProgress = field(default_factory=VisionProgress)
-    vision_reserved: int = 0  # budget bytes held for the tower until prefill ends
+    prefill_reserved: int = 0  # budget bytes held until prefill ends (Admission.prefill_bytes)
     # Speculative decoding (engine/scheduling/speculation.py): whether the row may draft,
     # the extra columns a verify may write past its last token (reserved with the row),
     # and its drafts verified and accepted so far

@@ -33,7 +33,8 @@ class RowTable:
 
     def add(self, joining: Sequence[Request], extra_bytes: int = 0) -> None:
         """Give `joining` (a request's choices) their rows and budget shares; `extra_bytes`
-        go to the first (the vision tower's memory while its prompt is prefilled)."""
+        go to the first (what its row holds only while its prompt is prefilled:
+        Admission.prefill_bytes)."""
         for req in joining:
             req.reserved_bytes = self.budget.row_bytes(req.max_total_tokens(), req.speculative)
             self.budget.reserve(req.reserved_bytes)

@@ -100,6 +100,41 @@ def test_filter_to_nothing_and_merge_into_empty() -> None:
     np.testing.assert_array_equal(_row_tokens(batch, 0), np.array(tokens[0]))
 
 
+def _padded_row(length: int, pad: int, seed: int, capacity: int) -> tuple[KVStore, mx.array]:
+    """A B=1 store of `length` tokens after `pad` columns of its own left padding, at
+    `capacity` columns: what a compiled later chunk leaves (engine/decode.py)."""
+    store, tokens = _row_store(length, seed)
+    store.reserve(0, capacity)  # reallocated at the capacity bucket, as CompiledDecode.chunk
+    store.arrays = [
+        mx.concatenate([mx.zeros((*a.shape[:2], pad, a.shape[3]), a.dtype), a], axis=2)[
+            :, :, :capacity
+        ]
+        for a in store.arrays
+    ]
+    store.left_pad, store.size = [pad], pad + length
+    return store, tokens
+
+
+def test_merge_drops_padding_every_row_of_a_side_shares() -> None:
+    """Rows arriving with their own left padding (a compiled later chunk's) and at a
+    capacity bucket join without either: into an empty store and into rows already there,
+    the columns that are padding for every row of a side go, and the buffer is rebuilt at
+    round_capacity. Each row still holds exactly its tokens."""
+    batch = FullPrecisionKV()
+    first, tokens_a = _padded_row(5, pad=11, seed=1, capacity=1024)
+    batch.merge(first)
+    assert batch.size == 5 and batch.left_pad == [0] and batch.capacity == 256
+    second, tokens_b = _padded_row(9, pad=40, seed=2, capacity=2048)
+    batch.merge(second)
+    assert batch.size == 9 and batch.left_pad == [4, 0] and batch.capacity == 256
+    np.testing.assert_array_equal(_row_tokens(batch, 0), np.array(tokens_a[0]))
+    np.testing.assert_array_equal(_row_tokens(batch, 1), np.array(tokens_b[0]))
+    plain, tokens_c = _row_store(3, seed=3)  # an unpadded row joins as before
+    batch.merge(plain)
+    assert batch.size == 9 and batch.left_pad == [4, 0, 6]
+    np.testing.assert_array_equal(_row_tokens(batch, 2), np.array(tokens_c[0]))
+
+
 def test_batched_attention_equals_each_row_alone() -> None:
     """One decode step over a left-padded batch equals the same step per row."""
     lengths = [3, 8, 1, 5]

@@ -25,8 +25,9 @@ from deltaserve.engine.compiled_prefill import (
     prompt_bucket,
 )
 from deltaserve.engine.config import EngineConfig, KVCacheConfig
-from deltaserve.engine.decode import CompiledDecode, chunk_capacity
+from deltaserve.engine.decode import CompiledDecode
 from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.shapes import chunk_capacity
 from deltaserve.engine.types import GenerationRequest, SamplingParams
 from deltaserve.engine.warmup import cohort_shapes, decode_sizes, prompt_lengths, warm_up
 from deltaserve.models.build import LoadedModel, load_model

@@ -15,14 +15,16 @@ from deltaserve.engine.types import GenerationRequest, InvalidRequestError, Samp
 EOS = frozenset({0})
 
 
-def _scheduler(budget_bytes: int = 10**9, **kw) -> Scheduler:
+def _scheduler(budget_bytes: int = 10**9, compiled_chunks: bool = False, **kw) -> Scheduler:
     cfg = EngineConfig(
         **{"max_num_seqs": 4, "max_num_batched_tokens": 16, "max_prefill_chunk": 8, **kw}
     )
     # A clock that never moves: no step time is observed, so the latency bound stays off
     # and these tests see the token budget alone (tests/test_scheduler_latency.py: the bound).
     budget = MemoryBudget(budget_bytes, StateCosts(10, 100))
-    return Scheduler(cfg, budget, max_context=1000, clock=lambda: 0.0)
+    return Scheduler(
+        cfg, budget, max_context=1000, clock=lambda: 0.0, compiled_chunks=compiled_chunks
+    )
 
 
 def _req(rid: str, prompt_len: int, max_tokens: int = 4, n: int = 1) -> GenerationRequest:
@@ -141,6 +143,52 @@ def test_waiting_prompts_share_the_prefill_budget() -> None:
     _run(s, out)
     out = s.schedule()  # short decodes now: 63 tokens for long (39 to go) and c (40)
     assert [(c.row_id, c.length) for c in out.prefill] == [("long/0", 39), ("c/0", 24)]
+
+
+def test_compiled_chunks_fill_their_bucket_unless_they_finish_the_prompt() -> None:
+    """With later chunks compiled (engine/shapes.py), a chunk that does not finish its
+    prompt grows to the length its traced forward computes anyway, so its padding never
+    becomes the row's left padding; the last chunk keeps its own length. Without, the
+    same allowances give chunks of their exact size."""
+    lengths = {}
+    for compiled in (False, True):
+        s = _scheduler(max_num_batched_tokens=200, max_prefill_chunk=256, compiled_chunks=compiled)
+        s.add(_req("a", 300, max_tokens=1), EOS)
+        chunks: list[int] = []
+        while sum(chunks) < 300:
+            out = s.schedule()
+            chunks += [c.length for c in out.prefill]
+            _run(s, out)
+        lengths[compiled] = chunks
+    assert lengths[False] == [200, 100]
+    assert lengths[True] == [256, 44]  # 200 -> its bucket (256); the last one as it is
+
+
+def test_compiled_chunks_reserve_their_kv_capacity_while_prefilling() -> None:
+    """A prefilling row whose later chunks run compiled holds a KV capacity bucket
+    (engine/shapes.py's prefill_columns: 600 prompt tokens -> 1,024 columns) beyond its
+    own reservation (prompt + max_tokens = 604): admission counts it, and it is given
+    back when the prefill ends; the row's own share stays."""
+    per_row = 100 + 10 * 604
+    for compiled, held in ((False, per_row), (True, per_row + 10 * (1024 - 604))):
+        s = _scheduler(max_num_batched_tokens=512, max_prefill_chunk=512, compiled_chunks=compiled)
+        s.add(_req("a", 600), EOS)
+        _run(s, s.schedule())
+        assert s.budget.reserved == held
+        while s.rows["a/0"].is_prefilling:
+            _run(s, s.schedule())
+        _run(s, s.schedule())  # the row decodes: its prefill has ended
+        assert s.rows["a/0"].num_computed > 600
+        assert s.budget.reserved == per_row
+    # room for two such rows, not for two buckets: the second waits for the first's prefill
+    for compiled, admitted in ((False, ["a/0", "b/0"]), (True, ["a/0"])):
+        s = _scheduler(2 * per_row + 1000, max_num_batched_tokens=1024, max_prefill_chunk=512,
+                       compiled_chunks=compiled)  # fmt: skip
+        s.add(_req("a", 600), EOS)
+        s.add(_req("b", 600), EOS)
+        assert [c.row_id for c in s.schedule().prefill] == admitted
+    with pytest.raises(InvalidRequestError, match="memory budget"):  # never fits: refused
+        _scheduler(per_row + 1000, compiled_chunks=True).add(_req("c", 600), EOS)
 
 
 def test_n_choices_fork_after_one_prefill() -> None:

@@ -7,7 +7,9 @@ holds rows x the longest row's columns: `padding` charges that difference for th
 running now (the scheduler sets it as rows come and go), so one long row makes short
 rows cost what they really cost. The prefix cache reserves here too. A row that may
 speculate also holds the MTP head's KV (one full-precision full-attention layer, a
-column per token: engine/speculative.py), reserved with it.
+column per token: engine/speculative.py), reserved with it. What a row holds only while
+its prompt is prefilled (the vision tower's activations, a compiled later chunk's KV
+capacity bucket) is reserved until its prefill ends (Admission.prefill_bytes).
 Not counted, and covered only by the default budget being half of the memory left: KV
 capacity headroom (up to 256 free columns per store) and the dead rows that hold a
 compiled decode batch at its bucket size (engine/cache/rows.py).

@@ -5,7 +5,8 @@ axis: row b's real tokens occupy columns left_pad[b] .. size-1. New tokens are w
 the shared right edge, so a step appends one slice for the whole batch.
 
 Row ops (all return or keep an independent store, never a view of another batch):
-  merge   join rows: left-pad the shorter store so right edges align
+  merge   join rows: left-pad the shorter store so right edges align; drop padding
+          every row of a side shares
   filter  keep some rows; drop leading columns that are padding for every survivor
   extract copy one row out as a B=1 store with no padding
   rollback forget each row's own number of newest tokens (rejected speculative drafts)
@@ -233,13 +234,24 @@ class KVStore:
         return out
 
     def merge(self, other: KVStore) -> None:
-        """Append `other`'s rows after ours, left-padding whichever side is shorter."""
+        """Append `other`'s rows after ours, right edges aligned: each side drops the
+        leading columns that are padding for all its rows (as filter does), and the
+        shorter side is left-padded. The result is one new buffer at round_capacity, also
+        for rows joining an empty store: a row that ran compiled later chunks arrives at a
+        capacity bucket of up to twice its tokens (engine/shapes.py), which its memory
+        reservation holds only while it prefills."""
         if other.num_rows == 0:
             return
         if self.num_rows == 0:
             self.arrays, self.left_pad, self.size = other.arrays, list(other.left_pad), other.size
+            trim = min(self.left_pad)
+            if self.arrays is not None and (trim or self.capacity > round_capacity(self.size)):
+                self.arrays = [with_headroom([a[:, :, trim : self.size]]) for a in self.arrays]
+                self.left_pad = [p - trim for p in self.left_pad]
+                self.size -= trim
             return
-        size = max(self.size, other.size)
+        parts = [(part, min(part.left_pad)) for part in (self, other)]
+        size = max(part.size - trim for part, trim in parts)
         template = self.arrays if self.arrays is not None else other.arrays
         arrays = None
         if template is not None:
@@ -249,10 +261,13 @@ class KVStore:
             arrays = []
             for i, t in enumerate(template):
                 out = mx.zeros((rows, t.shape[1], capacity, t.shape[3]), t.dtype)
-                for start, part in ((0, self), (self.num_rows, other)):
-                    if part.arrays is not None and part.size:
-                        stop, first = start + part.num_rows, size - part.size
-                        out[start:stop, :, first:size] = part.arrays[i][:, :, : part.size]
+                start = 0
+                for part, trim in parts:
+                    stop, used = start + part.num_rows, part.size - trim
+                    if part.arrays is not None and used:
+                        columns = part.arrays[i][:, :, trim : part.size]
+                        out[start:stop, :, size - used : size] = columns
+                    start = stop
                 arrays.append(out)
         self.left_pad = [p + size - self.size for p in self.left_pad] + [
             p + size - other.size for p in other.left_pad

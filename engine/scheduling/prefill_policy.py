@@ -28,6 +28,7 @@ from deltaserve.engine.prefix_cache.index import PrefixIndex
 from deltaserve.engine.request import Request, Status
 from deltaserve.engine.scheduling.state import SchedulerState
 from deltaserve.engine.scheduling.step_cost import MIN_CHUNK, UNBOUNDED, StepCostModel
+from deltaserve.engine.shapes import chunk_bucket, prefill_columns
 from deltaserve.engine.vision.media import VisionPrice, VisionProgress
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class Chunking:
         prefix: PrefixIndex | None,
         snapshot_in_chunk: bool,
         whole_prompts: bool = False,
+        traced_lengths: bool = False,
     ) -> None:
         """snapshot_in_chunk: a forward can keep DeltaNet state mid-chunk (an eager core),
         so a prefix-cache snapshot need not end the chunk. whole_prompts: a fresh text
@@ -54,12 +56,15 @@ class Chunking:
         step instead of starting with the leftover: its rest would be a later chunk,
         which pays a second fixed cost for a few hundred tokens, and on a GPU often an
         eager one (a later chunk's shape is traced only once it recurs: H200, 0.8B,
-        ~17 ms fixed against ~9 for a compiled first chunk)."""
+        ~17 ms fixed against ~9 for a compiled first chunk). traced_lengths: prompt
+        chunks run compiled at a bucketed length (engine/shapes.py), so a chunk that does
+        not finish its prompt takes its whole bucket (`_traced_length`)."""
         self.state = state
         self.config = config
         self.prefix = prefix
         self.snapshot_in_chunk = snapshot_in_chunk
         self.whole_prompts = whole_prompts
+        self.traced_lengths = traced_lengths
 
     def plan(self, allowance: int, admission: Admission) -> list[PrefillChunk]:
         """Hand `allowance` out oldest first (prefilling, then waiting requests admitted
@@ -121,7 +126,8 @@ class Chunking:
         (the row's state is saved right after the chunk), or past it with the snapshot
         inside (snapshot_in_chunk). With images: tokens stop at an image whose tower has
         not finished; its blocks take what the budget affords."""
-        length = min(req.num_prompt - req.num_computed, budget, self.config.max_prefill_chunk)
+        rest = req.num_prompt - req.num_computed
+        length = self._traced_length(min(rest, budget, self.config.max_prefill_chunk), rest)
         end = req.num_computed + length
         work: tuple[VisionWork, ...] = ()
         if req.media is not None:
@@ -148,6 +154,19 @@ class Chunking:
         req.cache_chain = ()
         return chunk
 
+    def _traced_length(self, length: int, rest: int) -> int:
+        """With traced_lengths, a chunk of `length` of the `rest` tokens a prompt still
+        needs grows to its bucket when it does not finish the prompt: the compiled forward
+        computes the bucket's columns anyway, and in a later chunk its padding would stay
+        in the row's KV as left padding for the rest of its life (columns every decode
+        step reads past, and more than its memory reservation). So only a prompt's last
+        chunk pads. Never beyond the rest or max_prefill_chunk: the step may then hold up
+        to LENGTH_STEP - 1 tokens more than its share, the padding it computed before."""
+        if not self.traced_lengths or length >= rest:
+            return length
+        grown = min(chunk_bucket(length), rest)
+        return grown if grown <= self.config.max_prefill_chunk else length
+
     def _save(self, req: Request, position: int, inside: bool = False) -> int:
         """Snapshot `req`'s row at `position` with this step's chunk (`inside` it: the
         forward keeps the state there); the position, 0 if cached already or no room."""
@@ -168,12 +187,16 @@ class Admission:
         budget: MemoryBudget,
         prefix: PrefixIndex | None,
         chunking: Chunking,
+        compiled_chunks: bool = False,
     ) -> None:
+        """compiled_chunks: a prompt's later chunks run compiled, at a KV capacity bucket
+        (`prefill_bytes`)."""
         self.state = state
         self.config = config
         self.budget = budget
         self.prefix = prefix
         self.chunking = chunking
+        self.compiled_chunks = compiled_chunks
 
     def can_admit(self, req: Request) -> bool:
         """Whether `req` and its forks fit the row limit and the memory budget (the
@@ -184,10 +207,23 @@ class Admission:
         new = (req, *req.children)
         need = sum(self.budget.row_bytes(r.max_total_tokens(), r.speculative) for r in new)
         need += self.budget.padding_bytes(self.state.table.lengths(*new)) - self.budget.padding
-        need += req.vision_bytes
+        need += self.prefill_bytes(req)
         if self.prefix is not None:
             return self.prefix.evict_for(need)  # rows come before cached prefixes
         return self.budget.can_reserve(need)
+
+    def prefill_bytes(self, req: Request) -> int:
+        """Memory `req`'s row holds only while its prompt is prefilled, reserved with it
+        and released when the prefill ends: the vision tower's activations, and with
+        compiled later chunks the KV capacity bucket the row's store runs at beyond its
+        own reservation (engine/shapes.py's prefill_columns; up to 2x a short prompt's
+        KV, at most 8,192 columns more for a long one). A row that speculates runs its
+        chunks eagerly (the MTP head reads every position), at its own capacity."""
+        extra = req.vision_bytes
+        if self.compiled_chunks and req.media is None and not req.speculative:
+            columns = prefill_columns(req.num_prompt) - req.max_total_tokens()
+            extra += max(0, columns) * self.budget.costs.kv_bytes_per_token
+        return extra
 
     def admissible(self, left: int, first: bool) -> bool:
         """Whether the oldest waiting request can be admitted and given a slice now."""
@@ -204,8 +240,8 @@ class Admission:
             new = NewRow(r.row_id, prompt_ids, r.params, r.index, r.media, r.speculative)
             self.state.new_rows.append(new)
             r.status = Status.FORKED if r is not req else Status.RUNNING
-        req.vision_reserved = req.vision_bytes  # released when the prefill ends
-        self.state.table.add((req, *req.children), req.vision_reserved)
+        req.prefill_reserved = self.prefill_bytes(req)  # released when the prefill ends
+        self.state.table.add((req, *req.children), req.prefill_reserved)
         if self.prefix is not None:
             hit = self.prefix.match(req.key_ids, req.prefix_hint)
             req.num_computed = req.num_cached = hit.tokens

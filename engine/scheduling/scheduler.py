@@ -67,13 +67,16 @@ class Scheduler:
         snapshot_in_chunk: bool = False,
         on_release: Sequence[ReleaseHook] = (),
         speculation: Speculation | None = None,
+        compiled_chunks: bool = False,
     ) -> None:
         """prefix: the prefix cache's index (None: no prefix cache). chunk_cost: what a
         prompt chunk costs on this device, measured at start (None: not measured).
         snapshot_in_chunk: a forward can keep DeltaNet state mid-chunk (an eager core), so
         a snapshot need not end its chunk. on_release: what else holds a piece of each
         row (RowTable), released when the row ends. speculation: which decoding rows
-        draft (None: none do)."""
+        draft (None: none do). compiled_chunks: a prompt's later chunks run compiled at
+        bucketed lengths and KV capacities (engine/shapes.py), which chunking and the
+        memory reservation plan for."""
         self.config = config
         self.budget = budget
         self.max_context = max_context
@@ -84,8 +87,12 @@ class Scheduler:
         self.step_cost = StepCostModel(chunk_cost)
         # whole prompts where a chunk's fixed cost was measured (a GPU): Chunking says why
         whole = chunk_cost is not None
-        self.chunking = Chunking(self.state, config, prefix, snapshot_in_chunk, whole)
-        self.admission = Admission(self.state, config, budget, prefix, self.chunking)
+        self.chunking = Chunking(
+            self.state, config, prefix, snapshot_in_chunk, whole, compiled_chunks
+        )
+        self.admission = Admission(
+            self.state, config, budget, prefix, self.chunking, compiled_chunks
+        )
         self.run_ahead = RunAhead(self.state, config, self.step_cost, self.admission, self.chunking)
         self.stall = StallBound(self.state, config, self.step_cost)
         self._promote_next: list[Request] = []  # final chunk scheduled; decode from next step
@@ -120,7 +127,7 @@ class Scheduler:
             for r in choices:
                 r.speculative, r.draft_slack = True, self.speculation.num_draft
         need = sum(self.budget.row_bytes(r.max_total_tokens(), r.speculative) for r in choices)
-        need += choices[0].vision_bytes
+        need += self.admission.prefill_bytes(choices[0])
         if need > self.budget.total:
             raise InvalidRequestError(
                 f"this request needs {need / 2**20:.1f} MiB of row state, more than the "
@@ -343,10 +350,10 @@ class Scheduler:
         st = self.state
         if req in st.prefilling:
             st.prefilling.remove(req)
-        if not req.is_finished:  # else the row table gave back all of it, the tower's too
-            self.budget.release(req.vision_reserved)
-            req.reserved_bytes -= req.vision_reserved
-        req.vision_reserved = 0
+        if not req.is_finished:  # else the row table gave back all of it, this part too
+            self.budget.release(req.prefill_reserved)
+            req.reserved_bytes -= req.prefill_reserved
+        req.prefill_reserved = 0
         for child in req.children:
             if child.is_finished:
                 continue
@@ -404,7 +411,7 @@ class Scheduler:
             self.prefix.forget()  # its arrays went with the row states
         # All reservations at once: the accounting may be broken, and this must not raise.
         for req in victims:
-            req.reserved_bytes = req.vision_reserved = 0
+            req.reserved_bytes = req.prefill_reserved = 0
         outputs = [self._finish(r, "error", error) for r in victims if not r.is_finished]
         st.table.forget_workers()
         st.prefilling, st.decoding, self._pending, self._promote_next = [], [], {}, []

@@ -1,0 +1,44 @@
+"""The bucketed shapes the compiled prompt calls run at, as plain integers.
+
+A compiled call (engine/decode.py's later chunk, engine/compiled_prefill.py's fresh
+prompts) is traced once per input shape, so its lengths and KV capacities are rounded up
+to a few buckets. The scheduler plans for them (a chunk that does not finish its prompt
+fills its bucket; a prefilling row's memory reservation covers its capacity bucket), so
+they live here, without mlx, for both sides.
+"""
+
+from __future__ import annotations
+
+# Lengths up to a power of two up to 128, then a multiple of 128 (the DeltaNet scan walks
+# every padded column, so padding is not free)
+LENGTH_STEP = 128
+# A later chunk's KV capacity: a power of two up to this many columns, then a multiple of it
+CAPACITY_STEP = 8192
+
+
+def chunk_bucket(length: int) -> int:
+    """The traced length of a prompt chunk of `length` tokens: a power of two >= 16 up to
+    128, then a multiple of 128."""
+    if length <= LENGTH_STEP:
+        return max(16, 1 << max(length - 1, 0).bit_length())
+    return -(-length // LENGTH_STEP) * LENGTH_STEP
+
+
+def chunk_capacity(columns: int) -> int:
+    """The KV capacity a later chunk runs its row at, for `columns` in use after it: a
+    power of two >= 256 up to 8,192, then a multiple of 8,192. A trace is keyed by its
+    capacity, so the store's own (a multiple of 256) would make every few hundred tokens
+    of history a new shape; this keeps them few (9 up to 32k columns) at the price of up
+    to 2x one prefilling row's KV (at most 8,192 columns beyond 8,192), which
+    `prefill_columns` bounds for the memory budget."""
+    if columns > CAPACITY_STEP:
+        return -(-columns // CAPACITY_STEP) * CAPACITY_STEP
+    return max(256, 1 << (columns - 1).bit_length())
+
+
+def prefill_columns(num_prompt: int) -> int:
+    """The most KV columns a row's store can hold while a prompt of `num_prompt` tokens
+    runs through compiled later chunks: the capacity bucket of the prompt and its last
+    chunk's padding (a chunk that does not finish its prompt fills its bucket, so only
+    the last one pads, by less than LENGTH_STEP columns)."""
+    return chunk_capacity(num_prompt + LENGTH_STEP - 1)
