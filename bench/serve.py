@@ -27,7 +27,10 @@ stopped before `--max-tokens`.
 
 Prints a `config` line, then one JSON line per (server, clients): tok/s (completion
 tokens / wall of the phase), TTFT p50/p99, the gap between a stream's text chunks
-p50/p99, failures and the first error; per server its exit code after SIGINT and whether
+p50/p99, failures and the first error, and for deltaserve what its engine did in the
+phase (`steps`, from /metrics before and after: each kind of step's count, mean and
+those over 0.1 / 0.25 s, steps that traced a compiled shape, full GC collections), so
+a p99 gap says where it came from; per server its exit code after SIGINT and whether
 its log has "terminate called"; the ratios ours/peer per client count; then markdown
 tables. On a cold GPU the first phase also pays MLX's kernel JIT for new shapes.
 """
@@ -47,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.server_vs_mlxlm import (
     WORDS,
@@ -189,9 +193,56 @@ async def _measure(
     if not warm["ok"]:
         print(json.dumps({"server": kind, "warmup_error": warm["error"]}), flush=True)
     for clients in args.clients:
+        before = await _engine_counts(kind, base)
         row = {"server": kind, **await _phase(base, name, clients, fields, args)}
+        if before is not None:
+            row["steps"] = _steps_between(before, await _engine_counts(kind, base))
         print(json.dumps(row), flush=True)
         rows.append(row)
+
+
+async def _engine_counts(kind: str, base: str) -> dict[tuple[str, str], float] | None:
+    """deltaserve's step-time histogram, traced steps and GC pauses from /metrics, as
+    {(sample name, label value): value}; None for the peer (it has no such metrics)."""
+    if kind != "deltaserve":
+        return None
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(f"{base}/metrics", timeout=30)).text
+    wanted = ("deltaserve_step_seconds", "deltaserve_traced_steps", "deltaserve_gc_pause_seconds")
+    counts = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in wanted:
+            for sample in family.samples:
+                label = sample.labels.get("kind", sample.labels.get("generation", ""))
+                le = sample.labels.get("le", "")
+                counts[(sample.name, f"{label}/{le}")] = sample.value
+    return counts
+
+
+def _steps_between(before: dict, after: dict) -> dict:
+    """What deltaserve's engine did during one phase (from two /metrics scrapes): per kind
+    of step its count, mean and how many took over 0.1 / 0.25 s (a stall of every
+    stream); steps that traced a compiled shape; full (generation 2) GC collections."""
+
+    def delta(name: str, label: str) -> float:
+        return after.get((name, label), 0.0) - before.get((name, label), 0.0)
+
+    out: dict = {}
+    for kind in ("decode", "mixed", "prefill", "verify"):
+        n = delta("deltaserve_step_seconds_count", f"{kind}/")
+        if not n:
+            continue
+        seconds = delta("deltaserve_step_seconds_sum", f"{kind}/")
+        out[kind] = {
+            "n": int(n),
+            "mean_ms": round(1e3 * seconds / n, 2),
+            "over_100ms": int(n - delta("deltaserve_step_seconds_bucket", f"{kind}/0.1")),
+            "over_250ms": int(n - delta("deltaserve_step_seconds_bucket", f"{kind}/0.25")),
+        }
+    out["traced"] = int(delta("deltaserve_traced_steps_total", "/"))
+    out["gc_full"] = int(delta("deltaserve_gc_pause_seconds_count", "2/"))
+    out["gc_full_s"] = round(delta("deltaserve_gc_pause_seconds_sum", "2/"), 4)
+    return out
 
 
 def _bench(
@@ -256,6 +307,26 @@ def _table(rows: list[Row], ratios: list[Row], stopped: list[Row], max_tokens: i
             cells = [r["ratio_tok_s"], r["ratio_ttft_p50_s"], r["ratio_gap_p99_ms"]]
             text = ["n/a" if c is None else f"{c:.2f}x" for c in cells]
             lines.append(f"| {r['clients']} | " + " | ".join(text) + " |")
+    steps = [r for r in sorted(rows, key=lambda r: r["clients"]) if "steps" in r]
+    if steps:
+        lines += [
+            "",
+            "deltaserve's engine steps in each phase (/metrics): count, mean, over 0.1 / 0.25 s",
+            "",
+            "| clients | decode | mixed | prefill | verify | traced | full GCs |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in steps:
+            st = r["steps"]
+            cells = [
+                f"{st[k]['n']}, {st[k]['mean_ms']:.1f} ms, {st[k]['over_100ms']} / "
+                f"{st[k]['over_250ms']}"
+                if k in st
+                else "0"
+                for k in ("decode", "mixed", "prefill", "verify")
+            ]
+            gc = f"{st['gc_full']} ({st['gc_full_s']:.3f} s)"
+            lines.append(f"| {r['clients']} | " + " | ".join(cells) + f" | {st['traced']} | {gc} |")
     lines.append("")
     for s in stopped:
         said = "yes" if s["terminate_called"] else "no"

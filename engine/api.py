@@ -13,6 +13,26 @@ from typing import Protocol
 from deltaserve.engine.types import GenerationRequest, RequestOutput
 from deltaserve.kernels.platform import Platform
 
+# Upper bounds (seconds) of the step-time histogram's buckets, and the kinds of step
+STEP_SECONDS_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+STEP_KINDS = ("decode", "mixed", "prefill", "verify")
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Every engine step's wall time since start (what each running stream waited for
+    it), by kind: "decode" (decode rows only), "mixed" (decode rows and prompt work),
+    "prefill" (prompt work only), "verify" (speculating rows verify drafts). Written by
+    the scheduler (engine/scheduling/step_cost.py StepHistogram), read by /metrics."""
+
+    # per kind (STEP_KINDS' order): steps at or under each STEP_SECONDS_BUCKETS bound,
+    # cumulative as Prometheus counts them, then every step of the kind
+    counts: tuple[tuple[int, ...], ...] = tuple(
+        (0,) * (len(STEP_SECONDS_BUCKETS) + 1) for _ in STEP_KINDS
+    )
+    seconds: tuple[float, ...] = (0.0,) * len(STEP_KINDS)  # per kind, summed
+    traced: int = 0  # steps that traced a compiled shape (a stall of every stream)
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -40,6 +60,7 @@ class EngineStats:
     # accepted drafts a verify must average to beat plain decoding, as measured on this
     # device (Speculation.break_even); -1 while not measured or speculation is off
     speculative_break_even_drafts: float = -1.0
+    step_times: StepTimes = StepTimes()
 
 
 @dataclass(frozen=True)

@@ -154,6 +154,7 @@ class AsyncEngine:
             speculative_drafted_tokens_total=spec.num_drafted,
             speculative_accepted_tokens_total=spec.num_accepted,
             speculative_break_even_drafts=_break_even(eng),
+            step_times=eng.scheduler.step_times.snapshot(),
         )
 
     def shutdown(self, timeout: float = 10.0) -> None:

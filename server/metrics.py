@@ -1,9 +1,10 @@
 """Prometheus metrics for GET /metrics.
 
 Two kinds: what the server observes per request (status codes, token counts, time to
-first token, inter-token latency), recorded as requests run; and the engine's gauges
-(queue depth, running rows, state and MLX memory), read from EngineStats at scrape time
-so they are never stale. Each app gets its own registry: tests build many apps.
+first token, inter-token latency), recorded as requests run; and the engine's figures
+(queue depth, running rows, state and MLX memory, step times), read from EngineStats at
+scrape time so they are never stale. Each app gets its own registry: tests build many
+apps.
 """
 
 from __future__ import annotations
@@ -12,11 +13,16 @@ import time
 from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from deltaserve.engine.api import EngineClient
+from deltaserve.engine.api import STEP_KINDS, STEP_SECONDS_BUCKETS, EngineClient, StepTimes
 from deltaserve.server.heap import GcPauseCollector
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -78,6 +84,28 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"deltaserve_{name}", doc, value=value)
+        yield from _step_metrics(stats.step_times)
+
+
+def _step_metrics(times: StepTimes) -> Iterator[Metric]:
+    """`deltaserve_step_seconds{kind}` (every engine step's wall time: what each running
+    stream waited for it) and `deltaserve_traced_steps` (steps that traced a compiled
+    shape, a stall of every stream)."""
+    family = HistogramMetricFamily(
+        "deltaserve_step_seconds",
+        "engine steps' wall time by kind: decode (decode rows only), mixed (decode rows "
+        "and prompt work), prefill (prompt work only), verify (speculative drafts)",
+        labels=["kind"],
+    )
+    bounds = (*map(str, STEP_SECONDS_BUCKETS), "+Inf")
+    for kind, counts, total in zip(STEP_KINDS, times.counts, times.seconds, strict=True):
+        family.add_metric([kind], list(zip(bounds, counts, strict=True)), total)
+    yield family
+    yield CounterMetricFamily(
+        "deltaserve_traced_steps",
+        "engine steps that traced a compiled shape (each a stall of every stream)",
+        value=times.traced,
+    )
 
 
 class ServerMetrics:

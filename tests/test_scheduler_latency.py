@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from plan_utils import sampled
 
+from deltaserve.engine.api import STEP_KINDS, STEP_SECONDS_BUCKETS
 from deltaserve.engine.cache.budget import MemoryBudget, StateCosts
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import LLMEngine
@@ -442,6 +443,32 @@ def test_a_step_that_traced_a_shape_is_no_cost_sample_and_is_logged(
     assert len(said) == 2 and "4 decode rows" in said[0] and "traced" not in said[0]
     assert "(2 more slow steps since the last)" in said[1]
     assert len(s.step_cost._decode) == samples + 5  # the slow steps are samples
+
+
+def test_every_step_is_counted_by_kind_for_metrics() -> None:
+    """StepTimes (/metrics' deltaserve_step_seconds): each step's wall time under its kind,
+    cumulative per bucket bound as Prometheus reads them, and the steps that traced."""
+    cost = FakeCost()
+    s = _scheduler(cost)
+    s.add(_req("a", 100, max_tokens=1000), EOS)
+    _step(s, cost)  # prefill only: 0.010 + 100 x 0.00005 = 0.015 s
+    _step(s, cost)  # one decode row: 0.011 s
+    s.add(_req("b", 200), EOS)
+    _step(s, cost)  # mixed: 0.011 + 200 x 0.00005 = 0.021 s
+    out = s.schedule()
+    cost.now += 0.3
+    s.update(out, replace(sampled(out), traced=2))  # a decode step that traced: 0.3 s
+    times = s.step_times.snapshot()
+    counts = dict(zip(STEP_KINDS, times.counts, strict=True))
+    seconds = dict(zip(STEP_KINDS, times.seconds, strict=True))
+    at = {b: i for i, b in enumerate(STEP_SECONDS_BUCKETS)}
+    assert counts["prefill"][at[0.01]] == 0 and counts["prefill"][at[0.02]] == 1
+    assert counts["mixed"][at[0.02]] == 0 and counts["mixed"][at[0.05]] == 1
+    assert counts["decode"][at[0.02]] == 1 and counts["decode"][at[0.25]] == 1
+    assert counts["decode"][at[0.5]] == 2 and counts["decode"][-1] == 2
+    assert counts["verify"][-1] == 0
+    assert seconds["decode"] == pytest.approx(0.311) and seconds["mixed"] == pytest.approx(0.021)
+    assert times.traced == 1
 
 
 def test_the_runner_reports_the_shapes_a_step_traced() -> None:

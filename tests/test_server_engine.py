@@ -7,6 +7,7 @@ import asyncio
 import base64
 import io
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -166,6 +167,12 @@ def test_64_concurrent_streams_complete(server: LiveServer) -> None:
     results = asyncio.run(run())
     assert all(done and reason in ("stop", "length") for reason, done in results)
     assert _wait_idle(server.url)
+    # /metrics counted their steps: prompt work (alone or beside decode rows) and decoding
+    metrics = httpx.get(f"{server.url}/metrics").text
+    count = dict(re.findall(r'^deltaserve_step_seconds_count\{kind="(\w+)"\} (\S+)', metrics, re.M))
+    assert set(count) == {"decode", "mixed", "prefill", "verify"}
+    assert float(count["decode"]) > 0 and float(count["prefill"]) + float(count["mixed"]) > 0
+    assert "deltaserve_traced_steps_total" in metrics
 
 
 def test_stream_disconnect_frees_row(server: LiveServer) -> None:

@@ -34,7 +34,12 @@ from deltaserve.engine.scheduling.prefill_policy import (
 )
 from deltaserve.engine.scheduling.speculation import Speculation
 from deltaserve.engine.scheduling.state import SchedulerState
-from deltaserve.engine.scheduling.step_cost import ChunkCost, StepCostModel, StepTimer
+from deltaserve.engine.scheduling.step_cost import (
+    ChunkCost,
+    StepCostModel,
+    StepHistogram,
+    StepTimer,
+)
 from deltaserve.engine.types import (
     GenerationRequest,
     InvalidRequestError,
@@ -101,6 +106,7 @@ class Scheduler:
         self._pending_step = -1  # the step whose samples `_pending` refers to
         self._clock = clock
         self._timer = StepTimer()
+        self.step_times = StepHistogram()  # every step's wall time, for /metrics
         self._slow_said = float("-inf")  # when a slow step was last logged (the clock)
         self._slow_unsaid = 0  # slow steps since then, not logged
 
@@ -299,6 +305,7 @@ class Scheduler:
         first = sum(len(c.sample_row_ids) for c in out.prefill)
         log.debug("step %d: %d decode rows, %d prompt tokens, %d tower units: %.3f s",
                   out.step, len(out.decode_row_ids), num_prefill, num_vision, seconds)  # fmt: skip
+        self.step_times.observe(_step_kind(out), seconds, bool(traced))
         if out.decode_row_ids and seconds >= self._slow_seconds(len(out.decode_row_ids)):
             self._slow_step(out, seconds, num_prefill, traced, done)
         if traced:
@@ -417,3 +424,12 @@ class Scheduler:
         st.prefilling, st.decoding, self._pending, self._promote_next = [], [], {}, []
         st.clear_plan()
         return outputs
+
+
+def _step_kind(out: StepPlan) -> str:
+    """The step's kind, as engine/api.py StepTimes counts it."""
+    if out.verify_row_ids:
+        return "verify"
+    if out.decode_row_ids:
+        return "mixed" if out.prefill else "decode"
+    return "prefill"

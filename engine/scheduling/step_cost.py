@@ -79,6 +79,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from deltaserve.engine.api import STEP_KINDS, STEP_SECONDS_BUCKETS, StepTimes
+
 WINDOW = 32  # samples kept of each kind
 DECAY = 0.9  # weight of a sample relative to the next newer one
 MIN_SAMPLES = 3  # decode-only steps before the model constrains anything
@@ -481,3 +483,26 @@ class StepTimer:
         settled = lockstep or (overlapped and self._last_overlapped)
         self._last_done, self._last_overlapped = done, overlapped
         return seconds, settled
+
+
+class StepHistogram:
+    """Step wall times by kind, counted as they complete (engine/api.py StepTimes)."""
+
+    def __init__(self) -> None:
+        self._counts = [[0] * (len(STEP_SECONDS_BUCKETS) + 1) for _ in STEP_KINDS]
+        self._seconds = [0.0] * len(STEP_KINDS)
+        self._traced = 0
+
+    def observe(self, kind: str, seconds: float, traced: bool) -> None:
+        """One step of `kind` (STEP_KINDS) took `seconds`; `traced`: it traced a shape."""
+        k = STEP_KINDS.index(kind)
+        counts = self._counts[k]
+        for i, bound in enumerate(STEP_SECONDS_BUCKETS):
+            if seconds <= bound:
+                counts[i] += 1
+        counts[-1] += 1
+        self._seconds[k] += seconds
+        self._traced += traced
+
+    def snapshot(self) -> StepTimes:
+        return StepTimes(tuple(map(tuple, self._counts)), tuple(self._seconds), self._traced)
