@@ -21,7 +21,8 @@ GPU a verify costs about what a decode step does, not an eager forward's op coun
 A prompt's later chunk (rows that hold state take their next prompt tokens: a prompt
 longer than a chunk, or the rest of a prompt after a prefix-cache hit) is the same forward
 over a left-padded, bucketed [P, L] block that keeps only the last position's hidden
-state: `chunk` runs it as a third traced function. On the H200 a step costs about its
+state: `chunk` runs it as a third traced function, for one row or several rows' chunks of
+any lengths (their padding joins each row's KV left pad). On the H200 a step costs about its
 kernel launches, and compiled a 256-token later chunk launches ~40% fewer than eagerly
 (0.8B: `bench.step_kernels`, bench/README.md).
 
@@ -149,13 +150,26 @@ class CompiledDecode:
         assert logits is not None
         return hidden, logits
 
-    def chunk_shape(self, lengths: Sequence[int], state: BatchState) -> tuple:
-        """The traced shape a `chunk` call of these rows' chunk lengths runs at (in
-        `shapes` once it has run): the bucketed block and the KV capacity it needs."""
+    @staticmethod
+    def chunk_shape(lengths: Sequence[int], columns: int) -> tuple:
+        """The traced shape a `chunk` call of rows with these chunk lengths, whose KV
+        holds `columns` columns before it (`kv_columns`), runs at (in `shapes` once it has
+        run): the bucketed block and the KV capacity it needs."""
         length_b = chunk_bucket(max(lengths))
-        kv = [s for s in state.layers if isinstance(s, KVStore)]
-        capacity = chunk_capacity(kv[0].size + length_b) if kv else 0
-        return ("chunk", (len(lengths), length_b), capacity)
+        return ("chunk", (len(lengths), length_b), chunk_capacity(columns + length_b))
+
+    @staticmethod
+    def kv_columns(states: Sequence[BatchState]) -> int:
+        """The KV columns of these rows' states as one `chunk` call holds them: one
+        state as it is, several merged (RowStates.cohort_state: each row's own padding
+        dropped, right edges aligned)."""
+        columns = 0
+        for state in states:
+            kv = next((s for s in state.layers if isinstance(s, KVStore)), None)
+            if kv is not None:
+                pad = min(kv.left_pad, default=0) if len(states) > 1 else 0
+                columns = max(columns, kv.size - pad)
+        return columns
 
     def chunk(
         self, prompts: Sequence[Sequence[int]], starts: Sequence[int], state: BatchState
@@ -168,7 +182,7 @@ class CompiledDecode:
         padding joins each KV row's left pad (the row's stored tokens move right over it,
         as KVStore.store does for padding after real tokens)."""
         rows, stores = len(prompts), state.layers
-        shape = self.chunk_shape([len(p) for p in prompts], state)
+        shape = self.chunk_shape([len(p) for p in prompts], self.kv_columns([state]))
         _, (_, length_b), capacity = shape
         pads = [length_b - len(p) for p in prompts]
         ids = [[0] * pad + list(p) for pad, p in zip(pads, prompts, strict=True)]

@@ -141,8 +141,8 @@ class ModelRunner:
     group each: on the GPU a prefill forward costs its op count, not its tokens.
     compiled_prompts: cohorts of fresh text prompts' first chunks run through that
     compiled forward instead of a group.
-    compile_chunks: a row's later prompt chunk runs through `compiled`'s chunk forward
-    instead of a group (`_compiled_chunk` says when).
+    compile_chunks: rows' later prompt chunks (several of any lengths in one call) run
+    through `compiled`'s chunk forward instead of a group (`_compiled_chunk` says when).
     """
 
     def __init__(
@@ -201,13 +201,18 @@ class ModelRunner:
         compiled_verify = self._compiled_verify(plan, verify_drafts)
         if verify_drafts is not None and compiled_verify is None:
             groups.append(self._verify_group(plan, verify_drafts))
-        cohorts = self._cohorts(plan.prefill)
-        # cohorts run by a compiled forward: fresh prompts' first chunks, later chunks
-        runs = {i: self._compiled_prompts(plan.prefill, c) for i, c in enumerate(cohorts)}
-        runs = {i: run for i, run in runs.items() if run is not None}
-        for i, cohort in enumerate(cohorts):
-            if i not in runs and (run := self._compiled_chunk(plan, cohort)) is not None:
-                runs[i] = run
+        # cohorts run by a compiled forward (fresh prompts' first chunks, later chunks),
+        # the others eagerly (later chunks of several lengths split by length there)
+        cohorts: list[_Cohort] = []
+        runs: dict[int, tuple[mx.array, list[BatchState]]] = {}
+        for cohort in self._cohorts(plan.prefill):
+            run = self._compiled_prompts(plan.prefill, cohort)
+            run = run if run is not None else self._compiled_chunk(plan, cohort)
+            if run is not None:
+                runs[len(cohorts)] = run
+                cohorts.append(cohort)
+            else:
+                cohorts += self._by_length(plan.prefill, cohort)
         eager = [c for i, c in enumerate(cohorts) if i not in runs]
         groups += [self._prefill_group(plan.prefill, c) for c in eager]
         if self.vision is not None:
@@ -474,14 +479,20 @@ class ModelRunner:
 
     def _cohorts(self, chunks: tuple[PrefillChunk, ...]) -> list[_Cohort]:
         """Which chunks share a group. Left padding may only precede a row's first token
-        (engine/cache/kv.py), so first chunks of any lengths batch together, and later
-        chunks only with others of the same length (no padding). First chunks that take
-        the compiled forward split into the buckets it runs (`cohort_splits`)."""
+        in an eager group (engine/cache/kv.py), so first chunks of any lengths batch
+        together, and later chunks only with others of the same length (no padding),
+        except those the compiled chunk forward may take (`_chunk_compiles`): they form
+        one cohort whatever their lengths (its padding joins each row's left pad), split
+        by length again if it declines (`_by_length`). First chunks that take the
+        compiled forward split into the buckets it runs (`cohort_splits`)."""
         by_key: dict[object, _Cohort] = {}
+        rows = self.rows.rows
         for i, chunk in enumerate(chunks):
             if chunk.length == 0:
                 continue  # only vision-tower work (VisionInputs.encode ran it)
-            key = "first" if chunk.start == 0 else chunk.length
+            key: object = "first" if chunk.start == 0 else chunk.length
+            if self.compile_chunks and self._chunk_compiles(chunk, rows[chunk.row_id]):
+                key = "later"
             if not self.batch_prefill or chunk.snapshot_at:  # a split forward: B = 1
                 key = i
             cohort = by_key.setdefault(key, _Cohort([], []))
@@ -499,6 +510,19 @@ class ModelRunner:
                 indices = [cohort.chunk_indices[j] for j in group]
                 cohorts.append(_Cohort(indices, [chunks[i].row_id for i in indices]))
         return cohorts
+
+    @staticmethod
+    def _by_length(chunks: tuple[PrefillChunk, ...], cohort: _Cohort) -> list[_Cohort]:
+        """An eager cohort: as it is, or a cohort of later chunks split by length (an
+        eager group pads only before a row's first token)."""
+        if chunks[cohort.chunk_indices[0]].start == 0:
+            return [cohort]
+        by_length: dict[int, _Cohort] = {}
+        for i in cohort.chunk_indices:
+            part = by_length.setdefault(chunks[i].length, _Cohort([], []))
+            part.chunk_indices.append(i)
+            part.row_ids.append(chunks[i].row_id)
+        return list(by_length.values())
 
     def _prefill_group(self, chunks: tuple[PrefillChunk, ...], cohort: _Cohort) -> ForwardGroup:
         """[P, L] tokens right-aligned (row p left-padded to the longest chunk)."""
@@ -552,33 +576,48 @@ class ModelRunner:
     def _compiled_chunk(
         self, plan: StepPlan, cohort: _Cohort
     ) -> tuple[mx.array, list[BatchState]] | None:
-        """A row's later prompt chunk through the compiled chunk forward
-        (CompiledDecode.chunk): its [1, 1, H] last hidden state and the row's state,
-        updated in place. None (the eager path) for compile_chunks off, a cohort of
-        several rows, a first chunk, a split for a prefix-cache snapshot, a row with
-        images (its positions are not text positions) or one that speculates (the MTP
-        head reads every position), a store kind without a traced form, and a shape not
-        traced yet that came at most CHUNK_TRACE_AFTER times next to decoding rows: a
-        trace stalls every decoding row (~0.4 s on the H200, 0.8B), so a shape that
-        recurs pays it once and a rare one never; with no row decoding it traces at once."""
-        if not self.compile_chunks or len(cohort.chunk_indices) != 1:
+        """Rows' later prompt chunks through the compiled chunk forward
+        (CompiledDecode.chunk), one row or several of any lengths: their [P, 1, H] last
+        hidden states and the rows' states, updated (several rows run as one cohort
+        state, split back afterwards). None (the eager path) for compile_chunks off,
+        chunks it does not take (`_chunk_compiles`), a store kind without a traced form,
+        and a shape not traced yet that came at most CHUNK_TRACE_AFTER times next to
+        decoding rows: a trace stalls every decoding row (~0.4 s on the H200, 0.8B), so a
+        shape that recurs pays it once and a rare one never; with no row decoding it
+        traces at once."""
+        if not self.compile_chunks:
             return None
         assert self.compiled is not None
-        chunk = plan.prefill[cohort.chunk_indices[0]]
-        row = self.rows.rows[chunk.row_id]
-        if chunk.start == 0 or chunk.snapshot_at or row.media is not None or row.speculative:
+        members, rows = [plan.prefill[i] for i in cohort.chunk_indices], self.rows.rows
+        if not all(self._chunk_compiles(c, rows[c.row_id]) for c in members):
             return None
-        state = self.states.prefill_state(chunk.row_id)
-        if not self.compiled.supports(state):
-            return None
-        shape = self.compiled.chunk_shape([chunk.length], state)
+        if not self.compiled.supports(self.states.prefill_state(members[0].row_id)):
+            return None  # one engine's rows share their store kinds
+        states = [self.states.prefill_state(c.row_id) for c in members]
+        lengths = [c.length for c in members]
+        shape = self.compiled.chunk_shape(lengths, self.compiled.kv_columns(states))
         if shape not in self.compiled.shapes and plan.decode_row_ids:
             self._chunk_shapes_seen[shape] += 1
             if self._chunk_shapes_seen[shape] <= CHUNK_TRACE_AFTER:
                 return None
         self._chunk_shapes_seen.pop(shape, None)
-        ids = row.prompt_ids[chunk.start : chunk.start + chunk.length]
-        return self.compiled.chunk([ids], [chunk.start], state), [state]
+        ids = [rows[c.row_id].prompt_ids[c.start : c.start + c.length] for c in members]
+        starts = [c.start for c in members]
+        if len(members) == 1:
+            return self.compiled.chunk(ids, starts, states[0]), states
+        state = self.states.cohort_state(cohort.row_ids)
+        hidden = self.compiled.chunk(ids, starts, state)
+        self.states.split_cohort(cohort.row_ids, state.layers)
+        return hidden, [self.states.prefill[r] for r in cohort.row_ids]
+
+    @staticmethod
+    def _chunk_compiles(chunk: PrefillChunk, row: NewRow) -> bool:
+        """Whether the compiled chunk forward takes this chunk: a later chunk of a text
+        row that does not speculate (the MTP head reads every position), without a split
+        for a prefix-cache snapshot."""
+        return bool(chunk.start and not chunk.snapshot_at) and (
+            row.media is None and not row.speculative
+        )
 
     def _fresh(self, members: list[PrefillChunk]) -> bool:
         """Whether these chunks are fresh text prompts' first chunks, whole (the compiled

@@ -137,7 +137,7 @@ def test_compiled_chunks_equal_eager(loaded: LoadedModel, kind: str) -> None:
             layer.reserve(0, 768)
     compiled = CompiledDecode(loaded.model)
     for a, b in [(20, 45), (45, 61), (61, 70)]:
-        shape = compiled.chunk_shape([b - a], got)
+        shape = compiled.chunk_shape([b - a], compiled.kv_columns([got]))
         hidden = compiled.chunk([prompt[a:b]], [a], got)
         assert shape in compiled.shapes and shape[1] == (1, 32 if b - a == 25 else 16)
         assert shape[2] == 256 and all(
@@ -154,6 +154,47 @@ def test_compiled_chunks_equal_eager(loaded: LoadedModel, kind: str) -> None:
                 _close(g, w)
     kv_layer = next(layer for layer in got.layers if isinstance(layer, KVStore))
     assert kv_layer.left_pad == [7 + 0 + 7]  # each chunk's padding joined the row's
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_compiled_chunks_of_several_rows_equal_each_alone(loaded: LoadedModel, kind: str) -> None:
+    """Rows of different histories (13, 40 and 27 tokens) take later chunks of different
+    lengths (9, 30, 17) in one CompiledDecode.chunk call over their cohort state
+    (RowStates.cohort_state: right-aligned, left-padded): each row gets the hidden state
+    and row state of its own chunk run eagerly alone, and the shape holds three rows."""
+    kv = KINDS[kind]
+    rng = np.random.default_rng(11)
+    spans = [(13, 9), (40, 30), (27, 17)]  # (history, chunk)
+    prompts = [[int(t) for t in rng.integers(100, 200000, size=h + c)] for h, c in spans]
+    factory = kv_store_factory(kv)
+    mine, wants, want_hidden = [], [], []
+    for (history, _), prompt in zip(spans, prompts, strict=True):
+        got, want = (BatchState.empty(loaded.config, factory) for _ in range(2))
+        for state in (got, want):
+            _eager_chunk(loaded, prompt[:history], 0, state)
+        mine.append(got)
+        want_hidden.append(_eager_chunk(loaded, prompt[history:], history, want))
+        wants.append(want)
+    cohort = BatchState.empty(loaded.config, factory)
+    for state in mine:
+        cohort.merge(state)
+    compiled = CompiledDecode(loaded.model)
+    columns = compiled.kv_columns(mine)
+    assert columns == 40
+    hidden = compiled.chunk([p[h:] for (h, _), p in zip(spans, prompts, strict=True)],
+                            [h for h, _ in spans], cohort)  # fmt: skip
+    assert compiled.chunk_shape([9, 30, 17], columns) in compiled.shapes
+    assert next(iter(compiled.shapes))[1] == (3, 32)
+    for p, ((history, length), want) in enumerate(zip(spans, wants, strict=True)):
+        np.testing.assert_allclose(
+            np.array(hidden[p, -1]), np.array(want_hidden[p][0, -1]), rtol=TOL, atol=TOL
+        )
+        row = cohort.extract(p)
+        for got_layer, want_layer in zip(row.layers, want.layers, strict=True):
+            if isinstance(got_layer, KVStore):
+                assert got_layer.lengths() == want_layer.lengths() == [history + length]
+            for g, w in zip(_valid(got_layer), _valid(want_layer), strict=True):
+                _close(g, w)
 
 
 def test_chunk_capacities() -> None:
@@ -205,7 +246,8 @@ def test_engine_tokens_unchanged_with_compiled_chunks(
     """Later chunks through the compiled chunk forward (prompts longer than a chunk; the
     rest of a prompt after a prefix-cache hit, in a second round of the same prompts),
     a shape traced at once or after it recurred next to decoding rows, give the eager
-    path's tokens, with joins and an abort; the chunk forward did run."""
+    path's tokens, with joins and an abort; the chunk forward did run, traced at once
+    also for several rows' chunks of different lengths in one call."""
     monkeypatch.setattr(runner_module, "CHUNK_TRACE_AFTER", trace_after)
     base = EngineConfig(
         max_num_seqs=8, max_num_batched_tokens=64, max_prefill_chunk=24, compile_decode=True,
@@ -221,7 +263,10 @@ def test_engine_tokens_unchanged_with_compiled_chunks(
     engine = LLMEngine(loaded, dataclasses.replace(base, compile_chunks=True))
     assert engine.runner.compile_chunks
     assert rounds(engine) == plain
-    assert any(shape[0] == "chunk" for shape in engine.runner.compiled.shapes)
+    chunk_shapes = [shape for shape in engine.runner.compiled.shapes if shape[0] == "chunk"]
+    assert chunk_shapes
+    if trace_after == 0:
+        assert any(rows > 1 for _, (rows, _), _ in chunk_shapes)
     assert engine.prefix_cache is not None and engine.prefix_cache.stats.hit_tokens > 0
 
 
