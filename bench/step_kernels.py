@@ -7,9 +7,13 @@ step of 64 rows spent 7.1 of its 8.1 ms inside runner.execute), so the number of
 primitives a step's graph holds is a figure the CPU can give for the GPU. The GPU-only
 kernels (the DeltaNet prompt scan and decode token) are stubbed with one primitive each,
 as they launch there; the rest of the graph is the model's own. View-like primitives
-(reshape, slice, broadcast, transpose, ...) launch nothing and are counted apart.
+(reshape, slice, broadcast, transpose, ...) launch nothing and are counted apart. The
+CPU builds mx.fast's ops from their parts (an RMSNorm is three primitives here and one
+kernel on a GPU, an attention core several), so the counts overstate a GPU's launches,
+most for the kinds with the most norms: compare kinds, not absolute figures.
 
-Counts, for the model at `--shape` with random weights (nothing is written to disk):
+Counts, for the model at `--shape` with random weights (nothing is written to disk;
+`--narrow`: its layers at tiny widths, the same counts in seconds):
 a later prompt chunk of `--chunk` tokens eagerly (compiled DeltaNet core, as on a GPU)
 and through the compiled chunk forward (engine/decode.py), a fresh prompt's first chunk
 of that length compiled (engine/compiled_prefill.py), and the compiled decode step of
@@ -23,6 +27,7 @@ import collections
 import io
 import json
 import re
+from dataclasses import replace
 
 import mlx.core as mx
 from mlx.utils import tree_map
@@ -78,6 +83,12 @@ def main() -> None:
     ap.add_argument("--shape", default="0.8B", help="deltaserve.models.testing shape name")
     ap.add_argument("--chunk", type=int, default=256, help="prompt chunk tokens")
     ap.add_argument("--rows", type=int, default=64, help="decode rows")
+    ap.add_argument(
+        "--narrow",
+        action="store_true",
+        help="the shape's layers at tiny widths: the same counts (they follow the layer "
+        "count and kinds, not the widths) in seconds instead of minutes",
+    )
     args = ap.parse_args()
     _stub_gpu_kernels()
     from deltaserve.engine.cache.batch import BatchState
@@ -88,7 +99,10 @@ def main() -> None:
     from deltaserve.models.state import ForwardGroup, text_positions
     from deltaserve.models.testing.config import SHAPES, text_config
 
-    cfg = TextConfig.from_dict(text_config(SHAPES[args.shape]))
+    shape = SHAPES[args.shape]
+    if args.narrow:
+        shape = replace(SHAPES["tiny"], layers=shape.layers, tied=shape.tied)
+    cfg = TextConfig.from_dict(text_config(shape))
     model = Qwen35Model(cfg)
     model.update(tree_map(lambda p: p * 0.02, model.parameters()))
     model.fuse_projections()
@@ -109,7 +123,8 @@ def main() -> None:
         return state
 
     def line(what: str, graph: list[mx.array]) -> None:
-        print(json.dumps({"what": what, "shape": args.shape, **count(graph)}), flush=True)
+        shape = args.shape + (" (narrow)" if args.narrow else "")
+        print(json.dumps({"what": what, "shape": shape, **count(graph)}), flush=True)
         mx.eval(graph)
 
     n, start = args.chunk, 64
