@@ -15,7 +15,8 @@ most for the kinds with the most norms: compare kinds, not absolute figures.
 Counts, for the model at `--shape` with random weights (nothing is written to disk;
 `--narrow`: its layers at tiny widths, the same counts in seconds):
 a later prompt chunk of `--chunk` tokens eagerly (compiled DeltaNet core, as on a GPU)
-and through the compiled chunk forward (engine/decode.py), a fresh prompt's first chunk
+and through the compiled chunk forward (engine/decode.py), for one row and for two rows'
+chunks in one call, a fresh prompt's first chunk
 of that length compiled (engine/compiled_prefill.py), and the compiled decode step of
 `--rows` rows. Prints JSON lines.
 """
@@ -138,6 +139,14 @@ def main() -> None:
         hidden = chunks.chunk([[0] * n], [start], state)
         if run:
             line(f"later chunk of {n}, compiled", [hidden, *arrays(state)])
+        mx.eval(hidden, arrays(state))
+    for run in range(2):  # two rows' chunks (n and 3n/4 tokens) in one call
+        state = started(start)
+        state.merge(started(start // 2))
+        hidden = chunks.chunk([[0] * n, [0] * (3 * n // 4)], [start, start // 2], state)
+        if run:
+            line(f"later chunks of {n} and {3 * n // 4}, two rows, compiled",
+                 [hidden, *arrays(state)])  # fmt: skip
         mx.eval(hidden, arrays(state))
     prompts = CompiledPrefill(model)
     for run in range(2):
