@@ -591,9 +591,9 @@ class ModelRunner:
         members, rows = [plan.prefill[i] for i in cohort.chunk_indices], self.rows.rows
         if not all(self._chunk_compiles(c, rows[c.row_id]) for c in members):
             return None
-        if not self.compiled.supports(self.states.prefill_state(members[0].row_id)):
-            return None  # one engine's rows share their store kinds
         states = [self.states.prefill_state(c.row_id) for c in members]
+        if not self.compiled.supports(states[0]):
+            return None  # one engine's rows share their store kinds
         lengths = [c.length for c in members]
         shape = self.compiled.chunk_shape(lengths, self.compiled.kv_columns(states))
         if shape not in self.compiled.shapes and plan.decode_row_ids:
