@@ -11,8 +11,10 @@ column per token: engine/speculative.py), reserved with it. What a row holds onl
 its prompt is prefilled (the vision tower's activations, a compiled later chunk's KV
 capacity bucket) is reserved until its prefill ends (Admission.prefill_bytes).
 Not counted, and covered only by the default budget being half of the memory left: KV
-capacity headroom (up to 256 free columns per store) and the dead rows that hold a
-compiled decode batch at its bucket size (engine/cache/rows.py).
+capacity headroom (up to 256 free columns per store), the dead rows that hold a
+compiled decode batch at its bucket size (engine/cache/rows.py), and, for one step, the
+merged copy of prefilling rows whose chunks run as one cohort (each row at the longest
+one's columns; split back after the step).
 """
 
 from __future__ import annotations
