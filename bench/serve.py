@@ -27,19 +27,23 @@ stopped before `--max-tokens`.
 
 Prints a `config` line, then one JSON line per (server, clients): tok/s (completion
 tokens / wall of the phase), TTFT p50/p99, the gap between a stream's text chunks
-p50/p99, failures and the first error, and for deltaserve what its engine did in the
-phase (`steps`, from /metrics before and after: each kind of step's count, mean and
-those over 0.1 / 0.25 s, steps that traced a compiled shape, full GC collections), so
-a p99 gap says where it came from; per server its exit code after SIGINT and whether
-its log has "terminate called"; the ratios ours/peer per client count; then markdown
-tables. On a cold GPU the first phase also pays MLX's kernel JIT for new shapes.
+p50/p99, failures and the first error, the text chunks a second while at least 90% of
+the clients streamed at once (the phase's steady state, which `bench.gpu` measures
+in-process; a chunk is a token unless a server merges them), and for deltaserve what
+its engine did in the phase (`steps`, from /metrics before and after: each kind of
+step's count, mean and those over 0.1 / 0.25 s, steps that traced a compiled shape,
+full GC collections), so a p99 gap says where it came from; per server its exit code
+after SIGINT and whether its log has "terminate called"; the ratios ours/peer per client
+count; then markdown tables. On a cold GPU the first phase also pays MLX's kernel JIT for new shapes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
+import math
 import random
 import shlex
 import signal
@@ -66,6 +70,8 @@ from bench.server_vs_mlxlm import (
 )
 
 SERVERS = ("deltaserve", "mlx_lm")
+FULL_SHARE = 0.9  # of the clients streaming at once: the phase's steady state
+FULL_MIN_S = 0.5  # seconds of it, at least, for a rate
 Row = dict[str, Any]
 
 
@@ -159,6 +165,7 @@ async def _phase(
     ttft = [r["ttft"] for r in ok]
     gaps = [g for r in ok for g in r["itl"]]
     tokens = sum(r["tokens"] for r in ok)
+    full_s, full_chunks = _at_full_concurrency([r["stamps"] for r in ok], clients)
     return {
         "clients": clients,
         "requests": len(results),
@@ -171,9 +178,34 @@ async def _phase(
         "ttft_p99_s": round(_pct(ttft, 0.99), 4),
         "gap_p50_ms": round(1e3 * _pct(gaps, 0.5), 2),
         "gap_p99_ms": round(1e3 * _pct(gaps, 0.99), 2),
+        # chunks a second while >= 90% of the clients streamed (bench.gpu's steady state)
+        "full_s": round(full_s, 3),
+        "full_chunks_s": round(full_chunks / full_s, 2) if full_s >= FULL_MIN_S else None,
         "failures": len(errors),
         "first_error": errors[0] if errors else None,
     }
+
+
+def _at_full_concurrency(streams: list[list[float]], clients: int) -> tuple[float, int]:
+    """(seconds, text chunks in them) while at least FULL_SHARE of the clients had a
+    stream between its first and last chunk: the phase's steady state, every row
+    decoding, which `bench.gpu` measures in-process (issue 30 compares the two), without
+    the ramp, the prefill waves and the tail."""
+    need = max(1, math.ceil(FULL_SHARE * clients))
+    events = sorted((t, d) for st in streams for t, d in ((st[0], 1), (st[-1], -1)))
+    spans, live, since = [], 0, 0.0
+    for t, d in events:
+        was_full = live >= need
+        live += d
+        if live >= need and not was_full:
+            since = t
+        elif was_full and live < need:
+            spans.append((since, t))
+    seconds = sum(b - a for a, b in spans)
+    chunks = sum(
+        bisect.bisect_right(st, b) - bisect.bisect_left(st, a) for st in streams for a, b in spans
+    )
+    return seconds, chunks
 
 
 async def _measure(
@@ -291,14 +323,16 @@ def _ratios(rows: list[Row]) -> list[Row]:
 def _table(rows: list[Row], ratios: list[Row], stopped: list[Row], max_tokens: int) -> str:
     head = "| clients | server | tok/s | TTFT p50 s | TTFT p99 s | gap p50 ms | gap p99 ms |"
     lines = [
-        head + f" tokens (short of {max_tokens}) | failures |",
-        "|---|---|---|---|---|---|---|---|---|",
+        head + f" tokens (short of {max_tokens}) | failures | chunks/s at >= 90% streaming |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (r["clients"], r["server"])):
+        full = r.get("full_chunks_s")
+        steady = f"{full:.1f} ({r['full_s']:.1f} s)" if full is not None else "n/a"
         lines.append(
             f"| {r['clients']} | {r['server']} | {r['tok_s']:.1f} | {r['ttft_p50_s']:.3f}"
             f" | {r['ttft_p99_s']:.3f} | {r['gap_p50_ms']:.1f} | {r['gap_p99_ms']:.1f}"
-            f" | {r['completion_tokens']} ({r['short']}) | {r['failures']} |"
+            f" | {r['completion_tokens']} ({r['short']}) | {r['failures']} | {steady} |"
         )
     if ratios:
         lines += ["", "| clients | tok/s ours/peer | TTFT p50 ours/peer | gap p99 ours/peer |"]

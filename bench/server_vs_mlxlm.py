@@ -212,6 +212,7 @@ async def _one(
         "itl": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
         "tokens": len(stamps) if usage_tokens is None else usage_tokens,
         "chunks": len(stamps),
+        "stamps": stamps,  # when each text chunk came (time.perf_counter)
     }
 
 
