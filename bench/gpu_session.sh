@@ -60,14 +60,14 @@ mixed() {  # issue 30's mixed-step target: 64 decode rows + 256 prompt tokens <=
 serve08() {  # the headline: deltaserve serve (default config) vs mlx_lm.server, 0.8B
     timeout 560 python3 -m bench.serve --checkpoint 0.8B --log-dir "$OUT/s08" \
         --plot "$OUT/s08.png" >"$OUT/serve08.log" 2>&1
-    tail -12 "$OUT/serve08.log"
+    grep -E '^(\||- )' "$OUT/serve08.log"  # the tables: phases, ratios, engine steps
 }
 
 serve9b() {  # 9B at 16 and 64 clients (the checkpoint from setup's background job)
     while pgrep -f "testing cached 9B" >/dev/null; do sleep 5; done
     timeout 560 python3 -m bench.serve --checkpoint 9B --clients 16 64 --log-dir "$OUT/s9b" \
         --plot "$OUT/s9b.png" >"$OUT/serve9b.log" 2>&1
-    tail -12 "$OUT/serve9b.log"
+    grep -E '^(\||- )' "$OUT/serve9b.log"
 }
 
 spec() {  # issue 32: speculation (MTP head; forced 80% / 60% drafts) vs plain, 0.8B and 9B
