@@ -88,7 +88,7 @@ spec35() {  # the same at 35B-A3B 4-bit (its checkpoint is written first, if mis
 serve35() {  # issue 30's third shape: 35B-A3B 4-bit at 16 clients
     timeout 570 python3 -m bench.serve --checkpoint 35B-A3B-mlx-4bit --clients 16 \
         --log-dir "$OUT/s35" --plot "$OUT/s35.png" >"$OUT/serve35.log" 2>&1
-    tail -12 "$OUT/serve35.log"
+    grep -E '^(\||- )' "$OUT/serve35.log"
 }
 
 for step in "$@"; do
