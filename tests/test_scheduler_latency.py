@@ -14,6 +14,7 @@ from deltaserve.engine.cache.budget import MemoryBudget, StateCosts
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.plan import StepPlan
+from deltaserve.engine.scheduling.prefill_policy import BACKLOG_EVERY
 from deltaserve.engine.scheduling.scheduler import MIN_PREFILL_TOKENS, SLOW_STEP_EVERY, Scheduler
 from deltaserve.engine.scheduling.step_cost import HEADROOM, MAX_AGE, ChunkCost
 from deltaserve.engine.types import GenerationRequest, ImageInput, SamplingParams
@@ -443,6 +444,35 @@ def test_a_step_that_traced_a_shape_is_no_cost_sample_and_is_logged(
     assert len(said) == 2 and "4 decode rows" in said[0] and "traced" not in said[0]
     assert "(2 more slow steps since the last)" in said[1]
     assert len(s.step_cost._decode) == samples + 5  # the slow steps are samples
+
+
+def test_a_backlog_behind_the_bound_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """A burst of prompts next to decoding rows is admitted at the stall bound's
+    allowance: the log says so (how many wait, the allowance, the knob), at most once
+    per BACKLOG_EVERY seconds while it lasts, and not for a lone prompt."""
+    cost = FakeCost()
+    s = _scheduler(cost)
+    _decoding(s, cost, rows=8)
+
+    def said() -> list[str]:
+        return [
+            r.getMessage() for r in caplog.records if "wait for their first token" in r.getMessage()
+        ]
+
+    with caplog.at_level("INFO", logger="deltaserve.engine.scheduling.prefill_policy"):
+        s.add(_req("alone", 400), EOS)
+        _prefill_until_done(s, cost, "alone/0")
+        assert said() == []
+        for i in range(10):
+            s.add(_req(f"b{i}", 400), EOS)
+        for _ in range(3):
+            _step(s, cost)
+        assert len(said()) == 1
+        assert "10 requests" in said()[0] and "--max-stall-factor 0" in said()[0]
+        cost.now += BACKLOG_EVERY
+        _step(s, cost)
+        assert len(said()) == 2
+    assert all(c.length <= BUDGET for c in s.schedule().prefill)
 
 
 def test_every_step_is_counted_by_kind_for_metrics() -> None:

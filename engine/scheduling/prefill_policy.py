@@ -19,6 +19,8 @@ step, whose prefill is cut by the jump's predicted cost (StepCostModel.prefill_a
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from deltaserve.engine.cache.budget import MemoryBudget
@@ -36,6 +38,9 @@ log = logging.getLogger(__name__)
 # Smallest prefill a step with decode rows gets (so prefill always progresses), and the
 # smallest slice the prefill allowance is split into (so it is not spread over tiny groups).
 MIN_PREFILL_TOKENS = MIN_CHUNK
+# A prompt backlog this many steps' allowance deep is logged, at most every BACKLOG_EVERY s
+BACKLOG_STEPS = 8
+BACKLOG_EVERY = 30.0
 
 
 class Chunking:
@@ -329,12 +334,19 @@ class StallBound:
     so the step stays within max_stall_factor x a decode-only step (StepCostModel)."""
 
     def __init__(
-        self, state: SchedulerState, config: EngineConfig, step_cost: StepCostModel
+        self,
+        state: SchedulerState,
+        config: EngineConfig,
+        step_cost: StepCostModel,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """clock: the scheduler's (for how often a backlog is logged)."""
         self.state = state
         self.config = config
         self.step_cost = step_cost
+        self._clock = clock
         self._promise: int | None = None  # allowance last logged as unattainable's
+        self._backlog_said = float("-inf")  # when a backlog was last logged (the clock)
 
     def allowance(self) -> int:
         """Prefill tokens this step: the token budget, or less to bound the decode stall.
@@ -358,7 +370,33 @@ class StallBound:
         self.state.price = VisionPrice(scale, self.step_cost.vision_limit())
         allowance = min(budget, max(allowance, MIN_PREFILL_TOKENS))
         self._log_promise(allowance, factor)
+        self._log_backlog(allowance, budget, factor)
         return allowance
+
+    def _log_backlog(self, allowance: int, budget: int, factor: float) -> None:
+        """Say (at most every BACKLOG_EVERY seconds) when prompts queue behind the bound:
+        a burst of arrivals next to decoding rows is admitted at the bound's
+        allowance, so its last prompts wait many steps for their first token. The
+        operator's choice between smooth streams and that wait is max_stall_factor."""
+        st = self.state
+        if allowance >= budget or len(st.prefilling) + len(st.waiting) < 2:
+            return  # one prompt (however long) advancing at the allowance is the design
+        tokens = sum(r.num_prompt - r.num_computed for r in st.prefilling)
+        tokens += sum(r.num_prompt for r in st.waiting)
+        if tokens < BACKLOG_STEPS * allowance:
+            return
+        now = self._clock()
+        if now - self._backlog_said < BACKLOG_EVERY:
+            return
+        self._backlog_said = now
+        log.info(
+            "%d requests (%d prompt tokens) wait for their first token behind the %.1fx "
+            "stall bound, which lets ~%d prompt tokens into each step next to %d decoding "
+            "rows (~%d steps to clear them); --max-stall-factor 0 admits them at the token "
+            "budget (%d a step), at the cost of longer gaps in the running streams",
+            len(st.prefilling) + len(st.waiting), tokens, factor, allowance,
+            len(st.decoding), -(-tokens // allowance), budget,
+        )  # fmt: skip
 
     def _log_promise(self, allowance: int, factor: float) -> None:
         """Say once (and again when it changes) that the stall bound cannot be met here,

@@ -99,7 +99,7 @@ class Scheduler:
             self.state, config, budget, prefix, self.chunking, compiled_chunks
         )
         self.run_ahead = RunAhead(self.state, config, self.step_cost, self.admission, self.chunking)
-        self.stall = StallBound(self.state, config, self.step_cost)
+        self.stall = StallBound(self.state, config, self.step_cost, clock)
         self._promote_next: list[Request] = []  # final chunk scheduled; decode from next step
         self._pending: dict[str, int] = {}  # row -> index in the last step's samples
         self._num_steps = 0
