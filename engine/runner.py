@@ -202,17 +202,14 @@ class ModelRunner:
         if verify_drafts is not None and compiled_verify is None:
             groups.append(self._verify_group(plan, verify_drafts))
         # cohorts run by a compiled forward (fresh prompts' first chunks, later chunks),
-        # the others eagerly (later chunks of several lengths split by length there)
+        # the others eagerly
         cohorts: list[_Cohort] = []
         runs: dict[int, tuple[mx.array, list[BatchState]]] = {}
         for cohort in self._cohorts(plan.prefill):
-            run = self._compiled_prompts(plan.prefill, cohort)
-            run = run if run is not None else self._compiled_chunk(plan, cohort)
-            if run is not None:
-                runs[len(cohorts)] = run
-                cohorts.append(cohort)
-            else:
-                cohorts += self._by_length(plan.prefill, cohort)
+            for part, run in self._compiled_parts(plan, cohort):
+                if run is not None:
+                    runs[len(cohorts)] = run
+                cohorts.append(part)
         eager = [c for i, c in enumerate(cohorts) if i not in runs]
         groups += [self._prefill_group(plan.prefill, c) for c in eager]
         if self.vision is not None:
@@ -483,7 +480,7 @@ class ModelRunner:
         together, and later chunks only with others of the same length (no padding),
         except those the compiled chunk forward may take (`_chunk_compiles`): they form
         one cohort whatever their lengths (its padding joins each row's left pad), split
-        by length again if it declines (`_by_length`). First chunks that take the
+        again if it declines (`_compiled_parts`). First chunks that take the
         compiled forward split into the buckets it runs (`cohort_splits`)."""
         by_key: dict[object, _Cohort] = {}
         rows = self.rows.rows
@@ -511,18 +508,34 @@ class ModelRunner:
                 cohorts.append(_Cohort(indices, [chunks[i].row_id for i in indices]))
         return cohorts
 
-    @staticmethod
-    def _by_length(chunks: tuple[PrefillChunk, ...], cohort: _Cohort) -> list[_Cohort]:
-        """An eager cohort: as it is, or a cohort of later chunks split by length (an
-        eager group pads only before a row's first token)."""
-        if chunks[cohort.chunk_indices[0]].start == 0:
-            return [cohort]
+    def _compiled_parts(
+        self, plan: StepPlan, cohort: _Cohort
+    ) -> list[tuple[_Cohort, tuple[mx.array, list[BatchState]] | None]]:
+        """The cohort through a compiled forward where one takes it: [(cohort, its run)],
+        or [(cohort, None)] for the eager path. Later chunks of several rows whose
+        shape the chunk forward declines (not traced yet) try it row by row (a row's own
+        shape may be traced: warm-up traces some), and the rest run eagerly, split by
+        length (an eager group pads only before a row's first token)."""
+        chunks = plan.prefill
+        run = self._compiled_prompts(chunks, cohort)
+        if run is None:
+            run = self._compiled_chunk(plan, cohort)
+        if run is not None or chunks[cohort.chunk_indices[0]].start == 0:
+            return [(cohort, run)]
+        if len(cohort.chunk_indices) == 1:
+            return [(cohort, None)]
+        parts: list[tuple[_Cohort, tuple[mx.array, list[BatchState]] | None]] = []
         by_length: dict[int, _Cohort] = {}
         for i in cohort.chunk_indices:
+            single = _Cohort([i], [chunks[i].row_id])
+            run = self._compiled_chunk(plan, single)
+            if run is not None:
+                parts.append((single, run))
+                continue
             part = by_length.setdefault(chunks[i].length, _Cohort([], []))
             part.chunk_indices.append(i)
             part.row_ids.append(chunks[i].row_id)
-        return list(by_length.values())
+        return parts + [(part, None) for part in by_length.values()]
 
     def _prefill_group(self, chunks: tuple[PrefillChunk, ...], cohort: _Cohort) -> ForwardGroup:
         """[P, L] tokens right-aligned (row p left-padded to the longest chunk)."""

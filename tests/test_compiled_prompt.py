@@ -298,6 +298,41 @@ def test_a_chunk_shape_traces_once_it_recurs(loaded: LoadedModel) -> None:
     assert seen[:-1] == [set()] * runner_module.CHUNK_TRACE_AFTER and seen[-1]
 
 
+def test_rows_whose_joint_shape_is_not_traced_take_their_own(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two rows' later chunks in one step, next to a decoding row: their joint shape is
+    not traced yet (so not run: a trace stalls the decoding row), but each row's own
+    shape is, so each runs through its own compiled call, not eagerly."""
+    base = EngineConfig(
+        max_num_seqs=4, max_num_batched_tokens=256, max_prefill_chunk=48, compile_decode=True,
+        compile_chunks=True, batch_prefill=True, prefix_cache=False, max_stall_factor=0,
+    )  # fmt: skip
+    engine = LLMEngine(loaded, base)
+    calls: list[int] = []
+    chunk = engine.runner.compiled.chunk
+
+    def counted(prompts, starts, state):  # noqa: ANN001, ANN202
+        calls.append(len(prompts))
+        return chunk(prompts, starts, state)
+
+    monkeypatch.setattr(engine.runner.compiled, "chunk", counted)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    engine.generate([list(range(100, 160))], params)  # alone: its later chunk (12) traces
+    assert calls == [1]
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    engine.add_request(GenerationRequest("d", (5, 6, 7), long))
+    while not engine.scheduler.state.decoding:
+        engine.step()
+    for name in ("a", "b"):  # 48 + 12 tokens each: their later chunks share a step
+        engine.add_request(GenerationRequest(name, tuple(range(300, 360)), params))
+    done: set[str] = set()
+    while done != {"a", "b"}:
+        done |= {o.request_id for o in engine.step() if o.finish_reason}
+    assert calls == [1, 1, 1]  # each row's own (traced) shape, no joint call
+    assert all(shape[1][0] == 1 for shape in engine.runner.compiled.shapes if shape[0] == "chunk")
+
+
 def test_prefix_kv_stays_eager(loaded: LoadedModel) -> None:
     """kv_cache.start > 0 (PrefixKV) has no traced form: such prompts run eagerly."""
     kv = KVCacheConfig(kind="affine", bits=8, start=16)
