@@ -15,6 +15,8 @@
 #   call 5:              bash bench/gpu_session.sh tests              (~4 min)
 #   call 6, 7:           bash bench/gpu_session.sh spec; bash bench/gpu_session.sh spec35
 #   call 8:              bash bench/gpu_session.sh serve35   (after spec35 wrote its checkpoint)
+#   if time is left:     bash bench/gpu_session.sh servechat (0.8B, 3-turn chats: next turns
+#                        on the prefix cache, compiled later chunks, under load)
 # A session's 30 device minutes hold calls 1-4 or 1-5 (2026-12-05: 9B was cut when the
 # time ran out after serve08): run them back to back, the machine is given back after
 # 30 s idle.
@@ -77,6 +79,12 @@ spec() {  # issue 32: speculation (MTP head; forced 80% / 60% drafts) vs plain, 
     timeout 360 python3 -m bench.speculative --checkpoint 9B --batches 1 16 64 \
         >"$OUT/spec9b.log" 2>&1
     grep '^|' "$OUT/spec08.log" "$OUT/spec9b.log"
+}
+
+servechat() {  # 0.8B, each client's 3 requests the turns of one chat (history resent)
+    timeout 560 python3 -m bench.serve --checkpoint 0.8B --clients 16 64 --chat \
+        --requests-per-client 3 --log-dir "$OUT/schat" >"$OUT/servechat.log" 2>&1
+    grep -E '^(\||- )' "$OUT/servechat.log"
 }
 
 spec35() {  # the same at 35B-A3B 4-bit (its checkpoint is written first, if missing)

@@ -18,12 +18,13 @@ a user's server; `--extra-args` adds flags. mlx_lm.server gets `--decode-concurr
 --prompt-concurrency 8`, C the most clients. Each server is warmed up with one short
 request, then per client count: every client sends `--requests-per-client` streaming
 chats one after the other (greedy, thinking off, prompts of 32-400 words drawn with a
-fixed seed, `--max-tokens` new tokens); client i starts at i/C of `--ramp-s`, so requests
-arrive while others decode. deltaserve ignores EOS (`ignore_eos`); mlx_lm.server has no
-such field, and its one way to force the length, a `logit_bias` on the EOS ids
-(`--peer-eos-bias`), puts every row through its per-row logits-processor path. So tok/s
-counts the completion tokens each server reports, and `short` counts requests that
-stopped before `--max-tokens`.
+fixed seed, `--max-tokens` new tokens; with `--chat` they are the turns of one chat, each
+resending the history and the answers so far, as a chat client does); client i starts at
+i/C of `--ramp-s`, so requests arrive while others decode. deltaserve ignores EOS
+(`ignore_eos`); mlx_lm.server has no such field, and its one way to force the length, a
+`logit_bias` on the EOS ids (`--peer-eos-bias`), puts every row through its per-row
+logits-processor path. So tok/s counts the completion tokens each server reports, and
+`short` counts requests that stopped before `--max-tokens`.
 
 Prints a `config` line, then one JSON line per (server, clients): tok/s (completion
 tokens / wall of the phase), TTFT p50/p99, the gap between a stream's text chunks
@@ -34,7 +35,8 @@ its engine did in the phase (`steps`, from /metrics before and after: each kind 
 step's count, mean and those over 0.1 / 0.25 s, steps that traced a compiled shape,
 full GC collections), so a p99 gap says where it came from; per server its exit code
 after SIGINT and whether its log has "terminate called"; the ratios ours/peer per client
-count; then markdown tables. On a cold GPU the first phase also pays MLX's kernel JIT for new shapes.
+count; then markdown tables. On a cold GPU the first phase also pays MLX's kernel JIT
+for new shapes.
 """
 
 from __future__ import annotations
@@ -152,7 +154,15 @@ async def _phase(
 
         async def run(i: int, prompts: list[str]) -> list[dict]:
             await asyncio.sleep(args.ramp_s * i / clients)
-            return [await _one(client, base, model, p, args.max_tokens, fields) for p in prompts]
+            results, history = [], []
+            for p in prompts:
+                messages = [*history, {"role": "user", "content": p}]
+                extra = {**fields, "messages": messages} if args.chat else fields
+                result = await _one(client, base, model, p, args.max_tokens, extra)
+                results.append(result)
+                answer = result.get("text", "")
+                history = [*messages, {"role": "assistant", "content": answer}]
+            return results
 
         start = time.perf_counter()
         per_client = await asyncio.gather(
@@ -421,6 +431,12 @@ def main() -> None:
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--ramp-s", type=float, default=2.0, help="clients start over this")
+    ap.add_argument(
+        "--chat",
+        action="store_true",
+        help="each client's requests are the turns of one chat (each resends the history "
+        "and the answers so far): a prefix cache's next-turn path under load",
+    )
     ap.add_argument("--only", choices=SERVERS, default=None)
     ap.add_argument("--extra-args", default="", help="more deltaserve flags, one string")
     ap.add_argument(
@@ -459,6 +475,7 @@ def main() -> None:
         "model": str(model),
         "on_cpu": args.on_cpu,
         "log_dir": str(args.log_dir),
+        "chat": args.chat,
         "deltaserve_flags_beyond_model_port": ours[ours.index("--port") + 2 :],
         "commands": {k: commands[k] for k in kinds},
     }

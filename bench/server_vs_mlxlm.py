@@ -178,6 +178,7 @@ async def _one(
     }
     start = time.perf_counter()
     stamps: list[float] = []
+    pieces: list[str] = []
     usage_tokens = None
     try:
         async with client.stream(
@@ -202,6 +203,7 @@ async def _one(
                         or delta.get("reasoning")
                     ):
                         stamps.append(time.perf_counter())
+                        pieces.append(delta.get("content") or "")
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
     if not stamps:
@@ -213,6 +215,7 @@ async def _one(
         "tokens": len(stamps) if usage_tokens is None else usage_tokens,
         "chunks": len(stamps),
         "stamps": stamps,  # when each text chunk came (time.perf_counter)
+        "text": "".join(pieces),  # the answer (content only)
     }
 
 
