@@ -24,7 +24,7 @@ from deltaserve.engine.cache.factory import (
     kv_prefix_tokens,
     kv_store_factory,
 )
-from deltaserve.engine.cache.rows import RowStates, decode_bucket
+from deltaserve.engine.cache.rows import RowStates
 from deltaserve.engine.compiled_prefill import CompiledPrefill
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.decode import CompiledDecode
@@ -38,6 +38,7 @@ from deltaserve.engine.sampling.sampler import Sampler
 from deltaserve.engine.scheduling.chunk_cost import measure_chunk_cost
 from deltaserve.engine.scheduling.scheduler import Scheduler
 from deltaserve.engine.scheduling.speculation import Speculation
+from deltaserve.engine.shapes import decode_bucket
 from deltaserve.engine.speculative import Drafter
 from deltaserve.engine.structured.grammar import GrammarCompiler, grammar_compiler
 from deltaserve.engine.structured.matchers import RowConstraints
@@ -127,7 +128,9 @@ class LLMEngine:
         kv = self.config.kv_cache
         pair = kv_bytes_per_element_pair(kv, dtype_size, cfg.head_dim)
         costs = StateCosts.for_model(cfg, pair, dtype_size, kv_prefix_tokens(kv))
-        self.budget = MemoryBudget(self._budget_bytes(), costs)
+        # a compiled decode step holds the batch at bucket sizes: the budget counts dead rows
+        held = partial(decode_bucket, max_rows=self.config.max_num_seqs) if compiled else None
+        self.budget = MemoryBudget(self._budget_bytes(), costs, held)
         self._log_budget()
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.prefix_cache = self._prefix_index()

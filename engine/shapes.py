@@ -1,10 +1,11 @@
-"""The bucketed shapes the compiled prompt calls run at, as plain integers.
+"""The bucketed shapes the compiled calls run at, as plain integers.
 
-A compiled call (engine/decode.py's later chunk, engine/compiled_prefill.py's fresh
-prompts) is traced once per input shape, so its lengths and KV capacities are rounded up
-to a few buckets. The scheduler plans for them (a chunk that does not finish its prompt
-fills its bucket; a prefilling row's memory reservation covers its capacity bucket), so
-they live here, without mlx, for both sides.
+A compiled call (engine/decode.py's decode step and later chunk, engine/compiled_prefill.py's
+fresh prompts) is traced once per input shape, so its batch sizes, lengths and KV
+capacities are rounded up to a few buckets. The scheduler plans for them (a chunk that
+does not finish its prompt fills its bucket; the memory budget counts a prefilling row's
+capacity bucket and the dead rows of a held decode batch), so they live here, without
+mlx, for both sides.
 """
 
 from __future__ import annotations
@@ -42,3 +43,19 @@ def prefill_columns(num_prompt: int) -> int:
     chunk's padding (a chunk that does not finish its prompt fills its bucket, so only
     the last one pads, by less than LENGTH_STEP columns)."""
     return chunk_capacity(num_prompt + LENGTH_STEP - 1)
+
+
+def decode_bucket(num_rows: int, max_rows: int) -> int:
+    """Rows the decode batch is held at: 1, 2, 4, 8, then steps of 1.5x / 2x (12, 16, 24,
+    32, 48, 64, 96, ...), never above max(num_rows, max_rows). Dead rows cost their
+    compute and state memory (at most a third of the batch past 8 rows); a new batch
+    size costs a new trace of the compiled step (seconds of kernel JIT on first use)."""
+    size = 1
+    while size < num_rows:
+        if size < 8:
+            size *= 2
+        elif size & (size - 1) == 0:  # a power of two: 8 -> 12, 16 -> 24, ...
+            size = size * 3 // 2
+        else:  # 12 -> 16, 24 -> 32, ...
+            size = size * 4 // 3
+    return max(num_rows, min(size, max_rows))

@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 
 from deltaserve.engine.cache.batch import BatchState
-from deltaserve.engine.cache.rows import decode_bucket
 from deltaserve.engine.compiled_prefill import MAX_ROWS, CompiledPrefill, prompt_bucket
 from deltaserve.engine.decode import CompiledDecode
+from deltaserve.engine.shapes import decode_bucket
 from deltaserve.models.state import ForwardGroup, text_positions
 
 log = logging.getLogger(__name__)

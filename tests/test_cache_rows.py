@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from deltaserve.engine.cache.kv import FullPrecisionKV, KVStore, last_rows, take_rows
-from deltaserve.engine.cache.rows import decode_bucket
 from deltaserve.engine.cache.ssm import SSMState
+from deltaserve.engine.shapes import decode_bucket
 
 HKV, HQ, D = 2, 4, 16
 

@@ -333,6 +333,15 @@ def test_rows_whose_joint_shape_is_not_traced_take_their_own(
     assert all(shape[1][0] == 1 for shape in engine.runner.compiled.shapes if shape[0] == "chunk")
 
 
+def test_the_budget_counts_the_held_batch_only_when_compiled(loaded: LoadedModel) -> None:
+    """The engine gives its memory budget the decode batch's bucket sizes when the
+    compiled step holds the batch at them, and none otherwise."""
+    for compiled in (False, True):
+        engine = LLMEngine(loaded, EngineConfig(max_num_seqs=16, compile_decode=compiled))
+        held = engine.budget.held_rows
+        assert (held(3) if held is not None else None) == (4 if compiled else None)
+
+
 def test_prefix_kv_stays_eager(loaded: LoadedModel) -> None:
     """kv_cache.start > 0 (PrefixKV) has no traced form: such prompts run eagerly."""
     kv = KVCacheConfig(kind="affine", bits=8, start=16)

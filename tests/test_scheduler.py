@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 from plan_utils import sampled
 
@@ -10,6 +12,7 @@ from deltaserve.engine.cache.budget import MemoryBudget, StateCosts, default_bud
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.plan import StepPlan
 from deltaserve.engine.scheduling.scheduler import Scheduler
+from deltaserve.engine.shapes import decode_bucket
 from deltaserve.engine.types import GenerationRequest, InvalidRequestError, SamplingParams
 
 EOS = frozenset({0})
@@ -202,6 +205,27 @@ def test_n_choices_fork_after_one_prefill() -> None:
     out = s.schedule()
     assert out.forks == (("p/1", "p/0"), ("p/2", "p/0"))
     assert out.decode_row_ids == ("p/0", "p/1", "p/2")
+
+
+def test_padding_counts_a_held_batchs_dead_rows() -> None:
+    """With the compiled decode step the batch is held at a bucket size: 3 rows run as 4,
+    the dead one with the longest row's KV columns and its own DeltaNet state, which the
+    budget's padding counts (and admission with it)."""
+    costs = StateCosts(10, 100, 5)
+    plain = MemoryBudget(10**6, costs)
+    held = MemoryBudget(10**6, costs, partial(decode_bucket, max_rows=64))
+    lengths = [100, 40, 60]
+    assert plain.padding_bytes(lengths) == (3 * 100 - 200) * 10
+    assert held.padding_bytes(lengths) == (4 * 100 - 200) * 10 + (100 + 5)
+    assert held.padding_bytes([100, 40]) == plain.padding_bytes([100, 40])  # 2: a bucket
+    # a budget with room for three rows and their padding, not for a fourth's dead row
+    cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_chunk=64)
+    room = 3 * (100 + 10 * 12) + (3 * 12 - 36) * 10 + 50
+    for rows_held, admitted in ((None, 3), (partial(decode_bucket, max_rows=64), 2)):
+        s = Scheduler(cfg, MemoryBudget(room, StateCosts(10, 100), rows_held), 1000, lambda: 0.0)
+        for name in "abc":
+            s.add(_req(name, 8), EOS)
+        assert len(s.schedule().prefill) == admitted
 
 
 GIB = 2**30

@@ -10,15 +10,18 @@ speculate also holds the MTP head's KV (one full-precision full-attention layer,
 column per token: engine/speculative.py), reserved with it. What a row holds only while
 its prompt is prefilled (the vision tower's activations, a compiled later chunk's KV
 capacity bucket) is reserved until its prefill ends (Admission.prefill_bytes).
+With the compiled decode step, the decode batch is held at a bucket size with dead
+rows (engine/shapes.py decode_bucket): `padding` counts them too (the longest row's
+KV columns and a DeltaNet state each).
 Not counted, and covered only by the default budget being half of the memory left: KV
-capacity headroom (up to 256 free columns per store), the dead rows that hold a
-compiled decode batch at its bucket size (engine/cache/rows.py), and, for one step, the
-merged copy of prefilling rows whose chunks run as one cohort (each row at the longest
-one's columns; split back after the step).
+capacity headroom (up to 256 free columns per store), the speculating rows' verify
+batch's dead rows, and, for one step, the merged copy of prefilling rows whose chunks
+run as one cohort (each row at the longest one's columns; split back after the step).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from deltaserve.models.config import TextConfig
@@ -95,19 +98,29 @@ def default_budget_bytes(
 class MemoryBudget:
     """Reserve/release bytes against a fixed total."""
 
-    def __init__(self, total: int, costs: StateCosts) -> None:
+    def __init__(
+        self, total: int, costs: StateCosts, held_rows: Callable[[int], int] | None = None
+    ) -> None:
+        """held_rows: how many rows a decode batch of n live rows is held at (the compiled
+        decode step's buckets, engine/shapes.py decode_bucket; None: n)."""
         self.total = total
         self.costs = costs
+        self.held_rows = held_rows
         self.reserved = 0
         self.padding = 0  # KV of left padding the running rows may need (padding_bytes)
 
     def padding_bytes(self, max_tokens: list[int]) -> int:
-        """KV bytes of the left padding that rows of these worst-case lengths can need in
-        one batch: every row padded to the longest, minus what each reserves itself."""
+        """Bytes the rows of these worst-case lengths can need in one batch beyond what
+        each reserves itself: every row's KV padded to the longest, and the dead rows
+        that hold the batch at its bucket size (held_rows), each with the longest row's
+        KV columns and its own DeltaNet state."""
         if not max_tokens:
             return 0
-        columns = len(max_tokens) * max(max_tokens) - sum(max_tokens)
-        return columns * self.costs.kv_bytes_per_token
+        rows = len(max_tokens)
+        held = max(rows, self.held_rows(rows)) if self.held_rows is not None else rows
+        columns = held * max(max_tokens) - sum(max_tokens)
+        dead = (held - rows) * (self.costs.ssm_bytes_per_row + self.costs.kv_prefix_bytes_per_row)
+        return columns * self.costs.kv_bytes_per_token + dead
 
     def row_bytes(self, num_tokens: int, drafts: bool = False) -> int:
         """A row's worst case at `num_tokens` tokens; `drafts`: it may speculate, so it

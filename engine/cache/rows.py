@@ -32,7 +32,8 @@ class RowStates:
         prefix_disk: PrefixDisk | None = None,
     ) -> None:
         """bucket: when given, the decode batch is held at bucket(live rows) rows, the
-        rest dead (see decode_bucket): a compiled step then sees few distinct shapes.
+        rest dead (engine/shapes.py decode_bucket): a compiled step then sees few distinct
+        shapes.
         prefix_cache: hold the prefix cache's arrays (engine/prefix_cache/store.py), with
         `prefix_disk` as their disk tier (None: memory only)."""
         self._new_state = new_state
@@ -174,19 +175,3 @@ class RowStates:
         rows = self.decode.nbytes() + self.verify.nbytes()
         rows += sum(s.nbytes() for s in self.prefill.values())
         return rows + (self.prefix.nbytes() if self.prefix is not None else 0)
-
-
-def decode_bucket(num_rows: int, max_rows: int) -> int:
-    """Rows the decode batch is held at: 1, 2, 4, 8, then steps of 1.5x / 2x (12, 16, 24,
-    32, 48, 64, 96, ...), never above max(num_rows, max_rows). Dead rows cost their
-    compute and state memory (at most a third of the batch past 8 rows); a new batch
-    size costs a new trace of the compiled step (seconds of kernel JIT on first use)."""
-    size = 1
-    while size < num_rows:
-        if size < 8:
-            size *= 2
-        elif size & (size - 1) == 0:  # a power of two: 8 -> 12, 16 -> 24, ...
-            size = size * 3 // 2
-        else:  # 12 -> 16, 24 -> 32, ...
-            size = size * 4 // 3
-    return max(num_rows, min(size, max_rows))
