@@ -3,7 +3,7 @@ the last minutes, served by GET /dashboard/data (server/routes_status.py).
 
 It reads the sources that exist already: the EngineStats snapshot the engine thread
 publishes after each step (what /metrics reads: running and queued rows, row-state bytes
-against the budget, prefix-cache counters, the generated-token total), the request log's
+against the budget, prefix-cache counters, the generated-token total, step times), the request log's
 records (server/request_log.py), EngineInfo and the Settings, and the StatusHistory
 (server/status_history.py): EngineStats sampled over the last minutes.
 """
@@ -15,7 +15,18 @@ import os
 import platform
 from typing import Any
 
+from deltaserve.engine.api import STEP_KINDS, StepTimes
 from deltaserve.server.routes_common import ServerState
+
+
+def step_summary(times: StepTimes) -> dict[str, Any]:
+    """Engine steps since start by kind (count, mean ms; /metrics has the histogram) and
+    how many traced a compiled shape: where the running streams' waits went."""
+    kinds = {
+        kind: {"count": counts[-1], "mean_ms": 1e3 * total / counts[-1] if counts[-1] else None}
+        for kind, counts, total in zip(STEP_KINDS, times.counts, times.seconds, strict=True)
+    }
+    return {"kinds": kinds, "traced": times.traced}
 
 
 def status_snapshot(state: ServerState, now: float) -> dict[str, Any]:
@@ -51,6 +62,7 @@ def status_snapshot(state: ServerState, now: float) -> dict[str, Any]:
             "hit_rate": stats.prefix_cache_hit_tokens_total / lookups if lookups else None,
             "evictions": stats.prefix_cache_evictions_total,
         },
+        "steps": step_summary(stats.step_times),
         "history": state.history.series(),
         "ttft": [[r.finished_at, r.ttft_s] for r in reversed(records) if r.finished_at >= since],
         "requests": [record.as_json() for record in records],

@@ -10,6 +10,7 @@ PATH saves the page's screenshot there (README's docs/dashboard.png was made so)
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -135,6 +136,7 @@ def test_dashboard_numbers_move_while_chats_run(
         for cells in short:
             assert cells[2] == "chat" and cells[5] == str(SHORT_TOKENS), cells
         assert page.locator("#platform").inner_text().count("cpu") >= 1
+        assert re.search(r"decode [1-9]\d* x \d+\.\d ms", page.locator("#steps").inner_text())
 
         target = os.environ.get("DASHBOARD_SCREENSHOT") or str(tmp_path / "dashboard.png")
         assert page.screenshot(path=target)[:8] == b"\x89PNG\r\n\x1a\n"

@@ -182,6 +182,12 @@ def test_dashboard_data(server: LiveServer, http: httpx.Client) -> None:
     assert data["settings"]["engine.max_num_batched_tokens"] == "512 (this device's default)"
     assert API_KEY not in reply.text
     assert data["prefix_cache"]["enabled"] is False
+    assert data["steps"] == {  # FakeEngine's stats: no step yet
+        "kinds": {
+            k: {"count": 0, "mean_ms": None} for k in ("decode", "mixed", "prefill", "verify")
+        },
+        "traced": 0,
+    }
 
 
 def _stats(generated: int, running: int) -> EngineStats:

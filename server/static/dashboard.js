@@ -169,6 +169,11 @@ function render(data) {
     setText("prefix-cache", "off");
   }
 
+  const steps = Object.entries(data.steps.kinds).filter(([, k]) => k.count > 0)
+    .map(([kind, k]) => `${kind} ${k.count} x ${k.mean_ms.toFixed(1)} ms`);
+  setText("steps", (steps.length ? steps.join(", ") : "none yet") +
+    (data.steps.traced ? `; ${data.steps.traced} traced a compiled shape` : ""));
+
   // From the oldest sample (the server's start) to now, between 1 and 5 minutes.
   const oldest = history.time.length ? history.time[0] : data.time;
   const span = Math.min(WINDOW_S, Math.max(MIN_SPAN_S, data.time - oldest));
