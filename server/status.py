@@ -3,9 +3,9 @@ the last minutes, served by GET /dashboard/data (server/routes_status.py).
 
 It reads the sources that exist already: the EngineStats snapshot the engine thread
 publishes after each step (what /metrics reads: running and queued rows, row-state bytes
-against the budget, prefix-cache counters, the generated-token total, step times), the request log's
-records (server/request_log.py), EngineInfo and the Settings, and the StatusHistory
-(server/status_history.py): EngineStats sampled over the last minutes.
+against the budget, prefix-cache counters, the generated-token total, step times), the
+request log's records (server/request_log.py), EngineInfo and the Settings, and the
+StatusHistory (server/status_history.py): EngineStats sampled over the last minutes.
 """
 
 from __future__ import annotations
