@@ -1,0 +1,45 @@
+"""bench.serve's figures from the streams and /metrics: the steady state (chunks while
+at least 90% of the clients stream) and the engine's steps between two scrapes. Pure
+arithmetic on made-up timings; no server runs and no time is asserted."""
+
+from __future__ import annotations
+
+from bench.serve import _at_full_concurrency, _steps_between
+
+
+def test_the_steady_state_is_where_nearly_every_client_streams() -> None:
+    """Two streams overlapping over [2, 3]: with 2 clients only that second counts (its
+    5 chunks); with 1 client the whole [1, 4]; with 3 clients never."""
+    streams = [[1.0, 1.5, 2.0, 2.5, 3.0], [2.0, 2.2, 3.5, 4.0]]
+    assert _at_full_concurrency(streams, 2) == (1.0, 5)
+    assert _at_full_concurrency(streams, 1) == (3.0, 9)
+    assert _at_full_concurrency(streams, 3) == (0.0, 0)
+    # a client's second request after a gap: the steady state pauses and resumes
+    spans = [[0.0, 1.0], [0.0, 0.4], [0.6, 1.0]]  # 90% of 2 clients: both streaming
+    assert _at_full_concurrency(spans, 2) == (0.8, 6)
+
+
+def test_engine_steps_between_two_scrapes() -> None:
+    """Per kind: count, mean and the steps over 0.1 / 0.25 s of this phase only (the
+    scrape before it subtracted); traced steps and full GCs likewise."""
+    step = "deltaserve_step_seconds"
+    before = {
+        (f"{step}_count", "decode/"): 10.0,
+        (f"{step}_sum", "decode/"): 0.1,
+        (f"{step}_bucket", "decode/0.1"): 10.0,
+        (f"{step}_bucket", "decode/0.25"): 10.0,
+        ("deltaserve_traced_steps_total", "/"): 3.0,
+    }
+    after = {
+        (f"{step}_count", "decode/"): 30.0,
+        (f"{step}_sum", "decode/"): 1.1,
+        (f"{step}_bucket", "decode/0.1"): 27.0,
+        (f"{step}_bucket", "decode/0.25"): 29.0,
+        ("deltaserve_traced_steps_total", "/"): 4.0,
+        ("deltaserve_gc_pause_seconds_count", "2/"): 1.0,
+        ("deltaserve_gc_pause_seconds_sum", "2/"): 0.002,
+    }
+    got = _steps_between(before, after)
+    assert got["decode"] == {"n": 20, "mean_ms": 50.0, "over_100ms": 3, "over_250ms": 1}
+    assert "mixed" not in got and got["traced"] == 1
+    assert got["gc_full"] == 1 and got["gc_full_s"] == 0.002
