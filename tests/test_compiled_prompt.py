@@ -246,8 +246,7 @@ def test_engine_tokens_unchanged_with_compiled_chunks(
     """Later chunks through the compiled chunk forward (prompts longer than a chunk; the
     rest of a prompt after a prefix-cache hit, in a second round of the same prompts),
     a shape traced at once or after it recurred next to decoding rows, give the eager
-    path's tokens, with joins and an abort; the chunk forward did run, traced at once
-    also for several rows' chunks of different lengths in one call."""
+    path's tokens, with joins and an abort; the chunk forward did run."""
     monkeypatch.setattr(runner_module, "CHUNK_TRACE_AFTER", trace_after)
     base = EngineConfig(
         max_num_seqs=8, max_num_batched_tokens=64, max_prefill_chunk=24, compile_decode=True,
@@ -263,10 +262,7 @@ def test_engine_tokens_unchanged_with_compiled_chunks(
     engine = LLMEngine(loaded, dataclasses.replace(base, compile_chunks=True))
     assert engine.runner.compile_chunks
     assert rounds(engine) == plain
-    chunk_shapes = [shape for shape in engine.runner.compiled.shapes if shape[0] == "chunk"]
-    assert chunk_shapes
-    if trace_after == 0:
-        assert any(rows > 1 for _, (rows, _), _ in chunk_shapes)
+    assert any(shape[0] == "chunk" for shape in engine.runner.compiled.shapes)
     assert engine.prefix_cache is not None and engine.prefix_cache.stats.hit_tokens > 0
 
 
@@ -296,6 +292,29 @@ def test_a_chunk_shape_traces_once_it_recurs(loaded: LoadedModel) -> None:
             pass
         seen.append(chunk_shapes() - alone)
     assert seen[:-1] == [set()] * runner_module.CHUNK_TRACE_AFTER and seen[-1]
+
+
+def test_two_rows_chunks_run_as_one_call_with_the_eager_tokens(loaded: LoadedModel) -> None:
+    """Two rows' later chunks of different lengths (12 and 28 tokens) in one step with no
+    row decoding: one compiled call of both (its shape traced at once), and each row's
+    tokens are those of the eager path."""
+    base = EngineConfig(
+        max_num_seqs=4, max_num_batched_tokens=256, max_prefill_chunk=48, compile_decode=True,
+        batch_prefill=True, prefix_cache=False, max_stall_factor=0,
+    )  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [list(range(300, 360)), list(range(500, 576))]  # 48 + 12, 48 + 28 tokens
+
+    def run(compile_chunks: bool) -> tuple[list, set]:
+        engine = LLMEngine(loaded, dataclasses.replace(base, compile_chunks=compile_chunks))
+        out = engine.generate(prompts, params)
+        shapes = {s[1] for s in engine.runner.compiled.shapes if s[0] == "chunk"}
+        return [o.token_ids for o in out], shapes
+
+    eager, _ = run(False)
+    tokens, shapes = run(True)
+    assert tokens == eager
+    assert shapes == {(2, 32)}  # both rows, the longer chunk's bucket
 
 
 def test_rows_whose_joint_shape_is_not_traced_take_their_own(
