@@ -516,14 +516,18 @@ class ModelRunner:
         shape the chunk forward declines (not traced yet) try it row by row (a row's own
         shape may be traced: warm-up traces some), and the rest run eagerly, split by
         length (an eager group pads only before a row's first token)."""
-        chunks = plan.prefill
+        chunks, rows = plan.prefill, self.rows.rows
         run = self._compiled_prompts(chunks, cohort)
         if run is None:
             run = self._compiled_chunk(plan, cohort)
-        if run is not None or chunks[cohort.chunk_indices[0]].start == 0:
+        members = [chunks[i] for i in cohort.chunk_indices]
+        several_later = (
+            self.compile_chunks
+            and len(members) > 1
+            and all(self._chunk_compiles(c, rows[c.row_id]) for c in members)
+        )
+        if run is not None or not several_later:
             return [(cohort, run)]
-        if len(cohort.chunk_indices) == 1:
-            return [(cohort, None)]
         parts: list[tuple[_Cohort, tuple[mx.array, list[BatchState]] | None]] = []
         by_length: dict[int, _Cohort] = {}
         for i in cohort.chunk_indices:

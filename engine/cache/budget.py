@@ -118,7 +118,7 @@ class MemoryBudget:
         if not max_tokens:
             return 0
         rows = len(max_tokens)
-        held = max(rows, self.held_rows(rows)) if self.held_rows is not None else rows
+        held = self.held_rows(rows) if self.held_rows is not None else rows  # >= rows
         columns = held * max(max_tokens) - sum(max_tokens)
         dead = (held - rows) * (self.costs.ssm_bytes_per_row + self.costs.kv_prefix_bytes_per_row)
         return columns * self.costs.kv_bytes_per_token + dead

@@ -381,12 +381,12 @@ class StallBound:
         st = self.state
         if allowance >= budget or len(st.prefilling) + len(st.waiting) < 2:
             return  # one prompt (however long) advancing at the allowance is the design
+        now = self._clock()
+        if now - self._backlog_said < BACKLOG_EVERY:
+            return  # said lately: no need to count the queue's tokens every step
         tokens = sum(r.num_prompt - r.num_computed for r in st.prefilling)
         tokens += sum(r.num_prompt for r in st.waiting)
         if tokens < BACKLOG_STEPS * allowance:
-            return
-        now = self._clock()
-        if now - self._backlog_said < BACKLOG_EVERY:
             return
         self._backlog_said = now
         log.info(
