@@ -14,6 +14,7 @@
 #   call 4:              bash bench/gpu_session.sh mixed              (~9 min)
 #   call 5:              bash bench/gpu_session.sh tests              (~4 min)
 #   call 6, 7:           bash bench/gpu_session.sh spec; bash bench/gpu_session.sh spec35
+#                        (spec = spec08 spec9b: ~3 and ~6 min; any steps share a call)
 #   call 8:              bash bench/gpu_session.sh serve35   (after spec35 wrote its checkpoint)
 #   if time is left:     bash bench/gpu_session.sh servechat (0.8B, 3-turn chats: next turns
 #                        on the prefix cache, compiled later chunks, under load)
@@ -72,14 +73,20 @@ serve9b() {  # 9B at 16 and 64 clients (the checkpoint from setup's background j
     grep -E '^(\||- )' "$OUT/serve9b.log"
 }
 
-spec() {  # issue 32: speculation (MTP head; forced 80% / 60% drafts) vs plain, 0.8B and 9B
+spec08() {  # issue 32: speculation (MTP head; forced 80% / 60% drafts) vs plain, 0.8B
     timeout 200 python3 -m bench.speculative --checkpoint 0.8B --batches 1 8 64 \
         >"$OUT/spec08.log" 2>&1
+    grep '^|' "$OUT/spec08.log"
+}
+
+spec9b() {  # the same at 9B (the checkpoint from setup's background job)
     while pgrep -f "testing cached 9B" >/dev/null; do sleep 5; done
     timeout 360 python3 -m bench.speculative --checkpoint 9B --batches 1 16 64 \
         >"$OUT/spec9b.log" 2>&1
-    grep '^|' "$OUT/spec08.log" "$OUT/spec9b.log"
+    grep '^|' "$OUT/spec9b.log"
 }
+
+spec() { spec08; spec9b; }
 
 servechat() {  # 0.8B, each client's 3 requests the turns of one chat (history resent)
     timeout 560 python3 -m bench.serve --checkpoint 0.8B --clients 16 64 --chat \

@@ -475,6 +475,35 @@ def test_a_backlog_behind_the_bound_is_logged(caplog: pytest.LogCaptureFixture) 
     assert all(c.length <= BUDGET for c in s.schedule().prefill)
 
 
+def test_a_burst_next_to_few_decoding_rows_gets_a_fair_share_of_the_step() -> None:
+    """Prompts waiting for their first token and rows waiting for their next share a
+    step's time per stream: with Q prompts queued next to D decoding rows a step may take
+    (1 + Q/D) x a decode-only step, more than the configured 2x, so a burst clears in a
+    few steps; a lone prompt next to the rows keeps the 2x bound."""
+    cost = FakeCost()
+    s = _scheduler(cost)
+    _decoding(s, cost, rows=2)
+    s.add(_req("alone", 3000), EOS)
+    _prefill_until_done(s, cost, "alone/0")
+    for i in range(12):
+        s.add(_req(f"b{i}", 400), EOS)
+    over = 0
+    while any(r.is_prefilling for r in s.rows.values()) or s.state.waiting:
+        st = s.state
+        free = 16 - len(st.decoding) - len(st.prefilling)
+        share = 1 + (len(st.prefilling) + min(len(st.waiting), free)) / len(st.decoding)
+        out = _step(s, cost)
+        ratio = cost.seconds(out) / cost.decode_only(len(out.decode_row_ids))
+        assert ratio <= max(2.0, share) + 1e-9
+        over += ratio > 2.0 + 1e-9
+    assert over >= 2  # the burst took more than the 2x bound's allowance
+    for name in [r.request_id for r in s.rows.values() if r.request_id.startswith("b")]:
+        s.abort(name)
+    s.add(_req("lone", 3000), EOS)
+    for out in _prefill_until_done(s, cost, "lone/0"):
+        assert cost.seconds(out) <= 2 * cost.decode_only(len(out.decode_row_ids)) + 1e-12
+
+
 def test_every_step_is_counted_by_kind_for_metrics() -> None:
     """StepTimes (/metrics' deltaserve_step_seconds): each step's wall time under its kind,
     cumulative per bucket bound as Prometheus reads them, and the steps that traced."""

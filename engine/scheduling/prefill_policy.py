@@ -353,7 +353,7 @@ class StallBound:
         Sets the step's price of tower blocks (in those tokens) as a side effect."""
         decoding = len(self.state.decoding) + self.state.num_draft_tokens
         budget = self.config.max_num_batched_tokens - decoding
-        factor = self.config.max_stall_factor
+        factor = self.factor()
         scale = self.step_cost.vision_scale() if factor else 1.0
         self.state.price = VisionPrice(scale)
         if not factor or not self.state.decoding:
@@ -372,6 +372,24 @@ class StallBound:
         self._log_promise(allowance, factor)
         self._log_backlog(allowance, budget, factor)
         return allowance
+
+    def factor(self) -> float:
+        """This step's stall factor (0: no bound): max_stall_factor, or more while more
+        prompts wait for their first token than rows decode. Every stream the step holds
+        back, waiting for its first token or its next one, gets an equal share of the
+        step's time: with D rows decoding and Q prompts that could prefill, the prompts
+        get Q/D of a decode step (a factor of 1 + Q/D). One long prompt next to decoding
+        rows keeps the configured bound; a burst of arrivals next to a few decoding rows
+        (bench.serve's ramp, a wave of agents' turns) is not admitted a bound's allowance
+        at a time, which held the last of 64 prompts for seconds on the CPU."""
+        base = self.config.max_stall_factor
+        rows = len(self.state.decoding)
+        if not base or not rows:
+            return base or 0.0
+        st = self.state
+        free = self.config.max_num_seqs - len(st.decoding) - len(st.prefilling)
+        queued = len(st.prefilling) + min(len(st.waiting), max(free, 0))
+        return max(base, 1.0 + queued / rows)
 
     def _log_backlog(self, allowance: int, budget: int, factor: float) -> None:
         """Say (at most every BACKLOG_EVERY seconds) when prompts queue behind the bound:
