@@ -66,6 +66,15 @@ serve08() {  # the headline: deltaserve serve (default config) vs mlx_lm.server,
     grep -E '^(\||- )' "$OUT/serve08.log"  # the tables: phases, ratios, engine steps
 }
 
+serve08small() {  # 0.8B, 64 clients, deltaserve alone with a 384-token step budget:
+    # steps of about a decode step + 2x a chunk's fixed part, the size that would keep the
+    # p99 gap within 3x its p50, against the default's full-budget steps (tok/s, TTFT)
+    timeout 300 python3 -m bench.serve --checkpoint 0.8B --clients 64 --only deltaserve \
+        --extra-args="--max-num-batched-tokens 384" --log-dir "$OUT/s08small" \
+        >"$OUT/serve08small.log" 2>&1
+    grep -E '^(\||- )' "$OUT/serve08small.log"
+}
+
 serve9b() {  # 9B at 16 and 64 clients (the checkpoint from setup's background job)
     while pgrep -f "testing cached 9B" >/dev/null; do sleep 5; done
     timeout 560 python3 -m bench.serve --checkpoint 9B --clients 16 64 --log-dir "$OUT/s9b" \
