@@ -7,7 +7,8 @@
 #             certifi annotated-types typing-inspection typing-extensions jinja2 markupsafe \
 #             click prometheus-client pyyaml pillow tqdm opentelemetry-api annotated-doc
 #           (then pytest pluggy iniconfig pytest-timeout packaging wheels into .wa and the
-#           manylinux_2_31 llguidance wheel into .wb: ../shared/GPU.md)
+#           manylinux_2_31 llguidance wheel, uvloop and httptools (cp312) into .wb:
+#           ../shared/GPU.md)
 #   call 1 (carry .wa):  mkdir -p /tmp/parts && cp .wa/* /tmp/parts/
 #   call 2 (carry .wb):  bash bench/gpu_session.sh setup serve08     (~7 min: ~80 s start-up)
 #   call 3:              bash bench/gpu_session.sh serve9b            (~8 min)
