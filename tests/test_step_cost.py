@@ -224,7 +224,8 @@ def test_expensive_tokens_without_a_fixed_cost_keep_the_minimum_chunk() -> None:
 def test_a_measured_fixed_cost_past_the_bound_lifts_the_allowance() -> None:
     """With the chunk cost measured at start (ChunkCost) and its fixed part alone past the
     bound, steps next to the decode rows take the whole token budget at once (no probe,
-    no slow start); where the bound leaves room for it, the usual fit applies."""
+    no slow start); where the bound leaves room for it, the measured line's fit applies at
+    once, never below the chunk that repays the fixed part."""
     cost = ChunkCost(fixed_seconds=0.010, token_seconds=3e-5)
     model = StepCostModel(cost)
     for _ in range(5):
@@ -235,8 +236,13 @@ def test_a_measured_fixed_cost_past_the_bound_lifts_the_allowance() -> None:
     for _ in range(5):
         slow.observe(64, 0, 0.030)  # a decode step of 30 ms leaves 25.5 ms
     slow.observe(64, 100, 0.033)
-    assert slow.prefill_allowance(64, 2.0) == 200  # the fit, under slow start
+    assert slow.prefill_allowance(64, 2.0) == 516  # (25.5 - 10) ms / 0.03 ms, no slow start
+    assert slow.prefill_allowance(64, 2.0, spent=0.012) == 333  # floor: 10 ms of tokens
     assert slow.unattainable is None
+    fresh = StepCostModel(cost)
+    for _ in range(5):
+        fresh.observe(64, 0, 0.030)
+    assert fresh.prefill_allowance(64, 2.0) == 516  # no probe first: the line is measured
 
 
 def test_budget_tokens_from_a_measured_chunk_cost() -> None:

@@ -65,6 +65,10 @@ oldest prompt's forced advance) and GROWTH x the most seen in one step after: on
 is measured before more run at its price. Without tower samples v = c (scale 1); below
 PROBE_TOKENS prompt tokens in the window (none included) c comes from the prompt-token
 and tower steps together, tokens and token equivalents counted alike, and v = c.
+Where the chunk cost was measured at start (ChunkCost: a GPU), prompt tokens are priced
+by that line instead, with no probe and no slow start, and a chunk is never smaller than
+the one that repays its fixed part (`_from_measured`); the decode line still sets the
+bound.
 
 Prefill-only steps that sample a first token give `alone_seconds(P)` = a0 + c0 * P (as
 the decode line, over P; in proportion while flat and past the largest P seen): what a
@@ -297,18 +301,15 @@ class StepCostModel:
         `num_decode` rows within `max_stall_factor` x a decode-only step, less HEADROOM's
         margin and `spent` seconds the rows already waited since their last token (a
         prefill-only step run ahead of them); None while the model has too few samples.
-        Where no chunk can meet the bound: UNBOUNDED if the measured ChunkCost says so,
-        else chunks that repay their fixed cost (`_amortized`); `unattainable` says which."""
+        Where the chunk cost was measured at start, from that line (`_from_measured`);
+        else from the online fit, and where no chunk can meet the bound, chunks that
+        repay their fixed cost (`_amortized`); `unattainable` says when none can."""
         self.unattainable = None
         if not self.is_ready:
             return None
         bound = self.stall_seconds(num_decode, max_stall_factor)
-        prior = self.chunk_cost
-        if prior is not None and prior.split_seconds(MIN_CHUNK) > bound:
-            # Measured: the fixed part alone breaks the bound, so no chunk size meets it;
-            # the fewest, largest chunks pay it least often (no slow start: not a probe)
-            self.unattainable = (prior.most_fixed_seconds, prior.token_seconds)
-            return UNBOUNDED
+        if self.chunk_cost is not None:
+            return self._from_measured(self.chunk_cost, bound, spent)
         if not self.prices_tokens:
             return 0
         extra = max(bound - spent, 0.0)
@@ -322,6 +323,22 @@ class StepCostModel:
         if bound / self.token_seconds() < MIN_CHUNK:  # no chunk meets it, `spent` or not
             fit = self._amortized(bound, cap)
         return min(fit, cap)
+
+    def _from_measured(self, prior: ChunkCost, bound: float, spent: float) -> int:
+        """The allowance where the chunk cost was measured at start (a GPU): from that
+        line, at once, never below the chunk that repays its fixed part (as many tokens as
+        the fixed part costs), and without the online fit's probes and slow start. On a
+        GPU a small chunk costs about what a large one does, its residual over a noisy
+        decode step says little, and its odd lengths are shapes not traced yet: H100,
+        0.8B, 64 clients (2026-12-05), probes of 10-131 tokens made steps of 3-5 s that
+        compiled their shapes. Where the fixed part alone breaks the bound, no chunk size
+        meets it: UNBOUNDED, the fewest and largest chunks pay it least often."""
+        if prior.split_seconds(MIN_CHUNK) > bound:
+            self.unattainable = (prior.most_fixed_seconds, prior.token_seconds)
+            return UNBOUNDED
+        floor = int(prior.most_fixed_seconds / prior.token_seconds + 1e-6)
+        fit = int((bound - spent - prior.most_fixed_seconds) / prior.token_seconds + 1e-6)
+        return max(floor, fit)
 
     def _amortized(self, extra: float, cap: int) -> int:
         """The allowance where even MIN_CHUNK tokens break the bound: a prompt chunk that
