@@ -380,8 +380,8 @@ class StallBound:
         step's time: with D rows decoding and Q prompts that could prefill, the prompts
         get Q/D of a decode step (a factor of 1 + Q/D). One long prompt next to decoding
         rows keeps the configured bound; a burst of arrivals next to a few decoding rows
-        (bench.serve's ramp, a wave of agents' turns) is not admitted a bound's allowance
-        at a time, which held the last of 64 prompts for seconds on the CPU."""
+        (a server's ramp, a wave of agents' turns) is not admitted a bound's allowance at
+        a time, which keeps its last prompts waiting for many steps."""
         base = self.config.max_stall_factor
         rows = len(self.state.decoding)
         if not base or not rows:

@@ -329,10 +329,10 @@ class StepCostModel:
         line, at once, never below the chunk that repays its fixed part (as many tokens as
         the fixed part costs), and without the online fit's probes and slow start. On a
         GPU a small chunk costs about what a large one does, its residual over a noisy
-        decode step says little, and its odd lengths are shapes not traced yet: H100,
-        0.8B, 64 clients (2026-12-05), probes of 10-131 tokens made steps of 3-5 s that
-        compiled their shapes. Where the fixed part alone breaks the bound, no chunk size
-        meets it: UNBOUNDED, the fewest and largest chunks pay it least often."""
+        decode step says little, and its odd lengths are shapes not compiled yet, whose
+        first runs stall every stream (bench/README.md, the ninth session's H100 run).
+        Where the fixed part alone breaks the bound, no chunk size meets it: UNBOUNDED,
+        the fewest and largest chunks pay it least often."""
         if prior.split_seconds(MIN_CHUNK) > bound:
             self.unattainable = (prior.most_fixed_seconds, prior.token_seconds)
             return UNBOUNDED
