@@ -411,6 +411,23 @@ def test_a_measured_fixed_chunk_cost_past_the_bound_takes_the_budget(
     assert len(said) == 1 and "a fixed 30.0 ms" in said[0] and f"up to {BUDGET - 4}" in said[0]
 
 
+def test_a_measured_chunk_cost_that_fits_the_bound_sizes_chunks_at_once() -> None:
+    """With the chunk cost measured at start and room for it under the bound (a fixed
+    3 ms next to 14 ms decode steps), the first step next to the rows already holds the
+    measured line's fit (no 16-token probe, no slow start: on a GPU small odd chunks are
+    shapes not compiled yet), and every step keeps the 2x bound."""
+    cost = FakeCost()
+    cfg = EngineConfig(max_num_seqs=16, max_num_batched_tokens=BUDGET, max_prefill_chunk=512)
+    measured = ChunkCost(fixed_seconds=0.003, token_seconds=cost.per_token)
+    s = Scheduler(cfg, MemoryBudget(10**9, StateCosts(10, 100)), 20000, cost, None, measured)
+    _decoding(s, cost)
+    s.add(_req("long", 3000), EOS)
+    outs = _prefill_until_done(s, cost, "long/0")
+    fit = int((HEADROOM * cost.decode_only(4) - 0.003) / cost.per_token + 1e-6)
+    assert [out.num_tokens - 4 for out in outs[:3]] == [fit] * 3  # 178 from the first
+    assert all(cost.seconds(o) <= 2 * cost.decode_only(4) + 1e-12 for o in outs)
+
+
 def test_a_step_that_traced_a_shape_is_no_cost_sample_and_is_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
