@@ -303,8 +303,9 @@ class Scheduler:
         num_prefill = sum(c.length for c in out.prefill)
         num_vision = sum(c.vision_tokens for c in out.prefill)
         first = sum(len(c.sample_row_ids) for c in out.prefill)
-        log.debug("step %d: %d decode rows, %d prompt tokens, %d tower units: %.3f s",
-                  out.step, len(out.decode_row_ids), num_prefill, num_vision, seconds)  # fmt: skip
+        log.debug("step %d: %d decode rows, %d prompt tokens in %s, %d tower units: %.3f s",
+                  out.step, len(out.decode_row_ids), num_prefill, _pieces(out), num_vision,
+                  seconds)  # fmt: skip
         self.step_times.observe(_step_kind(out), seconds, bool(traced))
         if out.decode_row_ids and seconds >= self._slow_seconds(len(out.decode_row_ids)):
             self._slow_step(out, seconds, num_prefill, traced, done)
@@ -348,8 +349,8 @@ class Scheduler:
             unsaid = self._slow_unsaid
             cause = f" ({unsaid} more slow steps since the last)" if unsaid else ""
             self._slow_said, self._slow_unsaid = done, 0
-        log.info("step %d took %.2f s: %d decode rows, %d prompt tokens%s", out.step,
-                 seconds, len(out.decode_row_ids), num_prefill, cause)  # fmt: skip
+        log.info("step %d took %.2f s: %d decode rows, %d prompt tokens in %s%s", out.step,
+                 seconds, len(out.decode_row_ids), num_prefill, _pieces(out), cause)  # fmt: skip
 
     def _promote(self, req: Request) -> None:
         """Prefill done: the request and its forks join the decode batch (a choice that
@@ -433,3 +434,12 @@ def _step_kind(out: StepPlan) -> str:
     if out.decode_row_ids:
         return "mixed" if out.prefill else "decode"
     return "prefill"
+
+
+def _pieces(out: StepPlan) -> str:
+    """The step's prompt chunks for a log line: how many, how many of them later chunks
+    (a prompt's second or further piece, which runs over the row's state), and the
+    longest (on a GPU each chunk group pays a forward's fixed part)."""
+    later = sum(c.start > 0 and not c.restore for c in out.prefill)
+    longest = max((c.length for c in out.prefill), default=0)
+    return f"{len(out.prefill)} chunks ({later} later, longest {longest})"
