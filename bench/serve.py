@@ -250,7 +250,12 @@ async def _engine_counts(kind: str, base: str) -> dict[tuple[str, str], float] |
         return None
     async with httpx.AsyncClient() as client:
         text = (await client.get(f"{base}/metrics", timeout=30)).text
-    wanted = ("deltaserve_step_seconds", "deltaserve_traced_steps", "deltaserve_gc_pause_seconds")
+    wanted = (
+        "deltaserve_step_seconds",
+        "deltaserve_step_host_seconds",
+        "deltaserve_traced_steps",
+        "deltaserve_gc_pause_seconds",
+    )
     counts = {}
     for family in text_string_to_metric_families(text):
         if family.name in wanted:
@@ -278,6 +283,7 @@ def _steps_between(before: dict, after: dict) -> dict:
         out[kind] = {
             "n": int(n),
             "mean_ms": round(1e3 * seconds / n, 2),
+            "host_ms": round(1e3 * delta("deltaserve_step_host_seconds_total", f"{kind}/") / n, 2),
             "over_100ms": int(n - delta("deltaserve_step_seconds_bucket", f"{kind}/0.1")),
             "over_250ms": int(n - delta("deltaserve_step_seconds_bucket", f"{kind}/0.25")),
         }
@@ -355,7 +361,8 @@ def _table(rows: list[Row], ratios: list[Row], stopped: list[Row], max_tokens: i
     if steps:
         lines += [
             "",
-            "deltaserve's engine steps in each phase (/metrics): count, mean, over 0.1 / 0.25 s",
+            "deltaserve's engine steps in each phase (/metrics): count, mean (of it the engine "
+            "thread's own time), over 0.1 / 0.25 s",
             "",
             "| clients | decode | mixed | prefill | verify | traced | full GCs |",
             "|---|---|---|---|---|---|---|",
@@ -363,7 +370,8 @@ def _table(rows: list[Row], ratios: list[Row], stopped: list[Row], max_tokens: i
         for r in steps:
             st = r["steps"]
             cells = [
-                f"{st[k]['n']}, {st[k]['mean_ms']:.1f} ms, {st[k]['over_100ms']} / "
+                f"{st[k]['n']}, {st[k]['mean_ms']:.1f} ms ({st[k]['host_ms']:.1f}), "
+                f"{st[k]['over_100ms']} / "
                 f"{st[k]['over_250ms']}"
                 if k in st
                 else "0"

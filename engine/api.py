@@ -32,6 +32,11 @@ class StepTimes:
     )
     seconds: tuple[float, ...] = (0.0,) * len(STEP_KINDS)  # per kind, summed
     traced: int = 0  # steps that traced a compiled shape (a stall of every stream)
+    # per kind, summed: the engine thread's own time on those steps (scheduling, building
+    # and queueing the forward and the sampler, applying the tokens), not the wait for
+    # the device; written by the engine (LLMEngine.step). On a GPU a step whose host time
+    # is most of its wall time is bound by Python, not by its tokens.
+    host_seconds: tuple[float, ...] = (0.0,) * len(STEP_KINDS)
 
 
 @dataclass(frozen=True)

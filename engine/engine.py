@@ -29,7 +29,7 @@ from deltaserve.engine.compiled_prefill import CompiledPrefill
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.decode import CompiledDecode
 from deltaserve.engine.parallel.step_leader import StepLeader
-from deltaserve.engine.plan import StepPlan
+from deltaserve.engine.plan import StepPlan, StepResult
 from deltaserve.engine.prefix_cache.disk import PrefixDisk, checkpoint_identity
 from deltaserve.engine.prefix_cache.index import PrefixIndex
 from deltaserve.engine.request import row_id_of
@@ -186,6 +186,7 @@ class LLMEngine:
                 chunks is not None,
             )  # fmt: skip
         self._inflight: _InFlight | None = None
+        self._waited = 0.0  # seconds this step() call blocked on read-backs
 
     def _speculation(self) -> Speculation | None:
         """Speculative decoding's policy when config.speculative asks for it and the
@@ -321,19 +322,35 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step, schedule -> execute -> update, and return its deltas. A
-        step that overlaps the next (_overlaps) is read back in the next call instead."""
+        step that overlaps the next (_overlaps) is read back in the next call instead.
+        The call's own time, less its waits on the device, is the step's host time
+        (StepTimes.host_seconds; a pipelined call also applies the step before)."""
+        start, self._waited = time.perf_counter(), 0.0
         with self._guard():
             plan = self.scheduler.schedule()
             if self.leader is not None:
                 self.leader.publish(plan)
-            if self._overlaps(plan):
-                return self._pipelined(plan)
-            deltas = self._drain()  # a pipelined step still in flight comes first
-            output = self.runner.execute(plan)
-            if plan.is_empty:  # it only frees rows
-                return deltas
-            result = self.runner.read_back(self.runner.sample(output))
-            return deltas + self.scheduler.update(plan, result)
+            deltas = self._pipelined(plan) if self._overlaps(plan) else self._lockstep(plan)
+        if not plan.is_empty:
+            host = time.perf_counter() - start - self._waited
+            self.scheduler.step_times.observe_host(plan.kind, host)
+        return deltas
+
+    def _lockstep(self, plan: StepPlan) -> list[RequestOutput]:
+        """Run `plan` and read its tokens back before returning."""
+        deltas = self._drain()  # a pipelined step still in flight comes first
+        output = self.runner.execute(plan)
+        if plan.is_empty:  # it only frees rows
+            return deltas
+        result = self._read_back(self.runner.sample(output))
+        return deltas + self.scheduler.update(plan, result)
+
+    def _read_back(self, sampled: SampledStep) -> StepResult:
+        """The runner's read-back (blocks until the step is computed), its wait counted."""
+        start = time.perf_counter()
+        result = self.runner.read_back(sampled)
+        self._waited += time.perf_counter() - start
+        return result
 
     def _guard(self) -> contextlib.AbstractContextManager[None]:
         """With tensor parallelism, a step's collectives and read-back wait on the other
@@ -372,7 +389,7 @@ class LLMEngine:
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return []
-        return self.scheduler.update(inflight.plan, self.runner.read_back(inflight.sampled))
+        return self.scheduler.update(inflight.plan, self._read_back(inflight.sampled))
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """A step raised: every request ends with the error; states start over."""

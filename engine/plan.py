@@ -102,6 +102,16 @@ class StepPlan:
         """Whether the step runs no model work (it may still free or add rows)."""
         return not self.decode_row_ids and not self.prefill and not self.verify_row_ids
 
+    @property
+    def kind(self) -> str:
+        """The step's kind, as engine/api.py STEP_KINDS counts it: "verify" (rows verify
+        drafts), "mixed" (decode rows and prompt work), "decode", "prefill"."""
+        if self.verify_row_ids:
+            return "verify"
+        if self.decode_row_ids:
+            return "mixed" if self.prefill else "decode"
+        return "prefill"
+
 
 @dataclass(frozen=True)
 class VerifiedRun:

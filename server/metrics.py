@@ -89,7 +89,8 @@ class _EngineCollector(Collector):
 
 def _step_metrics(times: StepTimes) -> Iterator[Metric]:
     """`deltaserve_step_seconds{kind}` (every engine step's wall time: what each running
-    stream waited for it) and `deltaserve_traced_steps` (steps that traced a compiled
+    stream waited for it), `deltaserve_step_host_seconds{kind}` (the part of it the
+    engine's Python took) and `deltaserve_traced_steps` (steps that traced a compiled
     shape, a stall of every stream)."""
     family = HistogramMetricFamily(
         "deltaserve_step_seconds",
@@ -101,6 +102,15 @@ def _step_metrics(times: StepTimes) -> Iterator[Metric]:
     for kind, counts, total in zip(STEP_KINDS, times.counts, times.seconds, strict=True):
         family.add_metric([kind], list(zip(bounds, counts, strict=True)), total)
     yield family
+    host = CounterMetricFamily(
+        "deltaserve_step_host_seconds",
+        "the engine thread's own time on steps of each kind (scheduling, building and "
+        "queueing the forward, applying the tokens), less its waits on the device",
+        labels=["kind"],
+    )
+    for kind, total in zip(STEP_KINDS, times.host_seconds, strict=True):
+        host.add_metric([kind], total)
+    yield host
     yield CounterMetricFamily(
         "deltaserve_traced_steps",
         "engine steps that traced a compiled shape (each a stall of every stream)",

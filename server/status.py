@@ -20,11 +20,18 @@ from deltaserve.server.routes_common import ServerState
 
 
 def step_summary(times: StepTimes) -> dict[str, Any]:
-    """Engine steps since start by kind (count, mean ms; /metrics has the histogram) and
+    """Engine steps since start by kind (count, mean ms, the engine thread's own share of
+    it; /metrics has the histogram) and
     how many traced a compiled shape: where the running streams' waits went."""
     kinds = {
-        kind: {"count": counts[-1], "mean_ms": 1e3 * total / counts[-1] if counts[-1] else None}
-        for kind, counts, total in zip(STEP_KINDS, times.counts, times.seconds, strict=True)
+        kind: {
+            "count": n,
+            "mean_ms": 1e3 * total / n if n else None,
+            "host_mean_ms": 1e3 * host / n if n else None,
+        }
+        for kind, (*_, n), total, host in zip(
+            STEP_KINDS, times.counts, times.seconds, times.host_seconds, strict=True
+        )
     }
     return {"kinds": kinds, "traced": times.traced}
 

@@ -20,7 +20,7 @@ def test_the_steady_state_is_where_nearly_every_client_streams() -> None:
 
 
 def test_engine_steps_between_two_scrapes() -> None:
-    """Per kind: count, mean and the steps over 0.1 / 0.25 s of this phase only (the
+    """Per kind: count, mean, host share and the steps over 0.1 / 0.25 s of this phase only (the
     scrape before it subtracted); traced steps and full GCs likewise."""
     step = "deltaserve_step_seconds"
     before = {
@@ -28,6 +28,7 @@ def test_engine_steps_between_two_scrapes() -> None:
         (f"{step}_sum", "decode/"): 0.1,
         (f"{step}_bucket", "decode/0.1"): 10.0,
         (f"{step}_bucket", "decode/0.25"): 10.0,
+        ("deltaserve_step_host_seconds_total", "decode/"): 0.05,
         ("deltaserve_traced_steps_total", "/"): 3.0,
     }
     after = {
@@ -35,11 +36,18 @@ def test_engine_steps_between_two_scrapes() -> None:
         (f"{step}_sum", "decode/"): 1.1,
         (f"{step}_bucket", "decode/0.1"): 27.0,
         (f"{step}_bucket", "decode/0.25"): 29.0,
+        ("deltaserve_step_host_seconds_total", "decode/"): 0.15,
         ("deltaserve_traced_steps_total", "/"): 4.0,
         ("deltaserve_gc_pause_seconds_count", "2/"): 1.0,
         ("deltaserve_gc_pause_seconds_sum", "2/"): 0.002,
     }
     got = _steps_between(before, after)
-    assert got["decode"] == {"n": 20, "mean_ms": 50.0, "over_100ms": 3, "over_250ms": 1}
+    assert got["decode"] == {
+        "n": 20,
+        "mean_ms": 50.0,
+        "host_ms": 5.0,
+        "over_100ms": 3,
+        "over_250ms": 1,
+    }
     assert "mixed" not in got and got["traced"] == 1
     assert got["gc_full"] == 1 and got["gc_full_s"] == 0.002

@@ -173,6 +173,10 @@ def test_64_concurrent_streams_complete(server: LiveServer) -> None:
     assert set(count) == {"decode", "mixed", "prefill", "verify"}
     assert float(count["decode"]) > 0 and float(count["prefill"]) + float(count["mixed"]) > 0
     assert "deltaserve_traced_steps_total" in metrics
+    # and the engine thread's own time on them, by the same kinds
+    pattern = r'^deltaserve_step_host_seconds_total\{kind="(\w+)"\} (\S+)'
+    host = dict(re.findall(pattern, metrics, re.M))
+    assert set(host) == set(count) and float(host["decode"]) > 0
 
 
 def test_stream_disconnect_frees_row(server: LiveServer) -> None:

@@ -186,7 +186,8 @@ def test_dashboard_data(server: LiveServer, http: httpx.Client) -> None:
     assert data["prefix_cache"]["enabled"] is False
     assert data["steps"] == {  # FakeEngine's stats: no step yet
         "kinds": {
-            k: {"count": 0, "mean_ms": None} for k in ("decode", "mixed", "prefill", "verify")
+            k: {"count": 0, "mean_ms": None, "host_mean_ms": None}
+            for k in ("decode", "mixed", "prefill", "verify")
         },
         "traced": 0,
     }

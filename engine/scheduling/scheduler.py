@@ -306,7 +306,7 @@ class Scheduler:
         log.debug("step %d: %d decode rows, %d prompt tokens in %s, %d tower units: %.3f s",
                   out.step, len(out.decode_row_ids), num_prefill, _pieces(out), num_vision,
                   seconds)  # fmt: skip
-        self.step_times.observe(_step_kind(out), seconds, bool(traced))
+        self.step_times.observe(out.kind, seconds, bool(traced))
         if out.decode_row_ids and seconds >= self._slow_seconds(len(out.decode_row_ids)):
             self._slow_step(out, seconds, num_prefill, traced, done)
         if traced:
@@ -425,15 +425,6 @@ class Scheduler:
         st.prefilling, st.decoding, self._pending, self._promote_next = [], [], {}, []
         st.clear_plan()
         return outputs
-
-
-def _step_kind(out: StepPlan) -> str:
-    """The step's kind, as engine/api.py StepTimes counts it."""
-    if out.verify_row_ids:
-        return "verify"
-    if out.decode_row_ids:
-        return "mixed" if out.prefill else "decode"
-    return "prefill"
 
 
 def _pieces(out: StepPlan) -> str:

@@ -508,6 +508,7 @@ class StepHistogram:
     def __init__(self) -> None:
         self._counts = [[0] * (len(STEP_SECONDS_BUCKETS) + 1) for _ in STEP_KINDS]
         self._seconds = [0.0] * len(STEP_KINDS)
+        self._host = [0.0] * len(STEP_KINDS)
         self._traced = 0
 
     def observe(self, kind: str, seconds: float, traced: bool) -> None:
@@ -521,5 +522,12 @@ class StepHistogram:
         self._seconds[k] += seconds
         self._traced += traced
 
+    def observe_host(self, kind: str, seconds: float) -> None:
+        """The engine thread spent `seconds` of its own (not waiting on the device) on a
+        step of `kind`; a step's parts may come in several calls."""
+        self._host[STEP_KINDS.index(kind)] += seconds
+
     def snapshot(self) -> StepTimes:
-        return StepTimes(tuple(map(tuple, self._counts)), tuple(self._seconds), self._traced)
+        return StepTimes(
+            tuple(map(tuple, self._counts)), tuple(self._seconds), self._traced, tuple(self._host)
+        )

@@ -170,7 +170,8 @@ function render(data) {
   }
 
   const steps = Object.entries(data.steps.kinds).filter(([, k]) => k.count > 0)
-    .map(([kind, k]) => `${kind} ${k.count} x ${k.mean_ms.toFixed(1)} ms`);
+    .map(([kind, k]) => `${kind} ${k.count} x ${k.mean_ms.toFixed(1)} ms ` +
+      `(host ${k.host_mean_ms.toFixed(1)} ms)`);
   setText("steps", (steps.length ? steps.join(", ") : "none yet") +
     (data.steps.traced ? `; ${data.steps.traced} traced a compiled shape` : ""));
 
