@@ -390,25 +390,26 @@ def test_stale_token_cost_is_not_used_after_the_load_changed() -> None:
         assert cost.seconds(out) <= 2 * cost.decode_only(len(out.decode_row_ids)) + 1e-12
 
 
-def test_a_measured_fixed_chunk_cost_past_the_bound_takes_the_budget(
+def test_a_measured_fixed_chunk_cost_past_the_bound_holds_the_chunk_that_repays_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """On a machine whose prompt chunks cost a fixed 30 ms (a GPU's launches) next to
+    """On a machine whose prompt chunks cost a fixed 15 ms (a GPU's launches) next to
     14 ms decode steps, no chunk meets the 2x bound: with that cost measured at start
-    (ChunkCost) every step next to the rows takes the whole token budget, from the
-    first (no probe, no 16-token chunks), and the log says what is promised instead."""
-    cost = FakeCost(per_token=0.00001)
+    (ChunkCost) every step next to the rows holds the chunk whose tokens cost as much as
+    its fixed part (300 tokens at 0.05 ms), from the first (no probe, no 16-token
+    chunks, not the whole budget), and the log says what is promised instead."""
+    cost = FakeCost()
     cfg = EngineConfig(max_num_seqs=16, max_num_batched_tokens=BUDGET, max_prefill_chunk=512)
-    measured = ChunkCost(fixed_seconds=0.030, token_seconds=0.00001)
+    measured = ChunkCost(fixed_seconds=0.015, token_seconds=cost.per_token)
     s = Scheduler(cfg, MemoryBudget(10**9, StateCosts(10, 100)), 20000, cost, None, measured)
     _decoding(s, cost)
     s.add(_req("long", 3000), EOS)
     with caplog.at_level("INFO", logger="deltaserve.engine.scheduling.prefill_policy"):
         outs = _prefill_until_done(s, cost, "long/0")
-    assert [out.num_tokens - len(out.decode_row_ids) for out in outs[:5]] == [BUDGET - 4] * 5
+    assert [out.num_tokens - len(out.decode_row_ids) for out in outs[:5]] == [300] * 5
     assert all(len(out.decode_row_ids) == 4 for out in outs)
     said = [r.getMessage() for r in caplog.records if "cannot be met" in r.getMessage()]
-    assert len(said) == 1 and "a fixed 30.0 ms" in said[0] and f"up to {BUDGET - 4}" in said[0]
+    assert len(said) == 1 and "a fixed 15.0 ms" in said[0] and "up to 300 tokens" in said[0]
 
 
 def test_a_measured_chunk_cost_that_fits_the_bound_sizes_chunks_at_once() -> None:

@@ -8,7 +8,6 @@ import pytest
 from deltaserve.engine.scheduling.step_cost import (
     MAX_AGE,
     MIN_CHUNK,
-    UNBOUNDED,
     ChunkCost,
     StepCostModel,
     StepTimer,
@@ -221,16 +220,17 @@ def test_expensive_tokens_without_a_fixed_cost_keep_the_minimum_chunk() -> None:
     assert model.prefill_allowance(8, 2.0) == 16
 
 
-def test_a_measured_fixed_cost_past_the_bound_lifts_the_allowance() -> None:
+def test_a_measured_fixed_cost_past_the_bound_sets_the_chunk_that_repays_it() -> None:
     """With the chunk cost measured at start (ChunkCost) and its fixed part alone past the
-    bound, steps next to the decode rows take the whole token budget at once (no probe,
-    no slow start); where the bound leaves room for it, the measured line's fit applies at
-    once, never below the chunk that repays the fixed part."""
+    bound, steps next to the decode rows hold the chunk whose tokens cost as much as its
+    fixed part, at once (no probe, no slow start, not the whole token budget); where the
+    bound leaves room for it, the measured line's fit applies at once, never below that
+    chunk."""
     cost = ChunkCost(fixed_seconds=0.010, token_seconds=3e-5)
     model = StepCostModel(cost)
     for _ in range(5):
         model.observe(8, 0, 0.006)
-    assert model.prefill_allowance(8, 2.0) == UNBOUNDED  # 10 ms fixed > 0.85 * 6 ms
+    assert model.prefill_allowance(8, 2.0) == 333  # 10 ms fixed > 0.85 * 6 ms: 10 ms of tokens
     assert model.unattainable == (0.010, 3e-5)
     slow = StepCostModel(cost)
     for _ in range(5):
@@ -256,13 +256,14 @@ def test_budget_tokens_from_a_measured_chunk_cost() -> None:
 def test_a_later_chunks_fixed_cost_past_the_bound_lifts_the_allowance() -> None:
     """A first chunk that runs compiled may fit the bound while a prompt's later chunks
     (eager, over the row's state) do not: a prompt split into small chunks pays the later
-    fixed part for each, so the bound counts as unattainable and steps take the budget
-    (H200, 0.8B: 7 ms first, 14 ms later, a ~10 ms decode step of 16 rows)."""
+    fixed part for each, so the bound counts as unattainable and steps hold the chunk
+    that repays the later fixed part (H200, 0.8B: 7 ms first, 14 ms later, a ~10 ms
+    decode step of 16 rows)."""
     cost = ChunkCost(fixed_seconds=0.007, token_seconds=3.5e-5, later_fixed_seconds=0.014)
     model = StepCostModel(cost)
     for _ in range(5):
         model.observe(16, 0, 0.010)
     first_chunk = cost.fixed_seconds + cost.token_seconds * MIN_CHUNK
     assert first_chunk < model.stall_seconds(16, 2.0) < cost.split_seconds(MIN_CHUNK)
-    assert model.prefill_allowance(16, 2.0) == UNBOUNDED
+    assert model.prefill_allowance(16, 2.0) == 400  # 14 ms of tokens at 0.035 ms
     assert model.unattainable == (0.014, 3.5e-5)

@@ -29,7 +29,7 @@ from deltaserve.engine.plan import NewRow, PrefillChunk, VisionWork
 from deltaserve.engine.prefix_cache.index import PrefixIndex
 from deltaserve.engine.request import Request, Status
 from deltaserve.engine.scheduling.state import SchedulerState
-from deltaserve.engine.scheduling.step_cost import MIN_CHUNK, UNBOUNDED, StepCostModel
+from deltaserve.engine.scheduling.step_cost import MIN_CHUNK, StepCostModel
 from deltaserve.engine.shapes import chunk_bucket, prefill_columns
 from deltaserve.engine.vision.media import VisionPrice, VisionProgress
 
@@ -362,9 +362,6 @@ class StallBound:
         allowance = self.step_cost.prefill_allowance(len(self.state.decoding), factor, spent)
         if allowance is None:
             return budget  # costs not learned yet
-        if allowance == UNBOUNDED:  # no chunk meets the bound (measured): nothing to size
-            self._log_promise(budget, factor)
-            return budget
         if not self.step_cost.knows_decode(len(self.state.decoding)):
             return 0  # decode-only steps measure this batch size (StepCostModel)
         self.state.price = VisionPrice(scale, self.step_cost.vision_limit())

@@ -92,7 +92,6 @@ OUTLIER = 1.5  # decode-only samples above this x their row count's median are i
 MAX_AGE = 30.0  # seconds: older prompt-token and tower samples are forgotten
 GROWTH = 2  # the allowance is at most this x the largest prefill sample in the window
 PROBE_TOKENS = 16  # prompt tokens (in the window) before they get a cost of their own
-UNBOUNDED = 1 << 30  # an allowance the token budget alone limits
 # Smallest prompt chunk a step with decode rows runs (engine/scheduling/prefill_policy.py's
 # MIN_PREFILL_TOKENS); an allowance below it means the bound cannot be met as priced.
 MIN_CHUNK = 16
@@ -152,8 +151,7 @@ class StepCostModel:
 
     def __init__(self, chunk_cost: ChunkCost | None = None) -> None:
         """chunk_cost: a prompt chunk's forward as measured at start
-        (engine/scheduling/chunk_cost.py); where it alone breaks the bound, steps take all
-        the prefill they are allowed."""
+        (engine/scheduling/chunk_cost.py): where given, it prices prompt tokens."""
         self.chunk_cost = chunk_cost
         self._decode: deque[StepSample] = deque(maxlen=WINDOW)
         self._prefill: deque[StepSample] = deque(maxlen=WINDOW)  # prompt tokens only
@@ -302,8 +300,8 @@ class StepCostModel:
         margin and `spent` seconds the rows already waited since their last token (a
         prefill-only step run ahead of them); None while the model has too few samples.
         Where the chunk cost was measured at start, from that line (`_from_measured`);
-        else from the online fit, and where no chunk can meet the bound, chunks that
-        repay their fixed cost (`_amortized`); `unattainable` says when none can."""
+        else from the online fit; where no chunk can meet the bound, either way, chunks
+        that repay their fixed cost (`_amortized`); `unattainable` says when none can."""
         self.unattainable = None
         if not self.is_ready:
             return None
@@ -331,13 +329,14 @@ class StepCostModel:
         GPU a small chunk costs about what a large one does, its residual over a noisy
         decode step says little, and its odd lengths are shapes not compiled yet, whose
         first runs stall every stream (bench/README.md, the ninth session's H100 run).
-        Where the fixed part alone breaks the bound, no chunk size meets it: UNBOUNDED,
-        the fewest and largest chunks pay it least often."""
-        if prior.split_seconds(MIN_CHUNK) > bound:
-            self.unattainable = (prior.most_fixed_seconds, prior.token_seconds)
-            return UNBOUNDED
+        Where that chunk breaks the bound (`unattainable`), steps hold it and no more: a
+        decode step plus twice the fixed part, the least a step that repays its fixed part
+        can stall the streams, rather than the whole token budget (steps of ~4-5x a decode
+        step, each a gap in every stream)."""
         floor = int(prior.most_fixed_seconds / prior.token_seconds + 1e-6)
         fit = int((bound - spent - prior.most_fixed_seconds) / prior.token_seconds + 1e-6)
+        if bound < 2 * prior.most_fixed_seconds:  # the floor chunk's step breaks it
+            self.unattainable = (prior.most_fixed_seconds, prior.token_seconds)
         return max(floor, fit)
 
     def _amortized(self, extra: float, cap: int) -> int:
