@@ -9,7 +9,6 @@ execute (the forward, queued with mx.async_eval), sample (queued behind it), rea
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -36,10 +35,6 @@ from deltaserve.engine.types import SamplingParams
 from deltaserve.engine.vision.features import VisionInputs
 from deltaserve.models.qwen35 import Qwen35Model
 from deltaserve.models.state import ForwardGroup, text_positions
-
-# Times a later-chunk shape not traced yet runs eagerly next to decoding rows before it is
-# traced (ModelRunner._compiled_chunk)
-CHUNK_TRACE_AFTER = 2
 
 
 class TokenMasks(Protocol):
@@ -173,7 +168,6 @@ class ModelRunner:
         self.drafter = drafter
         self.compile_chunks = compile_chunks and compiled is not None
         # later-chunk shapes not traced yet -> times they came next to decoding rows
-        self._chunk_shapes_seen: Counter[tuple] = Counter()
         self._saved: list[mx.array] = []  # prefix-cache copies not yet started
         self._last_tokens: mx.array | None = None  # the last sampled step's tokens [N]
         # step -> compiled shapes it traced, until read back (a follower rank never reads
@@ -598,10 +592,10 @@ class ModelRunner:
         hidden states and the rows' states, updated (several rows run as one cohort
         state, split back afterwards). None (the eager path) for compile_chunks off,
         chunks it does not take (`_chunk_compiles`), a store kind without a traced form,
-        and a shape not traced yet that came at most CHUNK_TRACE_AFTER times next to
-        decoding rows: a trace stalls every decoding row (~0.4 s on the H200, 0.8B), so a
-        shape that recurs pays it once and a rare one never; with no row decoding it
-        traces at once."""
+        and a shape not traced yet next to decoding rows: a trace stalls every decoding
+        row (H100, 0.8B, a fresh machine's kernel cache: 3-4 s each, three of them cut a
+        16-client run's tok/s to a third), while the eager chunk costs a few ms more.
+        With no row decoding it traces at once; warm-up traces the common shapes."""
         if not self.compile_chunks:
             return None
         assert self.compiled is not None
@@ -614,10 +608,7 @@ class ModelRunner:
         lengths = [c.length for c in members]
         shape = self.compiled.chunk_shape(lengths, self.compiled.kv_columns(states))
         if shape not in self.compiled.shapes and plan.decode_row_ids:
-            self._chunk_shapes_seen[shape] += 1
-            if self._chunk_shapes_seen[shape] <= CHUNK_TRACE_AFTER:
-                return None
-        self._chunk_shapes_seen.pop(shape, None)
+            return None
         ids = [rows[c.row_id].prompt_ids[c.start : c.start + c.length] for c in members]
         starts = [c.start for c in members]
         if len(members) == 1:

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from test_engine_batching import _drive as drive
 
-from deltaserve.engine import runner as runner_module
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.factory import kv_store_factory
 from deltaserve.engine.cache.kv import KVStore
@@ -241,15 +240,10 @@ def test_engine_tokens_unchanged(loaded: LoadedModel, batch_prefill: bool) -> No
     assert _drive(engine, requests) == plain
 
 
-@pytest.mark.parametrize("trace_after", [0, 2])
-def test_engine_tokens_unchanged_with_compiled_chunks(
-    loaded: LoadedModel, trace_after: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_engine_tokens_unchanged_with_compiled_chunks(loaded: LoadedModel) -> None:
     """Later chunks through the compiled chunk forward (prompts longer than a chunk; the
     rest of a prompt after a prefix-cache hit, in a second round of the same prompts),
-    a shape traced at once or after it recurred next to decoding rows, give the eager
-    path's tokens, with joins and an abort; the chunk forward did run."""
-    monkeypatch.setattr(runner_module, "CHUNK_TRACE_AFTER", trace_after)
+    give the eager path's tokens, with joins and an abort; the chunk forward did run."""
     base = EngineConfig(
         max_num_seqs=8, max_num_batched_tokens=64, max_prefill_chunk=24, compile_decode=True,
         compile_prompt=True, batch_prefill=True, prefix_block_tokens=8, prefix_min_tokens=1,
@@ -268,10 +262,10 @@ def test_engine_tokens_unchanged_with_compiled_chunks(
     assert engine.prefix_cache is not None and engine.prefix_cache.stats.hit_tokens > 0
 
 
-def test_a_chunk_shape_traces_once_it_recurs(loaded: LoadedModel) -> None:
-    """Next to decoding rows, a later-chunk shape not traced yet runs eagerly
-    CHUNK_TRACE_AFTER times, then compiled (a trace stalls every decoding row); with no
-    row decoding it traces at once."""
+def test_a_chunk_shape_never_traces_next_to_decoding_rows(loaded: LoadedModel) -> None:
+    """Next to decoding rows, a later-chunk shape not traced yet runs eagerly however
+    often it comes (a trace stalls every decoding row); a traced one runs compiled there;
+    with no row decoding a new shape traces at once."""
     base = EngineConfig(
         max_num_seqs=4, max_num_batched_tokens=128, max_prefill_chunk=48, compile_decode=True,
         compile_chunks=True, prefix_cache=False, max_stall_factor=0,
@@ -282,18 +276,24 @@ def test_a_chunk_shape_traces_once_it_recurs(loaded: LoadedModel) -> None:
     engine.generate([list(range(100, 160))], params)  # alone: its later chunk (12) traces
     alone = chunk_shapes()
     assert alone
-    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     engine.add_request(GenerationRequest("d", (5, 6, 7), long))
     while not engine.scheduler.state.decoding:
         engine.step()
-    seen = []
-    for k in range(runner_module.CHUNK_TRACE_AFTER + 1):
-        # 48 + 40 tokens: the later chunk's bucket (64) is not traced yet
+    runs = []
+    original = engine.runner.compiled.chunk
+    engine.runner.compiled.chunk = lambda *a, **k: runs.append(1) or original(*a, **k)
+    for k in range(4):
+        # 48 + 40 tokens: the later chunk's bucket (64) is not traced
         engine.add_request(GenerationRequest(f"p{k}", tuple(range(300, 388)), params))
         while not any(o.request_id == f"p{k}" and o.finish_reason for o in engine.step()):
             pass
-        seen.append(chunk_shapes() - alone)
-    assert seen[:-1] == [set()] * runner_module.CHUNK_TRACE_AFTER and seen[-1]
+    assert chunk_shapes() == alone and not runs
+    # the traced shape (48 + 12 tokens) runs compiled next to the decoding row
+    engine.add_request(GenerationRequest("q", tuple(range(100, 160)), params))
+    while not any(o.request_id == "q" and o.finish_reason for o in engine.step()):
+        pass
+    assert runs and chunk_shapes() == alone
 
 
 def test_two_rows_chunks_run_as_one_call_with_the_eager_tokens(loaded: LoadedModel) -> None:
