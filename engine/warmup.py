@@ -9,8 +9,8 @@ bucket up to a chunk, the decode batch at each row bucket up to max_num_seqs (fi
 KV capacities), with speculation the verify batch at each row bucket (first capacity),
 then cohorts of several prompts (every bucket the runner runs, the smaller first), and
 with compiled later chunks a long prompt's second and third full chunk (other later
-chunks' shapes trace only in a step with no row decoding: engine/runner.py). What the time limit leaves out
-is traced on first use, as before.
+chunks' shapes trace only in a step with no row decoding: engine/runner.py). What the
+time limit leaves out is traced on first use, as before.
 """
 
 from __future__ import annotations

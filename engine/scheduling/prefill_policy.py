@@ -60,8 +60,8 @@ class Chunking:
         prompt that fits one chunk but not what is left of this step waits for the next
         step instead of starting with the leftover: its rest would be a later chunk,
         which pays a second fixed cost for a few hundred tokens, and on a GPU often an
-        eager one (a later chunk's shape not traced yet runs eagerly next to decoding rows: H200, 0.8B,
-        ~17 ms fixed against ~9 for a compiled first chunk). traced_lengths: prompt
+        eager one (a shape not traced yet runs eagerly next to decoding rows: H200,
+        0.8B, ~17 ms fixed against ~9 for a compiled first chunk). traced_lengths: prompt
         chunks run compiled at a bucketed length (engine/shapes.py), so a chunk that does
         not finish its prompt takes its whole bucket (`_traced_length`)."""
         self.state = state
