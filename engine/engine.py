@@ -183,7 +183,7 @@ class LLMEngine:
             columns = drafter.num_draft + 1 if drafter is not None else 0
             warm_up(
                 new_state, self.compiled_prompts, compiled, chunk, max_rows, warm, columns,
-                chunks is not None,
+                chunks is not None, (sampler, cfg.vocab_size),
             )  # fmt: skip
         self._inflight: _InFlight | None = None
         self._waited = 0.0  # seconds this step() call blocked on read-backs

@@ -10,7 +10,9 @@ KV capacities), with speculation the verify batch at each row bucket (first capa
 then cohorts of several prompts (every bucket the runner runs, the smaller first), and
 with compiled later chunks a long prompt's second and third full chunk (other later
 chunks' shapes trace only in a step with no row decoding: engine/runner.py). What the
-time limit leaves out is traced on first use, as before.
+time limit leaves out is traced on first use, as before. First of all the sampler draws
+once each way (greedy, top-k, top-p, plain, with logprobs): its kernels are built on
+first use too (H100, a fresh machine: the first request's first decode step took 4.1 s).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import mlx.core as mx
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.compiled_prefill import MAX_ROWS, CompiledPrefill, prompt_bucket
 from deltaserve.engine.decode import CompiledDecode
+from deltaserve.engine.sampling.sampler import Sampler, SamplingRow
 from deltaserve.engine.shapes import decode_bucket
+from deltaserve.engine.types import SamplingParams
 from deltaserve.models.state import ForwardGroup, text_positions
 
 log = logging.getLogger(__name__)
@@ -66,11 +70,15 @@ def warm_up(
     seconds: float,
     verify_columns: int = 0,
     chunks: bool = False,
+    sampler: tuple[Sampler, int] | None = None,
 ) -> int:
     """Run each shape of `_shapes` until `seconds` have passed; returns how many ran. The
     states are thrown away. verify_columns: a speculative verify's k + 1 (0: none);
-    chunks: later chunks run through `decode`'s chunk forward."""
+    chunks: later chunks run through `decode`'s chunk forward; sampler: the engine's
+    sampler and the vocabulary size, to draw with first (`_draws`)."""
     start, done = time.perf_counter(), 0
+    if sampler is not None:
+        _draws(*sampler)
     shapes = _shapes(new_state, prompts, decode, max_chunk, max_rows, verify_columns, chunks)
     for run in shapes:
         if time.perf_counter() - start > seconds:
@@ -83,6 +91,25 @@ def warm_up(
         time.perf_counter() - start,
     )
     return done
+
+
+# One of each way the sampler draws (engine/sampling/sampler.py's kinds), and logprobs
+WARM_DRAWS = (
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.7, top_k=20),
+    SamplingParams(temperature=0.7, top_p=0.8),
+    SamplingParams(temperature=1.0, logprobs=True, top_logprobs=2),
+)
+
+
+def _draws(sampler: Sampler, vocab: int) -> None:
+    """The sampler draws from random logits alone in each way and all together, and the
+    tokens are read back (as a step does)."""
+    logits = mx.random.normal((len(WARM_DRAWS), vocab), key=mx.random.key(0))
+    rows = [SamplingRow(p, (100,), ()) for p in WARM_DRAWS]
+    for i, row in enumerate(rows):
+        sampler.sample(logits[i : i + 1], [row]).to_python([row])
+    sampler.sample(logits, rows).to_python(rows)
 
 
 def _shapes(

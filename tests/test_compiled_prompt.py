@@ -26,9 +26,16 @@ from deltaserve.engine.compiled_prefill import (
 from deltaserve.engine.config import EngineConfig, KVCacheConfig
 from deltaserve.engine.decode import CompiledDecode
 from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.sampling.sampler import Sampler
 from deltaserve.engine.shapes import chunk_capacity
 from deltaserve.engine.types import GenerationRequest, SamplingParams
-from deltaserve.engine.warmup import cohort_shapes, decode_sizes, prompt_lengths, warm_up
+from deltaserve.engine.warmup import (
+    WARM_DRAWS,
+    cohort_shapes,
+    decode_sizes,
+    prompt_lengths,
+    warm_up,
+)
 from deltaserve.models.build import LoadedModel, load_model
 from deltaserve.models.state import ForwardGroup, text_positions
 from deltaserve.models.testing import cached_checkpoint
@@ -395,6 +402,17 @@ def test_warm_up_traces_each_shape_and_keeps_tokens(loaded: LoadedModel) -> None
     assert warm_up(new_state, None, decode, 48, 4, 600.0, 0, True) == 3 * 3 + 2
     chunk_shapes = {s for s in decode.shapes if s[0] == "chunk"}
     assert chunk_shapes == {("chunk", (1, 64), 256)}  # 48 tokens' bucket, both in 256 columns
+    # the sampler draws first: each way alone, then all together
+    drawn = []
+
+    class Counting(Sampler):
+        def sample(self, logits, rows, allowed=None):  # noqa: ANN001, ANN202
+            drawn.append(tuple(r.params for r in rows))
+            return super().sample(logits, rows, allowed)
+
+    vocab = loaded.config.vocab_size
+    assert warm_up(new_state, None, None, 48, 4, 600.0, sampler=(Counting(), vocab)) == 0
+    assert drawn == [(p,) for p in WARM_DRAWS] + [WARM_DRAWS]
     requests = _requests(4)
     warm = LLMEngine(loaded, dataclasses.replace(base, warm_up_seconds=600.0))
     assert _drive(warm, requests) == _drive(engine, requests)
