@@ -26,7 +26,7 @@ from deltaserve.engine.compiled_prefill import (
 from deltaserve.engine.config import EngineConfig, KVCacheConfig
 from deltaserve.engine.decode import CompiledDecode
 from deltaserve.engine.engine import LLMEngine
-from deltaserve.engine.sampling.sampler import Sampler
+from deltaserve.engine.sampling.sampler import SampledBatch, Sampler, SamplingRow
 from deltaserve.engine.shapes import chunk_capacity
 from deltaserve.engine.types import GenerationRequest, SamplingParams
 from deltaserve.engine.warmup import (
@@ -406,7 +406,9 @@ def test_warm_up_traces_each_shape_and_keeps_tokens(loaded: LoadedModel) -> None
     drawn = []
 
     class Counting(Sampler):
-        def sample(self, logits, rows, allowed=None):  # noqa: ANN001, ANN202
+        def sample(
+            self, logits: mx.array, rows: list[SamplingRow], allowed: np.ndarray | None = None
+        ) -> SampledBatch:
             drawn.append(tuple(r.params for r in rows))
             return super().sample(logits, rows, allowed)
 
