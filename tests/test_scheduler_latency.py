@@ -595,3 +595,40 @@ def test_fresh_prompts_wait_whole_where_chunk_costs_are_measured(
         assert chunks == [(f"p{i}/0", 0, 300) for i in range(4)]
     else:
         assert ("p1/0", 0, 212) in chunks and ("p1/0", 212, 88) in chunks
+
+
+def test_a_chunk_group_of_its_own_pays_its_fixed_part_out_of_the_step() -> None:
+    """Where a chunk's fixed part was measured (100 tokens' worth here), a step's prompt
+    work that starts a second group pays it out of the allowance: next to a long
+    prompt's later chunk a fresh prompt costs its tokens and 100 more, fresh prompts
+    beside a fresh one (one group) only their tokens; a step never holds more groups
+    than its allowance repays. Without a measurement (the CPU) nothing is charged."""
+    cost = FakeCost()
+
+    def plans(measured: ChunkCost | None) -> list[list[tuple[str, int, int]]]:
+        cfg = EngineConfig(
+            max_num_seqs=16, max_num_batched_tokens=BUDGET, max_prefill_chunk=BUDGET,
+            max_stall_factor=0,
+        )  # fmt: skip
+        budget = MemoryBudget(10**9, StateCosts(10, 100))
+        s = Scheduler(cfg, budget, 20000, cost, None, measured)
+        s.add(_req("long", 3000), EOS)
+        _step(s, cost)  # its first chunk: every later one is a group of its own
+        for name in ("a", "b", "c"):
+            s.add(_req(name, 100), EOS)
+        steps = []
+        for _ in range(3):
+            out = _step(s, cost)
+            steps.append([(c.row_id, c.start, c.length) for c in out.prefill])
+        return steps
+
+    charged = plans(ChunkCost(fixed_seconds=0.005, token_seconds=5e-5))
+    # long takes half while others wait; "a" pays 100 + 100 of the other half; "b" (one
+    # group with "a") does not fit the 56 left and waits whole; long takes the rest
+    assert charged[0] == [("long/0", 512, 312), ("a/0", 0, 100)]
+    # "a" decodes now (the budget is 511): the same with "b"
+    assert charged[1] == [("long/0", 824, 311), ("b/0", 0, 100)]
+    # without a measurement (and so without whole prompts) "b" joins at once, and "c"
+    # starts with what is left
+    uncharged = plans(None)
+    assert uncharged[0] == [("long/0", 512, 256), ("a/0", 0, 100), ("b/0", 0, 100), ("c/0", 0, 56)]

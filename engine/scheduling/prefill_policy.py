@@ -54,8 +54,14 @@ class Chunking:
         snapshot_in_chunk: bool,
         whole_prompts: bool = False,
         traced_lengths: bool = False,
+        group_tokens: int = 0,
     ) -> None:
-        """snapshot_in_chunk: a forward can keep DeltaNet state mid-chunk (an eager core),
+        """group_tokens: what a prompt chunk group's fixed part costs, in tokens (where it
+        was measured, a GPU; 0 elsewhere): a step's allowance pays it for each group
+        beyond the first (`_group_charge`), so a step of several groups costs what the
+        step-cost model priced (one fixed part and its tokens) rather than a fixed part
+        more for each (H100, 0.8B: mixed steps of 61 ms mean against the ~25 ms promised).
+        snapshot_in_chunk: a forward can keep DeltaNet state mid-chunk (an eager core),
         so a prefix-cache snapshot need not end the chunk. whole_prompts: a fresh text
         prompt that fits one chunk but not what is left of this step waits for the next
         step instead of starting with the leftover: its rest would be a later chunk,
@@ -70,6 +76,7 @@ class Chunking:
         self.snapshot_in_chunk = snapshot_in_chunk
         self.whole_prompts = whole_prompts
         self.traced_lengths = traced_lengths
+        self.group_tokens = group_tokens
 
     def plan(self, allowance: int, admission: Admission) -> list[PrefillChunk]:
         """Hand `allowance` out oldest first (prefilling, then waiting requests admitted
@@ -78,21 +85,24 @@ class Chunking:
         its op count). The oldest, if it cannot finish, takes half while another could
         follow (a long prompt never holds the allowance against short ones); the first
         later prompt that cannot finish takes the rest and ends the plan. The oldest
-        always advances; no later one gets below min(its need, MIN_PREFILL_TOKENS)."""
+        always advances; no later one gets below min(its need, MIN_PREFILL_TOKENS), and
+        one that starts a group of its own pays `_group_charge` out of what is left."""
         plan: list[tuple[Request, int]] = []
         left = allowance
         candidates = list(self.state.prefilling)  # admit appends to state.prefilling
         while left > 0:
             if candidates:
                 req = candidates.pop(0)
-            elif admission.admissible(left, first=not plan):
+            elif admission.admissible(left - self.group_tokens * bool(plan), first=not plan):
                 req = admission.admit(self.state.waiting.popleft())
             else:
                 break
+            charge = self._group_charge(req, [r for r, _ in plan])
+            room = left - charge
             demand = self.demand(req)
             rest = req.num_prompt - req.num_computed
-            fits = rest + self.vision_cost(req, req.num_prompt) <= left  # it can finish now
-            share = min(demand, left)
+            fits = rest + self.vision_cost(req, req.num_prompt) <= room  # it can finish now
+            share = max(min(demand, room), 0)
             if not fits and not plan and (candidates or self.state.waiting):
                 share = min(share, max(left // 2, MIN_PREFILL_TOKENS))  # room for the next
             if plan and share < min(demand, MIN_PREFILL_TOKENS):
@@ -100,7 +110,7 @@ class Chunking:
             if plan and not fits and self._waits_whole(req):
                 break
             plan.append((req, share))
-            left -= share
+            left -= share + charge
             if len(plan) > 1 and not fits:
                 break
         if plan and left:  # what the halving left unused goes back to the oldest
@@ -108,6 +118,17 @@ class Chunking:
             plan[0] = (req, min(self.demand(req), share + left))
         chunks = [self.chunk(req, share, i == 0) for i, (req, share) in enumerate(plan)]
         return [c for c in chunks if c.length or c.vision or c.restore]
+
+    def _group_charge(self, req: Request, planned: list[Request]) -> int:
+        """Tokens `req`'s chunk costs this step beyond its own: group_tokens where it
+        starts a group of its own (a later chunk; the step's first fresh prompt where
+        the plan already has a later chunk), 0 for the plan's first chunk and for a fresh
+        prompt that joins the fresh prompts' group (their first chunks run as one)."""
+        if not self.group_tokens or not planned:
+            return 0
+        if _fresh(req) and any(_fresh(r) for r in planned):
+            return 0
+        return self.group_tokens
 
     def _waits_whole(self, req: Request) -> bool:
         """Whether `req`, which cannot finish in what is left of this step, waits to run
@@ -436,6 +457,12 @@ class StallBound:
             1e3 * step, step / decode,
         )  # fmt: skip
         self._promise = allowance
+
+
+def _fresh(req: Request) -> bool:
+    """Whether `req`'s next chunk is a fresh text prompt's first (the runner runs such
+    chunks of one step as one group)."""
+    return req.num_computed == 0 and req.media is None and not req.cache_chain
 
 
 def _rest(req: Request) -> int:

@@ -92,8 +92,9 @@ class Scheduler:
         self.step_cost = StepCostModel(chunk_cost)
         # whole prompts where a chunk's fixed cost was measured (a GPU): Chunking says why
         whole = chunk_cost is not None
+        group = chunk_cost.floor_tokens() if chunk_cost is not None else 0
         self.chunking = Chunking(
-            self.state, config, prefix, snapshot_in_chunk, whole, compiled_chunks
+            self.state, config, prefix, snapshot_in_chunk, whole, compiled_chunks, group
         )
         self.admission = Admission(
             self.state, config, budget, prefix, self.chunking, compiled_chunks

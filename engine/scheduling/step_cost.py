@@ -129,6 +129,11 @@ class ChunkCost:
         chunk, which a prompt too long for one step pays again for each of its pieces."""
         return self.most_fixed_seconds + self.token_seconds * tokens
 
+    def floor_tokens(self) -> int:
+        """Tokens that cost what the larger fixed part does: the smallest chunk that
+        repays it."""
+        return int(self.most_fixed_seconds / self.token_seconds + 1e-6)
+
     def budget_tokens(self) -> int:
         """The per-step token budget where the tokens cost TOKENS_PER_FIXED x the fixed
         part (a multiple of ROUND within [MIN_BUDGET, MAX_BUDGET])."""
@@ -333,7 +338,7 @@ class StepCostModel:
         decode step plus twice the fixed part, the least a step that repays its fixed part
         can stall the streams, rather than the whole token budget (steps of ~4-5x a decode
         step, each a gap in every stream)."""
-        floor = int(prior.most_fixed_seconds / prior.token_seconds + 1e-6)
+        floor = prior.floor_tokens()
         fit = int((bound - spent - prior.most_fixed_seconds) / prior.token_seconds + 1e-6)
         if bound < 2 * prior.most_fixed_seconds:  # the floor chunk's step breaks it
             self.unattainable = (prior.most_fixed_seconds, prior.token_seconds)
