@@ -9,7 +9,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from deltaserve.engine.cache.kv import FullPrecisionKV, KVStore, last_rows, take_rows
+from deltaserve.engine.cache.kv import (
+    FullPrecisionKV,
+    KVStore,
+    last_rows,
+    round_capacity,
+    take_rows,
+)
 from deltaserve.engine.cache.ssm import SSMState
 from deltaserve.engine.shapes import decode_bucket
 
@@ -113,6 +119,29 @@ def _padded_row(length: int, pad: int, seed: int, capacity: int) -> tuple[KVStor
     ]
     store.left_pad, store.size = [pad], pad + length
     return store, tokens
+
+
+def test_capacity_steps_grow_with_the_store() -> None:
+    """A store's capacity (each one a compiled decode shape, traced on first use) steps by
+    256 columns up to 2,048, then by an eighth of the power of two below: 40 capacities
+    up to 32k columns instead of 128, never more than an eighth of the columns free, and
+    always at least one; appends grow a store along those steps."""
+    assert [round_capacity(c) for c in (0, 255, 256, 2047)] == [256, 256, 512, 2048]
+    assert [round_capacity(c) for c in (2048, 4095, 4096, 8192, 32767)] == [
+        2304, 4096, 4608, 9216, 32768,
+    ]  # fmt: skip
+    assert len({round_capacity(c) for c in range(32768)}) == 40
+    for c in range(1, 70000, 7):
+        cap = round_capacity(c)
+        assert cap > c and cap % 256 == 0
+        assert c < 2048 or cap - c <= c / 8
+    store = FullPrecisionKV()
+    seen = set()
+    for _ in range(50):  # 50 chunks of 100 tokens
+        store.store(mx.zeros((1, 2, 100, 8)), mx.zeros((1, 2, 100, 8)), None)
+        seen.add(store.capacity)
+    assert store.size == 5000 and store.capacity == round_capacity(4999) == 5120
+    assert len(seen) == len({round_capacity(c - 1) for c in range(100, 5001, 100)})
 
 
 def test_merge_drops_padding_every_row_of_a_side_shares() -> None:
