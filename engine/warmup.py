@@ -34,9 +34,9 @@ from deltaserve.models.state import ForwardGroup, text_positions
 log = logging.getLogger(__name__)
 
 # Rows' lengths the decode batch is warmed at: one per KV capacity step (engine/cache/kv.py
-# grows a store 256 columns at a time, each capacity a new trace): chats of up to ~750
-# tokens of prompt and answer (H200, 0.8B: each trace ~0.4 s, and a batch takes its
-# longest row's capacity, so a missing one stalls every row)
+# round_capacity: 256 columns at a time up to 2,048, each capacity a new trace): chats
+# of up to ~750 tokens of prompt and answer (H200, 0.8B: each trace ~0.4 s, and a batch
+# takes its longest row's capacity, so a missing one stalls every row)
 DECODE_TOKENS = (16, 300, 600)
 
 
