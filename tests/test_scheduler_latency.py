@@ -605,7 +605,11 @@ def test_a_chunk_group_of_its_own_pays_its_fixed_part_out_of_the_step() -> None:
     than its allowance repays. Without a measurement (the CPU) nothing is charged."""
     cost = FakeCost()
 
-    def plans(measured: ChunkCost | None) -> list[list[tuple[str, int, int]]]:
+    three = (("a", 100), ("b", 100), ("c", 100))
+
+    def plans(
+        measured: ChunkCost | None, prompts: tuple[tuple[str, int], ...] = three
+    ) -> list[list[tuple[str, int, int]]]:
         cfg = EngineConfig(
             max_num_seqs=16, max_num_batched_tokens=BUDGET, max_prefill_chunk=BUDGET,
             max_stall_factor=0,
@@ -614,8 +618,8 @@ def test_a_chunk_group_of_its_own_pays_its_fixed_part_out_of_the_step() -> None:
         s = Scheduler(cfg, budget, 20000, cost, None, measured)
         s.add(_req("long", 3000), EOS)
         _step(s, cost)  # its first chunk: every later one is a group of its own
-        for name in ("a", "b", "c"):
-            s.add(_req(name, 100), EOS)
+        for name, length in prompts:
+            s.add(_req(name, length), EOS)
         steps = []
         for _ in range(3):
             out = _step(s, cost)
@@ -628,6 +632,9 @@ def test_a_chunk_group_of_its_own_pays_its_fixed_part_out_of_the_step() -> None:
     assert charged[0] == [("long/0", 512, 312), ("a/0", 0, 100)]
     # "a" decodes now (the budget is 511): the same with "b"
     assert charged[1] == [("long/0", 824, 311), ("b/0", 0, 100)]
+    # a short fresh prompt joins the fresh group in what is left, with no charge
+    short = plans(ChunkCost(fixed_seconds=0.005, token_seconds=5e-5), (("a", 100), ("s", 40)))
+    assert short[0] == [("long/0", 512, 272), ("a/0", 0, 100), ("s/0", 0, 40)]
     # without a measurement (and so without whole prompts) "b" joins at once, and "c"
     # starts with what is left
     uncharged = plans(None)

@@ -93,7 +93,10 @@ class Chunking:
         while left > 0:
             if candidates:
                 req = candidates.pop(0)
-            elif admission.admissible(left - self.group_tokens * bool(plan), first=not plan):
+            elif self.state.waiting and admission.admissible(
+                left - self._group_charge(self.state.waiting[0], [r for r, _ in plan]),
+                first=not plan,
+            ):
                 req = admission.admit(self.state.waiting.popleft())
             else:
                 break
