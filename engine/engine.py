@@ -115,7 +115,7 @@ class LLMEngine:
         chunks = compiled if compiled is not None and self.platform.compile_chunks else None
         self.chunk_cost = None
         if gpu and leader is None and loaded.parallel is None:
-            self.chunk_cost = measure_chunk_cost(loaded, self.compiled_prompts, chunks)
+            self.chunk_cost = measure_chunk_cost(loaded, self.compiled_prompts)
         measured = self.chunk_cost.budget_tokens() if self.chunk_cost is not None else 0
         self.config = config.for_device(gpu, measured)
         if self.compiled_prompts is not None:  # its calls hold at most a chunk's tokens

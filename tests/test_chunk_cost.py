@@ -6,7 +6,6 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from deltaserve.engine.decode import CompiledDecode
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.scheduling.chunk_cost import measure_chunk_cost
 from deltaserve.models.build import load_model
@@ -23,16 +22,6 @@ def test_measures_a_line() -> None:
         max(cost.fixed_seconds, cost.later_fixed_seconds) + 16 * cost.token_seconds
     )
     assert 512 <= cost.budget_tokens() <= 8192
-
-
-def test_later_chunk_timed_through_the_compiled_chunk() -> None:
-    """With compiled chunks on, the later chunk is timed through CompiledDecode.chunk
-    (its shape traced), the path an engine with them on runs."""
-    loaded = load_model(str(cached_checkpoint("tiny")))
-    chunks = CompiledDecode(loaded.model)
-    cost = measure_chunk_cost(loaded, None, chunks)
-    assert cost.later_fixed_seconds >= 0
-    assert [s for s in chunks.shapes if s[0] == "chunk"] == [("chunk", (1, 64), 256)]
 
 
 def test_engine_measures_only_on_a_gpu() -> None:

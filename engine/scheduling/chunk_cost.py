@@ -22,7 +22,6 @@ import mlx.core as mx
 
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.compiled_prefill import CompiledPrefill
-from deltaserve.engine.decode import CompiledDecode
 from deltaserve.engine.scheduling.step_cost import ChunkCost
 from deltaserve.models.build import LoadedModel
 from deltaserve.models.state import ForwardGroup, text_positions
@@ -32,19 +31,15 @@ LATER = 64  # a later chunk's length (after a first chunk of LATER tokens)
 RUNS = 3  # timed runs of each, after one that compiles its shapes
 
 
-def measure_chunk_cost(
-    loaded: LoadedModel,
-    compiled: CompiledPrefill | None = None,
-    chunks: CompiledDecode | None = None,
-) -> ChunkCost:
+def measure_chunk_cost(loaded: LoadedModel, compiled: CompiledPrefill | None = None) -> ChunkCost:
     """Time one fresh row's prefill forward (and its last position's logits) at each of
     LENGTHS, through `compiled` when the engine runs prompts that way: the fastest of RUNS
     after a first that compiles (on the H200 the second run of the 64-token forward still
     took ~37 ms against ~16 ms once warm); then a later chunk of LATER tokens over such a
-    row's state, through `chunks` (CompiledDecode.chunk) when the engine runs later chunks
-    that way, else eagerly: its fixed part is what a prompt split into small chunks pays
-    for each (H200, 0.8B, eager: 17.0 ms next to 8.9 ms for a compiled first chunk). The
-    states are thrown away."""
+    row's state, eagerly: its fixed part is what a prompt split into small chunks pays for
+    each next to decoding rows, where a later chunk runs compiled only at a shape already
+    traced (engine/runner.py; H200, 0.8B: 17.0 ms next to 8.9 ms for a compiled first
+    chunk). The states are thrown away."""
     seconds = [
         _fastest(lambda: BatchState.empty(loaded.config), loaded, 0, length, compiled)
         for length in LENGTHS
@@ -58,7 +53,7 @@ def measure_chunk_cost(
         mx.eval([a for layer in state.layers for a in layer.state_arrays()])
         return state
 
-    t_later = _fastest(started, loaded, LATER, LATER, None, chunks)
+    t_later = _fastest(started, loaded, LATER, LATER, None)
     fixed = max(t_short - token * short, 0.0)
     return ChunkCost(fixed, token, max(t_later - token * LATER, 0.0))
 
@@ -69,7 +64,6 @@ def _fastest(
     start: int,
     length: int,
     compiled: CompiledPrefill | None,
-    chunks: CompiledDecode | None = None,
 ) -> float:
     """Seconds of the fastest of RUNS forwards of `length` tokens from `start` (each on
     the state `fresh` returns), after one more that traces and warms its shapes."""
@@ -78,7 +72,7 @@ def _fastest(
         state = fresh()
         mx.synchronize()
         begin = time.perf_counter()
-        _forward(loaded, state, start, length, compiled, chunks)
+        _forward(loaded, state, start, length, compiled)
         mx.synchronize()
         times.append(time.perf_counter() - begin)
     return min(times[1:])
@@ -90,17 +84,14 @@ def _forward(
     start: int,
     length: int,
     compiled: CompiledPrefill | None,
-    chunks: CompiledDecode | None = None,
 ) -> None:
     """One row's chunk of `length` tokens at `start` and its last logits, evaluated (the
-    row's state advances in `state`): compiled where `compiled` (a first chunk) or
-    `chunks` (a later one) takes it, else eager."""
+    row's state advances in `state`): compiled where `compiled` takes it (a first
+    chunk), else eager."""
     model = loaded.model
     if start == 0 and compiled is not None and compiled.applies(state, 1):
         hidden, states = compiled([[100] * length], state)
         state = states[0]
-    elif start > 0 and chunks is not None and chunks.supports(state):
-        hidden = chunks.chunk([[100] * length], [start], state)
     else:
         tokens = mx.full((1, length), 100, mx.int32)
         group = ForwardGroup(tokens, text_positions([start], length), state.layers, outputs="last")
