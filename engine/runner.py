@@ -167,7 +167,6 @@ class ModelRunner:
         self.compiled_prompts = compiled_prompts
         self.drafter = drafter
         self.compile_chunks = compile_chunks and compiled is not None
-        # later-chunk shapes not traced yet -> times they came next to decoding rows
         self._saved: list[mx.array] = []  # prefix-cache copies not yet started
         self._last_tokens: mx.array | None = None  # the last sampled step's tokens [N]
         # step -> compiled shapes it traced, until read back (a follower rank never reads

@@ -430,8 +430,8 @@ class Scheduler:
 
 def _pieces(out: StepPlan) -> str:
     """The step's prompt chunks for a log line: how many, how many of them later chunks
-    (a prompt's second or further piece, which runs over the row's state), and the
-    longest (on a GPU each chunk group pays a forward's fixed part)."""
-    later = sum(c.start > 0 and not c.restore for c in out.prefill)
+    (from past a prompt's start: over the row's state, a prefix-cache hit's included),
+    and the longest (on a GPU each chunk group pays a forward's fixed part)."""
+    later = sum(c.start > 0 for c in out.prefill)
     longest = max((c.length for c in out.prefill), default=0)
     return f"{len(out.prefill)} chunks ({later} later, longest {longest})"
