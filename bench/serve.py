@@ -70,6 +70,7 @@ from bench.server_vs_mlxlm import (
     served_name,
     server_command,
 )
+from deltaserve.engine.api import HOST_PARTS
 
 SERVERS = ("deltaserve", "mlx_lm")
 FULL_SHARE = 0.9  # of the clients streaming at once: the phase's steady state
@@ -253,6 +254,7 @@ async def _engine_counts(kind: str, base: str) -> dict[tuple[str, str], float] |
     wanted = (
         "deltaserve_step_seconds",
         "deltaserve_step_host_seconds",
+        "deltaserve_step_host_part_seconds",
         "deltaserve_traced_steps",
         "deltaserve_gc_pause_seconds",
     )
@@ -261,6 +263,8 @@ async def _engine_counts(kind: str, base: str) -> dict[tuple[str, str], float] |
         if family.name in wanted:
             for sample in family.samples:
                 label = sample.labels.get("kind", sample.labels.get("generation", ""))
+                if "part" in sample.labels:
+                    label += ":" + sample.labels["part"]
                 le = sample.labels.get("le", "")
                 counts[(sample.name, f"{label}/{le}")] = sample.value
     return counts
@@ -284,6 +288,12 @@ def _steps_between(before: dict, after: dict) -> dict:
             "n": int(n),
             "mean_ms": round(1e3 * seconds / n, 2),
             "host_ms": round(1e3 * delta("deltaserve_step_host_seconds_total", f"{kind}/") / n, 2),
+            "host_parts_ms": {
+                part: round(
+                    1e3 * delta("deltaserve_step_host_part_seconds_total", f"{kind}:{part}/") / n, 2
+                )
+                for part in HOST_PARTS
+            },
             "over_100ms": int(n - delta("deltaserve_step_seconds_bucket", f"{kind}/0.1")),
             "over_250ms": int(n - delta("deltaserve_step_seconds_bucket", f"{kind}/0.25")),
         }
@@ -379,6 +389,22 @@ def _table(rows: list[Row], ratios: list[Row], stopped: list[Row], max_tokens: i
             ]
             gc = f"{st['gc_full']} ({st['gc_full_s']:.3f} s)"
             lines.append(f"| {r['clients']} | " + " | ".join(cells) + f" | {st['traced']} | {gc} |")
+        lines += [
+            "",
+            "where a step's host time went, ms a step: " + " / ".join(HOST_PARTS),
+            "",
+            "| clients | decode | mixed |",
+            "|---|---|---|",
+        ]
+        for r in steps:
+            st = r["steps"]
+            cells = [
+                " / ".join(f"{st[k]['host_parts_ms'][p]:.1f}" for p in HOST_PARTS)
+                if k in st
+                else "-"
+                for k in ("decode", "mixed")
+            ]
+            lines.append(f"| {r['clients']} | " + " | ".join(cells) + " |")
     lines.append("")
     for s in stopped:
         said = "yes" if s["terminate_called"] else "no"

@@ -16,6 +16,10 @@ from deltaserve.kernels.platform import Platform
 # Upper bounds (seconds) of the step-time histogram's buckets, and the kinds of step
 STEP_SECONDS_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 STEP_KINDS = ("decode", "mixed", "prefill", "verify")
+# Where a step's host time goes (StepTimes.host_parts): the scheduler's plan, building the
+# forward's graph (Python), submitting it (mx.async_eval: MLX encodes every kernel), the
+# sampler's graph and submission, and applying the tokens to the requests
+HOST_PARTS = ("schedule", "build", "submit", "sample", "update")
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,9 @@ class StepTimes:
     # the device; written by the engine (LLMEngine.step). On a GPU a step whose host time
     # is most of its wall time is bound by Python, not by its tokens.
     host_seconds: tuple[float, ...] = (0.0,) * len(STEP_KINDS)
+    # per kind, per HOST_PARTS, summed: the parts of host_seconds (the rest is the step
+    # loop's own bookkeeping); written by the engine
+    host_parts: tuple[tuple[float, ...], ...] = tuple((0.0,) * len(HOST_PARTS) for _ in STEP_KINDS)
 
 
 @dataclass(frozen=True)

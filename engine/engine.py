@@ -16,7 +16,7 @@ from functools import partial
 
 import mlx.core as mx
 
-from deltaserve.engine.api import EngineSummary
+from deltaserve.engine.api import HOST_PARTS, EngineSummary
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.budget import MemoryBudget, StateCosts, default_budget_bytes
 from deltaserve.engine.cache.factory import (
@@ -33,7 +33,7 @@ from deltaserve.engine.plan import StepPlan, StepResult
 from deltaserve.engine.prefix_cache.disk import PrefixDisk, checkpoint_identity
 from deltaserve.engine.prefix_cache.index import PrefixIndex
 from deltaserve.engine.request import row_id_of
-from deltaserve.engine.runner import ModelRunner, SampledStep
+from deltaserve.engine.runner import ModelOutput, ModelRunner, SampledStep
 from deltaserve.engine.sampling.sampler import Sampler
 from deltaserve.engine.scheduling.chunk_cost import measure_chunk_cost
 from deltaserve.engine.scheduling.scheduler import Scheduler
@@ -187,6 +187,7 @@ class LLMEngine:
             )  # fmt: skip
         self._inflight: _InFlight | None = None
         self._waited = 0.0  # seconds this step() call blocked on read-backs
+        self._parts = dict.fromkeys(HOST_PARTS, 0.0)  # its host time by part
 
     def _speculation(self) -> Speculation | None:
         """Speculative decoding's policy when config.speculative asks for it and the
@@ -326,24 +327,39 @@ class LLMEngine:
         The call's own time, less its waits on the device, is the step's host time
         (StepTimes.host_seconds; a pipelined call also applies the step before)."""
         start, self._waited = time.perf_counter(), 0.0
+        self._parts = dict.fromkeys(HOST_PARTS, 0.0)
         with self._guard():
             plan = self.scheduler.schedule()
+            self._parts["schedule"] = time.perf_counter() - start
             if self.leader is not None:
                 self.leader.publish(plan)
             deltas = self._pipelined(plan) if self._overlaps(plan) else self._lockstep(plan)
         if not plan.is_empty:
             host = time.perf_counter() - start - self._waited
-            self.scheduler.step_times.observe_host(plan.kind, host)
+            self.scheduler.step_times.observe_host(plan.kind, host, self._parts)
         return deltas
 
     def _lockstep(self, plan: StepPlan) -> list[RequestOutput]:
         """Run `plan` and read its tokens back before returning."""
         deltas = self._drain()  # a pipelined step still in flight comes first
-        output = self.runner.execute(plan)
+        output = self._execute(plan)
         if plan.is_empty:  # it only frees rows
             return deltas
-        result = self._read_back(self.runner.sample(output))
-        return deltas + self.scheduler.update(plan, result)
+        return deltas + self._update(plan, self._read_back(self._sample(output)))
+
+    def _execute(self, plan: StepPlan) -> ModelOutput:
+        """The runner's execute, its graph building and submission counted apart."""
+        output = self.runner.execute(plan)
+        build, submit = self.runner.host_split
+        self._parts["build"] += build
+        self._parts["submit"] += submit
+        return output
+
+    def _sample(self, output: ModelOutput) -> SampledStep:
+        start = time.perf_counter()
+        sampled = self.runner.sample(output)
+        self._parts["sample"] += time.perf_counter() - start
+        return sampled
 
     def _read_back(self, sampled: SampledStep) -> StepResult:
         """The runner's read-back (blocks until the step is computed), its wait counted."""
@@ -351,6 +367,12 @@ class LLMEngine:
         result = self.runner.read_back(sampled)
         self._waited += time.perf_counter() - start
         return result
+
+    def _update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        start = time.perf_counter()
+        deltas = self.scheduler.update(plan, result)
+        self._parts["update"] += time.perf_counter() - start
+        return deltas
 
     def _guard(self) -> contextlib.AbstractContextManager[None]:
         """With tensor parallelism, a step's collectives and read-back wait on the other
@@ -378,10 +400,10 @@ class LLMEngine:
         take their input from N-1's lazy sampled tokens. N samples after N-1's update, so
         seeds, penalties and grammar masks see every earlier token. A row that finished
         at N-1 computes one discarded token at N."""
-        output = self.runner.execute(plan)
+        output = self._execute(plan)
         deltas = self._drain()  # N-1 read back while N computes
         if not plan.is_empty:
-            self._inflight = _InFlight(plan, self.runner.sample(output))
+            self._inflight = _InFlight(plan, self._sample(output))
         return deltas
 
     def _drain(self) -> list[RequestOutput]:
@@ -389,7 +411,7 @@ class LLMEngine:
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return []
-        return self.scheduler.update(inflight.plan, self._read_back(inflight.sampled))
+        return self._update(inflight.plan, self._read_back(inflight.sampled))
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """A step raised: every request ends with the error; states start over."""

@@ -9,6 +9,7 @@ execute (the forward, queued with mx.async_eval), sample (queued behind it), rea
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -168,6 +169,7 @@ class ModelRunner:
         self.drafter = drafter
         self.compile_chunks = compile_chunks and compiled is not None
         self._saved: list[mx.array] = []  # prefix-cache copies not yet started
+        self.host_split = (0.0, 0.0)  # the last execute's (build, submit) seconds
         self._last_tokens: mx.array | None = None  # the last sampled step's tokens [N]
         # step -> compiled shapes it traced, until read back (a follower rank never reads
         # back: its entries stay, at most one per shape the buckets allow)
@@ -176,7 +178,9 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> ModelOutput:
         """Queue the step's forward (mx.async_eval) and return the logits of the rows
         that sample. Decode inputs still pending (StepPlan.decode_sources) are gathered
-        from the last sampled step's tokens, possibly not computed yet."""
+        from the last sampled step's tokens, possibly not computed yet. Sets `host_split`:
+        (seconds building the graph, seconds submitting it)."""
+        start = time.perf_counter()
         shapes = self._shapes_run()
         self._apply_rows(plan)
         if plan.cache_loads:
@@ -254,7 +258,9 @@ class ModelRunner:
         pending += features  # a tower pass whose tokens come in a later chunk
         if verify is not None:
             pending += [verify.logits, *_slots(self.states.verify)]
+        built = time.perf_counter()
         mx.async_eval(*pending, *([logits] if logits is not None else []))
+        self.host_split = (built - start, time.perf_counter() - built)
         if self._shapes_run() > shapes:
             self._traced[plan.step] = self._shapes_run() - shapes
         return ModelOutput(plan.step, plan.sample_row_ids, logits, verify)

@@ -22,7 +22,13 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from deltaserve.engine.api import STEP_KINDS, STEP_SECONDS_BUCKETS, EngineClient, StepTimes
+from deltaserve.engine.api import (
+    HOST_PARTS,
+    STEP_KINDS,
+    STEP_SECONDS_BUCKETS,
+    EngineClient,
+    StepTimes,
+)
 from deltaserve.server.heap import GcPauseCollector
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -111,6 +117,17 @@ def _step_metrics(times: StepTimes) -> Iterator[Metric]:
     for kind, total in zip(STEP_KINDS, times.host_seconds, strict=True):
         host.add_metric([kind], total)
     yield host
+    parts = CounterMetricFamily(
+        "deltaserve_step_host_part_seconds",
+        "where the engine thread's time on steps of each kind went: schedule (the plan), "
+        "build (the forward's graph), submit (MLX encoding its kernels), sample, update "
+        "(applying the tokens)",
+        labels=["kind", "part"],
+    )
+    for kind, by_part in zip(STEP_KINDS, times.host_parts, strict=True):
+        for part, total in zip(HOST_PARTS, by_part, strict=True):
+            parts.add_metric([kind, part], total)
+    yield parts
     yield CounterMetricFamily(
         "deltaserve_traced_steps",
         "engine steps that traced a compiled shape (each a stall of every stream)",

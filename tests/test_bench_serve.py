@@ -29,6 +29,7 @@ def test_engine_steps_between_two_scrapes() -> None:
         (f"{step}_bucket", "decode/0.1"): 10.0,
         (f"{step}_bucket", "decode/0.25"): 10.0,
         ("deltaserve_step_host_seconds_total", "decode/"): 0.05,
+        ("deltaserve_step_host_part_seconds_total", "decode:submit/"): 0.02,
         ("deltaserve_traced_steps_total", "/"): 3.0,
     }
     after = {
@@ -37,6 +38,7 @@ def test_engine_steps_between_two_scrapes() -> None:
         (f"{step}_bucket", "decode/0.1"): 27.0,
         (f"{step}_bucket", "decode/0.25"): 29.0,
         ("deltaserve_step_host_seconds_total", "decode/"): 0.15,
+        ("deltaserve_step_host_part_seconds_total", "decode:submit/"): 0.1,
         ("deltaserve_traced_steps_total", "/"): 4.0,
         ("deltaserve_gc_pause_seconds_count", "2/"): 1.0,
         ("deltaserve_gc_pause_seconds_sum", "2/"): 0.002,
@@ -46,6 +48,13 @@ def test_engine_steps_between_two_scrapes() -> None:
         "n": 20,
         "mean_ms": 50.0,
         "host_ms": 5.0,
+        "host_parts_ms": {
+            "schedule": 0.0,
+            "build": 0.0,
+            "submit": 4.0,
+            "sample": 0.0,
+            "update": 0.0,
+        },
         "over_100ms": 3,
         "over_250ms": 1,
     }

@@ -177,6 +177,11 @@ def test_64_concurrent_streams_complete(server: LiveServer) -> None:
     pattern = r'^deltaserve_step_host_seconds_total\{kind="(\w+)"\} (\S+)'
     host = dict(re.findall(pattern, metrics, re.M))
     assert set(host) == set(count) and float(host["decode"]) > 0
+    # ... by part: each part of it there, none above the whole
+    pattern = r'^deltaserve_step_host_part_seconds_total\{kind="decode",part="(\w+)"\} (\S+)'
+    parts = {part: float(v) for part, v in re.findall(pattern, metrics, re.M)}
+    assert set(parts) == {"schedule", "build", "submit", "sample", "update"}
+    assert parts["build"] > 0 and sum(parts.values()) <= float(host["decode"]) + 1e-6
 
 
 def test_stream_disconnect_frees_row(server: LiveServer) -> None:

@@ -83,7 +83,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from deltaserve.engine.api import STEP_KINDS, STEP_SECONDS_BUCKETS, StepTimes
+from deltaserve.engine.api import HOST_PARTS, STEP_KINDS, STEP_SECONDS_BUCKETS, StepTimes
 
 WINDOW = 32  # samples kept of each kind
 DECAY = 0.9  # weight of a sample relative to the next newer one
@@ -513,6 +513,7 @@ class StepHistogram:
         self._counts = [[0] * (len(STEP_SECONDS_BUCKETS) + 1) for _ in STEP_KINDS]
         self._seconds = [0.0] * len(STEP_KINDS)
         self._host = [0.0] * len(STEP_KINDS)
+        self._parts = [[0.0] * len(HOST_PARTS) for _ in STEP_KINDS]
         self._traced = 0
 
     def observe(self, kind: str, seconds: float, traced: bool) -> None:
@@ -526,12 +527,19 @@ class StepHistogram:
         self._seconds[k] += seconds
         self._traced += traced
 
-    def observe_host(self, kind: str, seconds: float) -> None:
+    def observe_host(self, kind: str, seconds: float, parts: dict[str, float]) -> None:
         """The engine thread spent `seconds` of its own (not waiting on the device) on a
-        step of `kind`; a step's parts may come in several calls."""
-        self._host[STEP_KINDS.index(kind)] += seconds
+        step of `kind`, `parts` of it in HOST_PARTS' parts."""
+        k = STEP_KINDS.index(kind)
+        self._host[k] += seconds
+        for part, part_seconds in parts.items():
+            self._parts[k][HOST_PARTS.index(part)] += part_seconds
 
     def snapshot(self) -> StepTimes:
         return StepTimes(
-            tuple(map(tuple, self._counts)), tuple(self._seconds), self._traced, tuple(self._host)
+            tuple(map(tuple, self._counts)),
+            tuple(self._seconds),
+            self._traced,
+            tuple(self._host),
+            tuple(map(tuple, self._parts)),
         )
