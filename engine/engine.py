@@ -325,7 +325,8 @@ class LLMEngine:
         """Run one engine step, schedule -> execute -> update, and return its deltas. A
         step that overlaps the next (_overlaps) is read back in the next call instead.
         The call's own time, less its waits on the device, is the step's host time
-        (StepTimes.host_seconds; a pipelined call also applies the step before)."""
+        (StepTimes.host_seconds, by HOST_PARTS in host_parts; a pipelined call also
+        applies the step before)."""
         start, self._waited = time.perf_counter(), 0.0
         self._parts = dict.fromkeys(HOST_PARTS, 0.0)
         with self._guard():
@@ -356,6 +357,7 @@ class LLMEngine:
         return output
 
     def _sample(self, output: ModelOutput) -> SampledStep:
+        """The runner's sample (queued, not read back), its host time counted."""
         start = time.perf_counter()
         sampled = self.runner.sample(output)
         self._parts["sample"] += time.perf_counter() - start
@@ -369,6 +371,7 @@ class LLMEngine:
         return result
 
     def _update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """The scheduler's update with a step's tokens, its host time counted."""
         start = time.perf_counter()
         deltas = self.scheduler.update(plan, result)
         self._parts["update"] += time.perf_counter() - start
