@@ -50,12 +50,17 @@ class FakeCost:
         return self.decode_only(len(out.decode_row_ids)) + self.per_token * num_prefill + tower
 
 
-def _scheduler(cost: FakeCost, snapshot_in_chunk: bool = False, **kw) -> Scheduler:
+def _scheduler(
+    cost: FakeCost, snapshot_in_chunk: bool = False, chunk_cost: ChunkCost | None = None, **kw
+) -> Scheduler:
+    """A scheduler on the fake machine's clock; chunk_cost: a start-up measurement (a GPU)."""
     cfg = EngineConfig(
         **{"max_num_seqs": 16, "max_num_batched_tokens": BUDGET, "max_prefill_chunk": 512, **kw}
     )
     budget = MemoryBudget(10**9, StateCosts(10, 100))
-    return Scheduler(cfg, budget, 20000, clock=cost, snapshot_in_chunk=snapshot_in_chunk)
+    return Scheduler(
+        cfg, budget, 20000, clock=cost, chunk_cost=chunk_cost, snapshot_in_chunk=snapshot_in_chunk
+    )
 
 
 def _req(rid: str, prompt_len: int, max_tokens: int = 4) -> GenerationRequest:
@@ -399,9 +404,7 @@ def test_a_measured_fixed_chunk_cost_past_the_bound_holds_the_chunk_that_repays_
     its fixed part (300 tokens at 0.05 ms), from the first (no probe, no 16-token
     chunks, not the whole budget), and the log says what is promised instead."""
     cost = FakeCost()
-    cfg = EngineConfig(max_num_seqs=16, max_num_batched_tokens=BUDGET, max_prefill_chunk=512)
-    measured = ChunkCost(fixed_seconds=0.015, token_seconds=cost.per_token)
-    s = Scheduler(cfg, MemoryBudget(10**9, StateCosts(10, 100)), 20000, cost, None, measured)
+    s = _scheduler(cost, chunk_cost=ChunkCost(fixed_seconds=0.015, token_seconds=cost.per_token))
     _decoding(s, cost)
     s.add(_req("long", 3000), EOS)
     with caplog.at_level("INFO", logger="deltaserve.engine.scheduling.prefill_policy"):
@@ -418,9 +421,7 @@ def test_a_measured_chunk_cost_that_fits_the_bound_sizes_chunks_at_once() -> Non
     measured line's fit (no 16-token probe, no slow start: on a GPU small odd chunks are
     shapes not compiled yet), and every step keeps the 2x bound."""
     cost = FakeCost()
-    cfg = EngineConfig(max_num_seqs=16, max_num_batched_tokens=BUDGET, max_prefill_chunk=512)
-    measured = ChunkCost(fixed_seconds=0.003, token_seconds=cost.per_token)
-    s = Scheduler(cfg, MemoryBudget(10**9, StateCosts(10, 100)), 20000, cost, None, measured)
+    s = _scheduler(cost, chunk_cost=ChunkCost(fixed_seconds=0.003, token_seconds=cost.per_token))
     _decoding(s, cost)
     s.add(_req("long", 3000), EOS)
     outs = _prefill_until_done(s, cost, "long/0")
@@ -583,9 +584,8 @@ def test_fresh_prompts_wait_whole_where_chunk_costs_are_measured(
     instead of one starting with a step's leftover; without a measurement (the CPU) the
     leftover is used."""
     cost = FakeCost()
-    cfg = EngineConfig(max_num_seqs=16, max_num_batched_tokens=512, max_prefill_chunk=512)
     measured = None if later_fixed is None else ChunkCost(0.009, 3.3e-5, later_fixed)
-    s = Scheduler(cfg, MemoryBudget(10**9, StateCosts(10, 100)), 20000, cost, None, measured)
+    s = _scheduler(cost, chunk_cost=measured)
     for i in range(4):
         s.add(_req(f"p{i}", 300), EOS)
     chunks = []
@@ -610,12 +610,7 @@ def test_a_chunk_group_of_its_own_pays_its_fixed_part_out_of_the_step() -> None:
     def plans(
         measured: ChunkCost | None, prompts: tuple[tuple[str, int], ...] = three
     ) -> list[list[tuple[str, int, int]]]:
-        cfg = EngineConfig(
-            max_num_seqs=16, max_num_batched_tokens=BUDGET, max_prefill_chunk=BUDGET,
-            max_stall_factor=0,
-        )  # fmt: skip
-        budget = MemoryBudget(10**9, StateCosts(10, 100))
-        s = Scheduler(cfg, budget, 20000, cost, None, measured)
+        s = _scheduler(cost, chunk_cost=measured, max_prefill_chunk=BUDGET, max_stall_factor=0)
         s.add(_req("long", 3000), EOS)
         _step(s, cost)  # its first chunk: every later one is a group of its own
         for name, length in prompts:
