@@ -351,7 +351,7 @@ class LLMEngine:
     def _execute(self, plan: StepPlan) -> ModelOutput:
         """The runner's execute, its graph building and submission counted apart."""
         output = self.runner.execute(plan)
-        build, submit = self.runner.host_split
+        build, submit = output.host_split
         self._parts["build"] += build
         self._parts["submit"] += submit
         return output

@@ -106,6 +106,8 @@ class ModelOutput:
     row_ids: tuple[str, ...]
     logits: mx.array | None  # None when nothing samples
     verify: VerifyStep | None = None  # the speculating rows' verify group (None: none)
+    # host seconds execute() spent building the graph and submitting it (mx.async_eval)
+    host_split: tuple[float, float] = (0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -169,7 +171,6 @@ class ModelRunner:
         self.drafter = drafter
         self.compile_chunks = compile_chunks and compiled is not None
         self._saved: list[mx.array] = []  # prefix-cache copies not yet started
-        self.host_split = (0.0, 0.0)  # the last execute's (build, submit) seconds
         self._last_tokens: mx.array | None = None  # the last sampled step's tokens [N]
         # step -> compiled shapes it traced, until read back (a follower rank never reads
         # back: its entries stay, at most one per shape the buckets allow)
@@ -178,8 +179,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> ModelOutput:
         """Queue the step's forward (mx.async_eval) and return the logits of the rows
         that sample. Decode inputs still pending (StepPlan.decode_sources) are gathered
-        from the last sampled step's tokens, possibly not computed yet. Sets `host_split`:
-        (seconds building the graph, seconds submitting it)."""
+        from the last sampled step's tokens, possibly not computed yet."""
         start = time.perf_counter()
         shapes = self._shapes_run()
         self._apply_rows(plan)
@@ -260,10 +260,10 @@ class ModelRunner:
             pending += [verify.logits, *_slots(self.states.verify)]
         built = time.perf_counter()
         mx.async_eval(*pending, *([logits] if logits is not None else []))
-        self.host_split = (built - start, time.perf_counter() - built)
+        split = (built - start, time.perf_counter() - built)
         if self._shapes_run() > shapes:
             self._traced[plan.step] = self._shapes_run() - shapes
-        return ModelOutput(plan.step, plan.sample_row_ids, logits, verify)
+        return ModelOutput(plan.step, plan.sample_row_ids, logits, verify, split)
 
     def _shapes_run(self) -> int:
         """How many compiled shapes (decode, verify, later chunks, fresh prompts) have run
