@@ -91,16 +91,16 @@ class Chunking:
         left = allowance
         candidates = list(self.state.prefilling)  # admit appends to state.prefilling
         while left > 0:
+            planned = [r for r, _ in plan]
             if candidates:
                 req = candidates.pop(0)
             elif self.state.waiting and admission.admissible(
-                left - self._group_charge(self.state.waiting[0], [r for r, _ in plan]),
-                first=not plan,
+                left - self._group_charge(self.state.waiting[0], planned), first=not plan
             ):
                 req = admission.admit(self.state.waiting.popleft())
             else:
                 break
-            charge = self._group_charge(req, [r for r, _ in plan])
+            charge = self._group_charge(req, planned)
             room = left - charge
             demand = self.demand(req)
             rest = req.num_prompt - req.num_computed
