@@ -19,7 +19,7 @@ import numpy as np
 
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.rows import RowStates
-from deltaserve.engine.compiled_prefill import CompiledPrefill, cohort_splits
+from deltaserve.engine.compiled_prefill import CompiledPrefill, cohort_splits, prompt_bucket
 from deltaserve.engine.decode import CompiledDecode
 from deltaserve.engine.plan import NewRow, PrefillChunk, StepPlan, StepResult, VerifiedRun
 from deltaserve.engine.sampling.sampler import SampledBatch, Sampler, SamplingRow
@@ -516,7 +516,7 @@ class ModelRunner:
         shape may be traced: warm-up traces some), and the rest run eagerly, split by
         length (an eager group pads only before a row's first token)."""
         chunks, rows = plan.prefill, self.rows.rows
-        run = self._compiled_prompts(chunks, cohort)
+        run = self._compiled_prompts(plan, cohort)
         if run is None:
             run = self._compiled_chunk(plan, cohort)
         members = [chunks[i] for i in cohort.chunk_indices]
@@ -572,22 +572,36 @@ class ModelRunner:
         return ForwardGroup(tokens, positions, state.layers, left_pad, embeds, split, outputs)
 
     def _compiled_prompts(
-        self, chunks: tuple[PrefillChunk, ...], cohort: _Cohort
+        self, plan: StepPlan, cohort: _Cohort
     ) -> tuple[mx.array, list[BatchState]] | None:
         """A cohort of fresh text prompts' first chunks through the compiled forward: its
         [P, 1, H] last hidden states and the rows' new states (already their prefill
-        states); None when the cohort must take the eager path."""
+        states); None when the cohort must take the eager path, a bucket not traced yet
+        included unless the step may trace (`_may_trace`)."""
         if self.compiled_prompts is None:
             return None
-        members, rows = [chunks[i] for i in cohort.chunk_indices], self.rows.rows
+        members, rows = [plan.prefill[i] for i in cohort.chunk_indices], self.rows.rows
         template = self.states.prefill_state(members[0].row_id)
         if not self._fresh(members) or not self.compiled_prompts.applies(template, len(members)):
             return None
         prompts = [rows[c.row_id].prompt_ids[: c.length] for c in members]
+        bucket = prompt_bucket(len(prompts), max(len(p) for p in prompts))
+        if bucket not in self.compiled_prompts.shapes and not self._may_trace(plan):
+            return None
         hidden, states = self.compiled_prompts(prompts, template)
         for chunk, state in zip(members, states, strict=True):
             self.states.prefill[chunk.row_id] = state
         return hidden, states
+
+    @staticmethod
+    def _may_trace(plan: StepPlan) -> bool:
+        """Whether this step may trace a prompt shape warm-up left out: only a step of one
+        prompt chunk and no row decoding, whose trace delays that one request. Anywhere
+        else a trace stalls every stream and every waiting prompt while the eager forward
+        costs a few ms more (H100, 0.8B, a fresh machine's kernel cache: traces of 3-18 s;
+        one cut a 16-client run's tok/s to a quarter), and a shape first met under load
+        seldom recurs often enough to repay it."""
+        return not plan.decode_row_ids and len(plan.prefill) == 1
 
     def _compiled_chunk(
         self, plan: StepPlan, cohort: _Cohort
@@ -597,10 +611,8 @@ class ModelRunner:
         hidden states and the rows' states, updated (several rows run as one cohort
         state, split back afterwards). None (the eager path) for compile_chunks off,
         chunks it does not take (`_chunk_compiles`), a store kind without a traced form,
-        and a shape not traced yet next to decoding rows: a trace stalls every decoding
-        row (H100, 0.8B, a fresh machine's kernel cache: 3-4 s each, three of them cut a
-        16-client run's tok/s to a third), while the eager chunk costs a few ms more.
-        With no row decoding it traces at once; warm-up traces the common shapes."""
+        and a shape not traced yet where the step may not trace (`_may_trace`); warm-up
+        traces the common shapes."""
         if not self.compile_chunks:
             return None
         assert self.compiled is not None
@@ -612,7 +624,7 @@ class ModelRunner:
             return None  # one engine's rows share their store kinds
         lengths = [c.length for c in members]
         shape = self.compiled.chunk_shape(lengths, self.compiled.kv_columns(states))
-        if shape not in self.compiled.shapes and plan.decode_row_ids:
+        if shape not in self.compiled.shapes and not self._may_trace(plan):
             return None
         ids = [rows[c.row_id].prompt_ids[c.start : c.start + c.length] for c in members]
         starts = [c.start for c in members]

@@ -8,9 +8,10 @@ Here the engine runs them at start, most common first: fresh prompts alone at ea
 bucket up to a chunk, the decode batch at each row bucket up to max_num_seqs (first two
 KV capacities), with speculation the verify batch at each row bucket (first capacity),
 then cohorts of several prompts (every bucket the runner runs, the smaller first), and
-with compiled later chunks a long prompt's second and third full chunk (other later
-chunks' shapes trace only in a step with no row decoding: engine/runner.py). What the
-time limit leaves out is traced on first use, as before. First of all the sampler draws
+with compiled later chunks a long prompt's second and third full chunk. What the time
+limit leaves out traces on first use, except a prompt shape (fresh prompts, later
+chunks): that runs eagerly until a step of one prompt chunk and no row decoding meets it
+(engine/runner.py `_may_trace`). First of all the sampler draws
 once each way (greedy, top-k, top-p, plain, with logprobs): its kernels are built on
 first use too (H100, a fresh machine: the first request's first decode step took 4.1 s).
 """

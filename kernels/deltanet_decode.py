@@ -288,6 +288,20 @@ def deltanet_decode(
     c = dims.conv_dim
     if p != dims.proj_dim or conv_state.shape != (b, dims.kernel - 1, c):
         raise ValueError(f"proj {proj.shape} / conv_state {conv_state.shape} do not fit {dims}")
+    # The kernel indexes every input by these sizes and sizes its state output from them:
+    # a state or weight of other sizes would be read (and the state written) out of bounds.
+    ssm_shape = (b, dims.num_v_heads, dims.head_v_dim, dims.head_k_dim)
+    if ssm.shape != ssm_shape:
+        raise ValueError(f"ssm {ssm.shape} must be {ssm_shape} for proj {proj.shape}")
+    weights = {
+        "conv_w": (conv_w, c * dims.kernel),
+        "a_log": (a_log, dims.num_v_heads),
+        "dt_bias": (dt_bias, dims.num_v_heads),
+        "norm_w": (norm_w, dims.head_v_dim),
+    }
+    for name, (x, size) in weights.items():
+        if x.size != size:
+            raise ValueError(f"{name} {x.shape} must hold {size} values for {dims}")
     profile = current_platform()
     args = (proj, conv_state.astype(proj.dtype), ssm.astype(mx.float32), conv_w, a_log, dt_bias)
     if not profile.fused_deltanet_decode:  # the CPU, or switched off: the reference
@@ -298,13 +312,16 @@ def deltanet_decode(
     block = _LANES * dv
     template = [("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv), ("K", dims.kernel)]
     template += [("LANES", _LANES), ("EPS_BITS", float_bits(dims.norm_eps))]
+    # Every input's dtype is a template argument: MLX caches compiled kernels by name +
+    # template only, and the signature's pointer types come from the dtypes.
     template += [("T", proj.dtype), ("Tw", conv_w.dtype), ("Tn", norm_w.dtype)]
+    template += [("Ta", a_log.dtype), ("Tdt", dt_bias.dtype)]
     y, conv, state = _kernel(profile.device)(
         inputs=[*args, norm_w],
         template=template,
         grid=(b * hv * block, 1, 1),
         threadgroup=(block, 1, 1),
-        output_shapes=[(b, hv * dv), conv_state.shape, ssm.shape],
+        output_shapes=[(b, hv * dv), conv_state.shape, ssm_shape],
         output_dtypes=[proj.dtype, proj.dtype, mx.float32],
     )
     return y, conv, state

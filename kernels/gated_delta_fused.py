@@ -251,7 +251,7 @@ def _gpu_step(
         raise ValueError(f"the fused step needs Dk % 32 == 0, got Dk = {dk}")
     inputs = [q, k, v, g, beta, state]
     if mask is not None:
-        inputs.append(mask.reshape(b).astype(mx.bool_))
+        inputs.append(mx.broadcast_to(mask.astype(mx.bool_), (b, 1)).reshape(b))
     template = [("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv)]
     template += [(f"T{c}", x.dtype) for c, x in zip("qkvgb", inputs, strict=False)]
     if backend == "cuda":

@@ -204,7 +204,9 @@ def _launch(
         raise ValueError(f"state {state.shape} must be [B, Hv, Dv, Dk]")
     inputs = [q, k, v, g, beta, state.astype(mx.float32), mx.array([length], mx.int32)]
     if mask is not None:
-        inputs.append(mask.astype(mx.bool_))
+        # The kernel reads mask[b * L + t]: a mask the reference broadcasts ([1, L], [B, 1])
+        # is made a full [B, L] array first (a broadcast view is copied: row-contiguous).
+        inputs.append(mx.broadcast_to(mask.astype(mx.bool_), (b, length)))
     template = [("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv)]
     template += [("LANES", _LANES), ("BLOCK", _BLOCK)]
     template += [(f"T{c}", x.dtype) for c, x in zip("qkvgb", inputs, strict=False)]

@@ -262,10 +262,14 @@ def test_engine_tokens_unchanged_with_compiled_chunks(loaded: LoadedModel) -> No
         return {**_drive(engine, first), **_drive(engine, again)}
 
     plain = rounds(LLMEngine(loaded, dataclasses.replace(base, compile_chunks=False)))
-    engine = LLMEngine(loaded, dataclasses.replace(base, compile_chunks=True))
+    # warm-up traces the chunk shapes: past it they trace only in a step of their own
+    engine = LLMEngine(loaded, dataclasses.replace(base, compile_chunks=True, warm_up_seconds=600))
     assert engine.runner.compile_chunks
+    runs: list[int] = []
+    original = engine.runner.compiled.chunk
+    engine.runner.compiled.chunk = lambda *a, **k: runs.append(1) or original(*a, **k)
     assert rounds(engine) == plain
-    assert any(shape[0] == "chunk" for shape in engine.runner.compiled.shapes)
+    assert runs
     assert engine.prefix_cache is not None and engine.prefix_cache.stats.hit_tokens > 0
 
 
@@ -305,25 +309,31 @@ def test_a_chunk_shape_never_traces_next_to_decoding_rows(loaded: LoadedModel) -
 
 def test_two_rows_chunks_run_as_one_call_with_the_eager_tokens(loaded: LoadedModel) -> None:
     """Two rows' later chunks of different lengths (12 and 28 tokens) in one step with no
-    row decoding: one compiled call of both (its shape traced at once), and each row's
-    tokens are those of the eager path."""
+    row decoding: once their joint shape is traced (here a first pass that may trace; in
+    a server, warm-up), one compiled call runs both, and each row's tokens are those of
+    the eager path. Not traced, the step runs them eagerly and traces nothing."""
     base = EngineConfig(
         max_num_seqs=4, max_num_batched_tokens=256, max_prefill_chunk=48, compile_decode=True,
         batch_prefill=True, prefix_cache=False, max_stall_factor=0,
     )  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = [list(range(300, 360)), list(range(500, 576))]  # 48 + 12, 48 + 28 tokens
+    chunk_shapes = lambda e: {s[1] for s in e.runner.compiled.shapes if s[0] == "chunk"}  # noqa: E731
 
-    def run(compile_chunks: bool) -> tuple[list, set]:
-        engine = LLMEngine(loaded, dataclasses.replace(base, compile_chunks=compile_chunks))
-        out = engine.generate(prompts, params)
-        shapes = {s[1] for s in engine.runner.compiled.shapes if s[0] == "chunk"}
-        return [o.token_ids for o in out], shapes
-
-    eager, _ = run(False)
-    tokens, shapes = run(True)
-    assert tokens == eager
-    assert shapes == {(2, 32)}  # both rows, the longer chunk's bucket
+    eager = LLMEngine(loaded, dataclasses.replace(base, compile_chunks=False))
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    engine = LLMEngine(loaded, dataclasses.replace(base, compile_chunks=True))
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+    assert not chunk_shapes(engine)  # two chunks in the step: no trace
+    engine.runner._may_trace = lambda plan: True  # the first pass traces
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+    del engine.runner._may_trace
+    assert chunk_shapes(engine) == {(2, 32)}  # both rows, the longer chunk's bucket
+    calls: list[int] = []
+    original = engine.runner.compiled.chunk
+    engine.runner.compiled.chunk = lambda ids, *a: calls.append(len(ids)) or original(ids, *a)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+    assert calls == [2]
 
 
 def test_rows_whose_joint_shape_is_not_traced_take_their_own(
@@ -448,3 +458,45 @@ def test_cohorts_split_into_the_buckets_warm_up_traced(loaded: LoadedModel) -> N
     assert engine.compiled_prompts.shapes == warmed
     plain = LLMEngine(loaded, dataclasses.replace(base, compile_prompt=False, warm_up_seconds=0))
     assert drive(plain, joins, {}) == got
+
+
+def test_a_prompt_bucket_traces_only_in_a_step_of_its_own(loaded: LoadedModel) -> None:
+    """Past warm-up a fresh prompt's bucket not traced yet traces only in a step of that
+    one prompt and no row decoding: prompts that arrive together, or next to a decoding
+    row, run eagerly (with the eager tokens); a traced bucket runs compiled anywhere."""
+    base = EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=256, max_prefill_chunk=64, compile_decode=True,
+        batch_prefill=True, compile_prompt=True, prefix_cache=False, max_stall_factor=0,
+    )  # fmt: skip
+    engine = LLMEngine(loaded, base)
+    prompts = engine.compiled_prompts
+    calls: list[int] = []
+    original = prompts.__call__
+    prompts_call = lambda *a, **k: calls.append(1) or original(*a, **k)  # noqa: E731
+    engine.runner.compiled_prompts = type(
+        "Counting", (), {"__call__": staticmethod(prompts_call), "shapes": prompts.shapes,
+                         "applies": staticmethod(prompts.applies), "max_area": prompts.max_area}
+    )()  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    together = [
+        GenerationRequest(f"t{i}", tuple(range(200 + i, 230 + i)), params) for i in range(3)
+    ]
+    got = drive(engine, {0: together}, {})
+    assert not calls and not prompts.shapes  # a cohort of three: eager, nothing traced
+    plain = LLMEngine(loaded, dataclasses.replace(base, compile_prompt=False))
+    assert got == drive(plain, {0: together}, {})
+    engine.generate([list(range(300, 330))], params)  # alone: its bucket traces
+    assert calls and prompts.shapes == {prompt_bucket(1, 30)}
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    engine.add_request(GenerationRequest("d", (5, 6, 7), long))
+    while not engine.scheduler.state.decoding:
+        engine.step()
+    traced = set(prompts.shapes)  # d's bucket too: it came alone
+    assert prompt_bucket(1, 50) not in traced
+    calls.clear()
+    for rid, n in (("new", 50), ("traced", 30)):  # 50 tokens: a bucket not traced
+        engine.add_request(GenerationRequest(rid, tuple(range(400, 400 + n)), params))
+        while not any(o.request_id == rid and o.finish_reason for o in engine.step()):
+            pass
+        assert prompts.shapes == traced
+        assert bool(calls) == (rid == "traced")

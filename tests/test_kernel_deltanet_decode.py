@@ -81,6 +81,22 @@ def test_every_qwen35_shape_is_supported_and_others_refused() -> None:
         deltanet_decode(dims_of(2, 128, 4, 128), *other)
 
 
+def test_state_and_weights_of_other_sizes_raise() -> None:
+    """The kernel indexes its inputs by the layer's sizes and sizes the new state from
+    them: a recurrent state of other rows or heads, or a weight of another size, is a
+    ValueError (on every device), not a read or write out of bounds."""
+    dims = dims_of(16, 128, 32, 128)
+    proj, conv, ssm, conv_w, a_log, dt_bias, norm_w = make_inputs(dims, 4, mx.float32)
+    with pytest.raises(ValueError, match="ssm"):
+        deltanet_decode(dims, proj, conv, ssm[:3], conv_w, a_log, dt_bias, norm_w)
+    with pytest.raises(ValueError, match="ssm"):
+        deltanet_decode(dims, proj, conv, ssm[:, :16], conv_w, a_log, dt_bias, norm_w)
+    with pytest.raises(ValueError, match="a_log"):
+        deltanet_decode(dims, proj, conv, ssm, conv_w, a_log[:16], dt_bias, norm_w)
+    with pytest.raises(ValueError, match="conv_w"):
+        deltanet_decode(dims, proj, conv, ssm, conv_w[:, :3], a_log, dt_bias, norm_w)
+
+
 # Kernel vs ops: sums run in another order and the kernel rounds the conv once less;
 # y is T after a norm, so one T ulp of its O(1) values (bf16 2^-8), state in float32.
 TOL = {mx.float32: 2e-4, mx.bfloat16: 3e-2}

@@ -76,6 +76,25 @@ def test_bad_shapes_raise() -> None:
         gated_delta_scan(q, k, v, g[:, :3], beta, state)
 
 
+def test_broadcast_mask_matches_reference() -> None:
+    """A mask the reference broadcasts ([1, L]: the same pads for every row) gives the
+    same result: the kernel reads mask[b * L + t], so it must get a full [B, L] array."""
+    x = make_inputs(3, 20, 2, 4, 32, seed=13)
+    mask = left_pad_mask(20, [6])  # [1, L]
+    assert_close(gated_delta_scan(*x, mask), gated_delta_reference(*x, mask))
+
+
+@cuda
+def test_9b_prefill_cohort() -> None:
+    """The largest prompt group a 9B step runs: 16 rows x 768 tokens, Hk = 16 key heads for
+    Hv = 32 value heads, rows left-padded from none to all (a dead row) of the columns."""
+    b, length = 16, 768
+    x = make_inputs(b, length, 16, 32, 128, seed=9)
+    pads = [0, 1, 7, 63, 64, 200, 383, 384, 500, 600, 700, 750, 760, 766, 767, 768]
+    mask = left_pad_mask(length, pads)
+    assert_close(gated_delta_scan(*x, mask), gated_delta_reference(*x, mask))
+
+
 @cuda
 def test_kernel_is_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA the dispatcher sends L > 1 to the kernel: with the reference loop broken,
