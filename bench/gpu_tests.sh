@@ -6,7 +6,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -c 'import mlx.core as mx; assert mx.default_device() != mx.cpu, "no GPU"' || exit 1
-exec python3 -m pytest -q -p no:cacheprovider "$@" \
+# the kernels' files first (quick), then what the caller names (2026-12-05: the compiled
+# prompts' file, named first, ran out the step's time before any kernel test ran)
+exec python3 -m pytest -q -p no:cacheprovider \
     tests/test_kernel_gated_delta_scan.py tests/test_kernel_gated_delta_states.py \
     tests/test_kernel_gated_delta_fused.py \
-    tests/test_kernel_deltanet_decode.py tests/test_kernel_rms_norm.py
+    tests/test_kernel_deltanet_decode.py tests/test_kernel_rms_norm.py "$@"

@@ -6,7 +6,7 @@
 One process, one loaded model: per batch size B, B greedy requests at once through the
 engine without speculation, then through the engine with it once per --accept mode; each
 engine warmed up first on the measured shapes (bench.engine_throughput's `throughput`:
-the same prompt lengths, other tokens, up to 24 tokens each) and kept for the measured
+the same prompt lengths and token counts, other tokens) and kept for the measured
 run, so its compiled steps are traced before it. Prints JSON lines (decode tok/s: tokens
 after every row has its first; total tok/s; TTFT p50; drafts verified and accepted and
 their rate; whether the outputs equal the plain run's, token for token) and the ratios
@@ -61,12 +61,13 @@ class Engine(Ours):
         loaded: LoadedModel,
         config: EngineConfig,
         accept: float | None = None,
-        oracle: dict[int, list[int]] | None = None,
+        oracle: list[dict[int, list[int]]] | None = None,
         seed: int = 0,
     ) -> None:
         self.name, self.loaded, self.config = name, loaded, config
         self.accept, self.oracle, self.seed = accept, oracle, seed
         self.outputs: dict[int, list[int]] = {}
+        self.runs: list[dict[int, list[int]]] = []  # each run's outputs (warm-up first)
         self._counts: dict[int, int] = {}  # tokens per request in the last step
         self._engine: LLMEngine | None = None
         self.make = self._make
@@ -80,6 +81,7 @@ class Engine(Ours):
         from deltaserve.engine.scheduling.speculation import SpeculationStats
 
         self.outputs, self._counts = {}, {}
+        self.runs.append(self.outputs)
         if self._engine is None:
             self._engine = self._build()
         elif self._engine.speculation is not None:
@@ -117,12 +119,15 @@ class Engine(Ours):
         if drafter is None or self.oracle is None:
             raise SystemExit("forced drafts need an MTP head and the plain run's outputs")
         draft, k, vocab = drafter.draft, drafter.num_draft, self.loaded.config.vocab_size
-        rng, accept, oracle = random.Random(self.seed), self.accept, self.oracle
+        rng, accept, runs = random.Random(self.seed), self.accept, self.oracle
 
         def forced(
             row_ids: list[str], state: BatchState, last: mx.array, sampling: list[SamplingRow]
         ) -> DraftRound:
             head = draft(row_ids, state, last, sampling).tokens  # the head runs as usual
+            # the plain engine's outputs of the same run (the warm-up has its own prompts:
+            # drafts from the measured run's outputs would teach the policy a 0% rate)
+            oracle = runs[len(self.runs) - 1]
             rows = []
             for row_id in row_ids:
                 emitted = len(engine.runner.rows.output_ids[row_id])
@@ -157,9 +162,11 @@ def compare(
     random_weights: bool,
 ) -> list[dict]:
     """Plain, then each --accept mode, at one batch size: JSON rows with ratios."""
-    # the warm-up runs long enough for rows to verify (and draft at each width) before
-    # the measured run: a plain step per batch size is measured first (Speculation)
-    shape = (batch, args.gen, args.gen, args.prompt, args.prompt, min(args.gen, 24))
+    # the warm-up runs as long as the measured run, so that every shape it meets (each
+    # KV capacity of the model's and the head's stores, each verify and draft width) is
+    # traced before it (H100, a fresh machine, a 24-token warm-up: the first mode's 128
+    # tokens at B=1 took 20 s of traces, the third mode's 0.8 s)
+    shape = (batch, args.gen, args.gen, args.prompt, args.prompt, args.gen)
     plain = Engine("plain", loaded, config)
     base = throughput(plain, *shape)
     base["mode"] = "no speculation"
@@ -167,7 +174,7 @@ def compare(
     spec = dataclasses.replace(config, speculative="mtp", num_speculative_tokens=args.k)
     for accept in args.accept:
         forced = None if accept == "real" else float(accept)
-        impl = Engine("mtp", loaded, spec, forced, plain.outputs, args.seed + batch)
+        impl = Engine("mtp", loaded, spec, forced, plain.runs, args.seed + batch)
         row = throughput(impl, *shape)
         stats = impl.engine.speculation.stats if impl.engine.speculation else None
         drafted = stats.num_drafted if stats else 0

@@ -124,6 +124,11 @@ class QueueFullError(RuntimeError):
         self.retry_after = retry_after
 
 
+class EngineStoppedError(RuntimeError):
+    """The engine no longer takes requests: it is shutting down, or its device failed
+    (HTTP 503: another server, or this one once restarted, can run the request)."""
+
+
 @dataclass(frozen=True)
 class EngineSummary:
     """What the engine runs, where, and how much the row-state budget holds, in a user's

@@ -15,16 +15,17 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 
-from deltaserve.engine.api import EngineInfo, EngineStats, EngineSummary
+from deltaserve.engine.api import EngineInfo, EngineStats, EngineStoppedError, EngineSummary
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.errors import is_device_fault
 from deltaserve.engine.parallel.tensor_parallel import start_engine
 from deltaserve.engine.prefix_cache.index import PrefixCacheStats
 from deltaserve.engine.scheduling.speculation import SpeculationStats
@@ -72,11 +73,17 @@ class AsyncEngine:
         self.eos_token_ids = engine.loaded.config.eos_token_ids
         self.info = engine_info(engine)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox_lock = threading.Lock()
+        self._closed = False  # the loop has ended: `_send` answers adds itself
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._open: dict[str, int] = {}  # engine-thread count of unfinished choices
         self._counters = _Counters()
         self._stopping = False
+        # The device's failure that ended the loop (`_fault`), and who to tell of it: the
+        # server sets on_fault before serving (deltaserve.server.cli)
+        self.fault: str | None = None
+        self.on_fault: Callable[[str], None] | None = None
         self._joined = False  # shutdown() saw the engine's OS thread gone
         self._publish_stats()
         # Joined by shutdown() (see there); daemon only so that a step stuck past its
@@ -189,8 +196,17 @@ class AsyncEngine:
             log.warning("the engine thread's exit did not finish within %g s", timeout)
 
     def _send(self, command: tuple) -> None:
-        self._inbox.put(command)
-        self._wakeup.set()
+        with self._inbox_lock:
+            if not self._closed:
+                self._inbox.put(command)
+                self._wakeup.set()
+                return
+        if command[0] == "add":  # the loop has ended: nobody would ever answer it
+            self._refuse(command[3])
+
+    def _refuse(self, accepted: Future) -> None:
+        reason = f"the device failed ({self.fault})" if self.fault else "it is shutting down"
+        accepted.set_exception(EngineStoppedError(f"the engine takes no requests: {reason}"))
 
     # -- engine thread --------------------------------------------------------------------
     def _run(self) -> None:
@@ -209,10 +225,31 @@ class AsyncEngine:
             except Exception as exc:  # one bad step must not kill the loop
                 log.exception("engine step failed")
                 deltas = self.engine.fail_all(f"engine error: {exc}")
+                if is_device_fault(exc):
+                    self._fault(str(exc))
             self._dispatch(deltas)
             self._publish_stats()
+        with self._inbox_lock:  # from here `_send` refuses; what came before is answered
+            self._closed = True
+        self._drain_inbox()
         self._dispatch(self._abort_all())
-        self.engine.close()
+        if self.fault is None:
+            self.engine.close()  # synchronizes: a faulted device would raise again
+
+    def _fault(self, reason: str) -> None:
+        """Engine thread: the device failed (errors.is_device_fault); every later step
+        would fail too, so the loop ends (the requests in flight already failed), /health
+        turns 503, new requests are refused, and `on_fault` tells the server, which exits
+        non-zero for its supervisor to restart it."""
+        log.critical(
+            "the device failed (%s): no later step can run in this process; the engine "
+            "stops and the server exits so that its supervisor can restart it",
+            reason,
+        )
+        self.fault = reason
+        self._stopping = True
+        if self.on_fault is not None:
+            self.on_fault(reason)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -230,7 +267,7 @@ class AsyncEngine:
 
     def _add(self, request: GenerationRequest, stream: _Stream, accepted: Future) -> None:
         if self._stopping:
-            accepted.set_exception(RuntimeError("the engine is shutting down"))
+            self._refuse(accepted)
             return
         try:
             self.engine.add_request(request)

@@ -17,3 +17,28 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+# What MLX's CUDA and Metal backends say when the device itself failed (a kernel's illegal
+# memory access, a lost or reset device, a command buffer the GPU aborted). After one, the
+# device context is unusable: every later step fails the same way (H100, 9B, 64 clients:
+# one illegal memory access, then all 128 requests failed), so the engine stops instead.
+_DEVICE_FAULTS = (
+    "illegal memory access",
+    "illegal instruction",
+    "unspecified launch failure",
+    "misaligned address",
+    "device-side assert",
+    "cudaerrorillegaladdress",
+    "cuda error: an illegal",
+    "command buffer execution failed",
+    "gpu hang",
+    "device lost",
+)
+
+
+def is_device_fault(exc: BaseException) -> bool:
+    """Whether a failed step's error is the device's own, one no later step recovers from
+    (not a bug in one request's input, which fails that step only)."""
+    message = str(exc).lower()
+    return any(fault in message for fault in _DEVICE_FAULTS)

@@ -10,7 +10,10 @@ bound.
 Ctrl-C (SIGINT) or SIGTERM: uvicorn stops accepting, every open generation ends at once
 with a 503 "shutting down" error (streams: an error event, then [DONE]; see
 deltaserve.server.app.begin_shutdown), the app's lifespan calls engine.shutdown(), and the process
-exits 0. GRACEFUL_SHUTDOWN_S only bounds requests that are not generating yet.
+exits 0. GRACEFUL_SHUTDOWN_S only bounds requests that are not generating yet. A device
+failure (a GPU fault no later step survives: engine/errors.py is_device_fault) fails the
+requests in flight, turns /health 503, stops the server the same way and exits 1, for a
+supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -194,9 +197,16 @@ def serve(settings: Settings, checkpoint: Path) -> int:
             log_level=settings.server.log_level,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
-        StreamEndingServer(config, lambda: begin_shutdown(app)).run(sockets=[sock])
+        server = StreamEndingServer(config, lambda: begin_shutdown(app))
+        # a failed device ends the engine (AsyncEngine._fault): stop serving too, and exit
+        # non-zero below, so that a supervisor restarts the process
+        engine.on_fault = lambda reason: setattr(server, "should_exit", True)
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
+    if engine.fault is not None:
+        logger.error("exiting after the device failed: %s", engine.fault)
+        return 1
     return 0
 
 

@@ -4,7 +4,8 @@ OpenAI routes answer `{"error": {"message", "type", "param", "code"}}`; Anthropi
 (/v1/messages…) answer `{"type": "error", "error": {"type", "message"}}`, chosen by the
 request's path in `error_response`, so auth and body-parsing failures take the right
 shape too. Input problems are 400 (never FastAPI's 422), engine refusals keep their
-meaning (InvalidRequestError → 400 with its param, QueueFullError → 429 + Retry-After),
+meaning (InvalidRequestError → 400 with its param, QueueFullError → 429 + Retry-After,
+EngineStoppedError → 503),
 and anything unexpected is a 500 that is logged while the server keeps serving.
 """
 
@@ -21,7 +22,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deltaserve.engine.api import QueueFullError
+from deltaserve.engine.api import EngineStoppedError, QueueFullError
 from deltaserve.engine.types import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ def as_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), exc.param)
+    if isinstance(exc, EngineStoppedError):
+        return APIError(503, str(exc))
     if isinstance(exc, QueueFullError):
         retry = str(max(1, math.ceil(exc.retry_after)))
         return APIError(429, str(exc), code="queue_full", headers={"Retry-After": retry})

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from bench.stop_check import stop_once
+from deltaserve.engine.api import EngineStoppedError
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.types import GenerationRequest, SamplingParams
@@ -59,3 +60,40 @@ def test_shutdown_waits_for_the_engine_os_thread() -> None:
     engine.shutdown()
     assert not os.path.exists(f"/proc/self/task/{native_id}")
     engine.shutdown()  # idempotent
+
+
+def test_a_device_fault_stops_the_engine_and_a_request_error_does_not() -> None:
+    """A step failing with an error of the step's own (ValueError) fails the requests in
+    flight and the engine goes on; one failing with the device's own (CUDA's illegal
+    memory access: every later step would fail too) ends the loop: /health's is_alive
+    turns false, `on_fault` tells the server (which exits 1), new requests get
+    EngineStoppedError (HTTP 503)."""
+    engine = AsyncEngine.start(str(cached_checkpoint("tiny")), EngineConfig(), name="tiny")
+    faults: list[str] = []
+    engine.on_fault = faults.append
+    step = engine.engine.step
+    cuda = "cudaGraphInstantiate(...) failed: an illegal memory access was encountered"
+    errors = [ValueError("boom"), RuntimeError(cuda)]
+
+    def failing() -> list:
+        if errors:
+            raise errors.pop(0)
+        return step()
+
+    engine.engine.step = failing
+
+    async def finish_reasons(rid: str) -> list[str | None]:
+        request = GenerationRequest(rid, (1, 2, 3), SamplingParams(max_tokens=4))
+        return [out.finish_reason async for out in engine.generate(request) if out.finished]
+
+    try:
+        assert asyncio.run(finish_reasons("a")) == ["error"]
+        assert engine.stats().is_alive and not faults  # a step's own error: it goes on
+        assert asyncio.run(finish_reasons("b")) == ["error"]
+        engine._thread.join(10)
+        assert faults and "illegal memory access" in faults[0] and engine.fault == faults[0]
+        assert not engine.stats().is_alive
+        with pytest.raises(EngineStoppedError, match="the device failed"):
+            asyncio.run(finish_reasons("c"))
+    finally:
+        engine.shutdown()
