@@ -35,8 +35,15 @@ its engine did in the phase (`steps`, from /metrics before and after: each kind 
 step's count, mean and those over 0.1 / 0.25 s, steps that traced a compiled shape,
 full GC collections), so a p99 gap says where it came from; per server its exit code
 after SIGINT and whether its log has "terminate called"; the ratios ours/peer per client
-count; then markdown tables. On a cold GPU the first phase also pays MLX's kernel JIT
-for new shapes.
+count; then markdown tables.
+
+On a GPU each server first serves an unmeasured warm-up phase (`--warm-up-clients`: the
+most clients, one chat each of other prompts, WARM_UP_TOKENS tokens): MLX builds each
+kernel (NVRTC on CUDA) the first time a shape needs it, and a fresh machine's first
+phase measured that instead of serving (H100, 0.8B, a fresh machine: single steps of 4-18
+s in the first 16-client phase, none in the 64-client phase after it). A server that has
+run a while has them; the warm-up gives both servers that state. The CPU has no such
+cost by default, so there it is off.
 """
 
 from __future__ import annotations
@@ -137,9 +144,12 @@ def _commands(model: Path, args: argparse.Namespace) -> dict[str, list[str]]:
     }
 
 
-def _prompts(clients: int, per_client: int) -> list[list[str]]:
+WARM_UP_TOKENS = 16  # each warm-up chat's completion: its decode shapes, not a phase's
+
+
+def _prompts(clients: int, per_client: int, seed: str = "serve") -> list[list[str]]:
     """Each client's prompts, 32-400 words; the same for both servers."""
-    rng = random.Random(f"serve-{clients}")
+    rng = random.Random(f"{seed}-{clients}")
     return [
         [" ".join(rng.choices(WORDS, k=rng.randint(32, 400))) for _ in range(per_client)]
         for _ in range(clients)
@@ -147,9 +157,17 @@ def _prompts(clients: int, per_client: int) -> list[list[str]]:
 
 
 async def _phase(
-    base: str, model: str, clients: int, fields: dict, args: argparse.Namespace
+    base: str,
+    model: str,
+    clients: int,
+    fields: dict,
+    args: argparse.Namespace,
+    warm_up: bool = False,
 ) -> Row:
-    """Every client's chats, client i starting at i/clients of the ramp; the summary."""
+    """Every client's chats, client i starting at i/clients of the ramp; the summary.
+    warm_up: one chat per client, other prompts, WARM_UP_TOKENS each (`_measure`)."""
+    per_client = 1 if warm_up else args.requests_per_client
+    max_tokens = WARM_UP_TOKENS if warm_up else args.max_tokens
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients)
     async with httpx.AsyncClient(limits=limits) as client:
 
@@ -159,16 +177,15 @@ async def _phase(
             for p in prompts:
                 messages = [*history, {"role": "user", "content": p}]
                 extra = {**fields, "messages": messages} if args.chat else fields
-                result = await _one(client, base, model, p, args.max_tokens, extra)
+                result = await _one(client, base, model, p, max_tokens, extra)
                 results.append(result)
                 answer = result.get("text", "")
                 history = [*messages, {"role": "assistant", "content": answer}]
             return results
 
         start = time.perf_counter()
-        per_client = await asyncio.gather(
-            *(run(i, p) for i, p in enumerate(_prompts(clients, args.requests_per_client)))
-        )
+        prompts = _prompts(clients, per_client, "warm" if warm_up else "serve")
+        per_client = await asyncio.gather(*(run(i, p) for i, p in enumerate(prompts)))
         wall = time.perf_counter() - start
     results = [r for rs in per_client for r in rs]
     ok = [r for r in results if r["ok"]]
@@ -183,7 +200,7 @@ async def _phase(
         "wall_s": round(wall, 3),
         "completion_tokens": tokens,
         "chunks": sum(r["chunks"] for r in ok),  # the gaps are between these
-        "short": sum(r["tokens"] < args.max_tokens for r in ok),
+        "short": sum(r["tokens"] < max_tokens for r in ok),
         "tok_s": round(tokens / wall, 2),
         "ttft_p50_s": round(_pct(ttft, 0.5), 4),
         "ttft_p99_s": round(_pct(ttft, 0.99), 4),
@@ -235,6 +252,9 @@ async def _measure(
         warm = await _one(client, base, name, "Say hello.", 8, fields)
     if not warm["ok"]:
         print(json.dumps({"server": kind, "warmup_error": warm["error"]}), flush=True)
+    if args.warm_up_clients:
+        row = await _phase(base, name, args.warm_up_clients, fields, args, warm_up=True)
+        print(json.dumps({"server": kind, "warm_up": True, **row}), flush=True)
     for clients in args.clients:
         before = await _engine_counts(kind, base)
         row = {"server": kind, **await _phase(base, name, clients, fields, args)}
@@ -449,7 +469,7 @@ def _replot(log: Path, path: Path) -> None:
     """--plot from a run's printed JSON lines (its rows and its config line)."""
     lines = [ln for ln in log.read_text().splitlines() if ln.startswith("{")]
     records = [json.loads(ln) for ln in lines]
-    rows = [r for r in records if "server" in r and "tok_s" in r]
+    rows = [r for r in records if "server" in r and "tok_s" in r and not r.get("warm_up")]
     model = next((Path(r["model"]).name for r in records if r.get("config")), log.stem)
     _plot(rows, path, f"{model}: deltaserve (default config) vs mlx_lm.server")
 
@@ -484,6 +504,13 @@ def main() -> None:
         action="store_true",
         help="force mlx_lm.server's length with a logit_bias on the EOS ids (slows its rows)",
     )
+    ap.add_argument(
+        "--warm-up-clients",
+        type=int,
+        default=None,
+        help="before the measured phases, each server serves this many clients one short "
+        "chat each, not measured (default: the most --clients on a GPU, 0 on the CPU)",
+    )
     ap.add_argument("--start-timeout-s", type=float, default=600)
     ap.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temp dir)")
     ap.add_argument("--plot", type=Path, default=None, help="PNG of tok/s and TTFT vs clients")
@@ -501,6 +528,8 @@ def main() -> None:
     args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-serve-"))
     args.log_dir.mkdir(parents=True, exist_ok=True)
     model, args.on_cpu = _checkpoint(args.checkpoint, args.dtype)
+    if args.warm_up_clients is None:
+        args.warm_up_clients = 0 if args.on_cpu else max(args.clients)
     commands = _commands(model, args)
     kinds = [k for k in SERVERS if args.only in (None, k)]
     ours = commands["deltaserve"]
@@ -510,6 +539,7 @@ def main() -> None:
         "on_cpu": args.on_cpu,
         "log_dir": str(args.log_dir),
         "chat": args.chat,
+        "warm_up_clients": args.warm_up_clients,
         "deltaserve_flags_beyond_model_port": ours[ours.index("--port") + 2 :],
         "commands": {k: commands[k] for k in kinds},
     }
