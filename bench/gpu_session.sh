@@ -11,17 +11,18 @@
 #           manylinux_2_31 llguidance wheel, uvloop and httptools (cp312) into .wb:
 #           ../shared/GPU.md)
 #   call 1 (carry .wa):  mkdir -p /tmp/parts && cp .wa/* /tmp/parts/
-#   call 2 (carry .wb):  bash bench/gpu_session.sh setup serve08     (~7 min: ~80 s start-up)
-#   call 3:              bash bench/gpu_session.sh serve9b            (~8 min)
-#   call 4:              bash bench/gpu_session.sh mixed              (~9 min)
-#   call 5:              bash bench/gpu_session.sh tests              (~4 min)
-#   call 6, 7:           bash bench/gpu_session.sh spec; bash bench/gpu_session.sh spec35
+#   call 2 (carry .wb):  bash bench/gpu_session.sh setup serve08     (~5 min: ~150 s start-up
+#                        on a fresh machine, both servers warmed up by bench.serve)
+#   call 3:              bash bench/gpu_session.sh start9b tests      (~7 min; the 9B
+#                        checkpoint is written beside the tests, not beside a timed server)
+#   call 4:              bash bench/gpu_session.sh serve9b            (~4 min)
+#   call 5, 6:           bash bench/gpu_session.sh spec; bash bench/gpu_session.sh spec35
 #                        (spec = spec08 spec9b: ~3 and ~6 min; any steps share a call)
-#   call 8:              bash bench/gpu_session.sh serve35   (after spec35 wrote its checkpoint)
-#   if time is left:     bash bench/gpu_session.sh servechat (0.8B, 3-turn chats: next turns
-#                        on the prefix cache, compiled later chunks, under load)
-# A session's 30 device minutes hold calls 1-4 or 1-5 (2026-12-05: 9B was cut when the
-# time ran out after serve08): run them back to back, the machine is given back after
+#   call 7:              bash bench/gpu_session.sh serve35   (after spec35 wrote its checkpoint)
+#   if time is left:     bash bench/gpu_session.sh mixed; bash bench/gpu_session.sh servechat
+#                        (0.8B, 3-turn chats: next turns on the prefix cache under load)
+# A session's 30 device minutes hold calls 1-4 or 1-5 (2026-12-05: calls 1, 2, tests,
+# serve9b, spec08 in 21 minutes): run them back to back, the machine is given back after
 # 30 s idle. A fresh machine's first server builds MLX's kernels as it meets them (H100:
 # ready in 164 s, the next server on that machine in 18 s), so compare servers within one
 # call's order, not across machines. Ad-hoc commands: never `pgrep -f PATTERN` with the
@@ -36,15 +37,24 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD DELTASERVE_TEST_CACHE=/tmp/ckpt PYTHONUNBUFFERED=1
 
-setup() {  # unpack MLX (two parts) and the wheels; write the 0.8B checkpoint; start the 9B one
+setup() {  # unpack MLX (two parts) and the wheels; write the 0.8B checkpoint
     if [ ! -d /tmp/site/mlx ]; then
         cat /tmp/parts/part_aa .wb/part_ab | xz -d | (mkdir -p /tmp/site && tar xf - -C /tmp/site)
         for w in /tmp/parts/*.whl .wb/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
     fi
     mkdir -p ~/.cache/huggingface/hub
     python3 -m deltaserve.models.testing cached 0.8B
-    # the 9B checkpoint (~4 min) is written while the next steps run
+}
+
+start9b() {  # the 9B checkpoint (~4 min), written in the background while `tests` runs:
+    # not beside a timed server (2026-12-05: the first serve08 ran beside it, a host-bound
+    # server sharing the machine's cores with the writer)
     setsid nohup python3 -m deltaserve.models.testing cached 9B >"$OUT/ckpt9b.log" 2>&1 &
+}
+
+need9b() {  # the 9B checkpoint: wait for start9b's job, or write it now
+    while pgrep -f "testing cached 9B" >/dev/null; do sleep 5; done
+    python3 -m deltaserve.models.testing cached 9B >>"$OUT/ckpt9b.log" 2>&1
 }
 
 tests() {  # the GPU-only kernels' tests, and the compiled paths against the eager ones
@@ -84,8 +94,8 @@ serve08small() {  # 0.8B, 64 clients, deltaserve alone with a 384-token step bud
     grep -E '^(\||- )' "$OUT/serve08small.log"
 }
 
-serve9b() {  # 9B at 16 and 64 clients (the checkpoint from setup's background job)
-    while pgrep -f "testing cached 9B" >/dev/null; do sleep 5; done
+serve9b() {  # 9B at 16 and 64 clients
+    need9b
     timeout 560 python3 -m bench.serve --checkpoint 9B --clients 16 64 --log-dir "$OUT/s9b" \
         --plot "$OUT/s9b.png" >"$OUT/serve9b.log" 2>&1
     grep -E '^(\||- )' "$OUT/serve9b.log"
@@ -97,8 +107,8 @@ spec08() {  # issue 32: speculation (MTP head; forced 80% / 60% drafts) vs plain
     grep '^|' "$OUT/spec08.log"
 }
 
-spec9b() {  # the same at 9B (the checkpoint from setup's background job)
-    while pgrep -f "testing cached 9B" >/dev/null; do sleep 5; done
+spec9b() {  # the same at 9B
+    need9b
     timeout 360 python3 -m bench.speculative --checkpoint 9B --batches 1 16 64 \
         >"$OUT/spec9b.log" 2>&1
     grep '^|' "$OUT/spec9b.log"
