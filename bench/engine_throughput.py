@@ -30,12 +30,23 @@ def _pct(values: list[float], q: float) -> float:
 class Ours:
     name = "deltaserve"
 
-    def __init__(self, path: str, budget: int, chunk: int, pack: bool = True, **kw) -> None:
+    def __init__(
+        self,
+        path: str,
+        budget: int,
+        chunk: int,
+        pack: bool = True,
+        float32: bool | None = None,
+        **kw,
+    ) -> None:
+        """float32: load the weights in float32 (None: the device's default, load_model)."""
+        import mlx.core as mx
+
         from deltaserve.engine.config import EngineConfig
         from deltaserve.engine.engine import LLMEngine
         from deltaserve.models.build import load_model
 
-        self.loaded = load_model(path)
+        self.loaded = load_model(path, dtype=mx.float32 if float32 else None)
         self.config = EngineConfig(
             max_num_seqs=min(64, budget),
             max_num_batched_tokens=budget,

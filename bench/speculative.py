@@ -231,6 +231,14 @@ def main() -> None:
         help="'real' (the MTP head's own drafts) or a forced per-token acceptance in (0, 1]",
     )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0, help="the forced drafts' corruption")
+    ap.add_argument(
+        "--dtype",
+        choices=["checkpoint", "float32"],
+        default="checkpoint",
+        help="float32: the exact comparison on a GPU, where bf16's rounding differs between "
+        "a verify's shape and a decode step's and random weights' near ties flip tokens "
+        "(then a forced draft, the plain run's continuation, stops matching after a flip)",
+    )
     ap.add_argument("--budget", type=int, default=1024, help="per-step token budget")
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk")
     args = ap.parse_args()
@@ -242,7 +250,8 @@ def main() -> None:
     random_weights = "/" not in args.checkpoint
     path = str(cached_checkpoint(args.checkpoint)) if random_weights else args.checkpoint
     print(json.dumps({"blas": blas_summary(), "checkpoint": args.checkpoint}), flush=True)
-    ours = Ours(path, args.budget, args.chunk)  # loads the model once, for every engine
+    # loads the model once, for every engine
+    ours = Ours(path, args.budget, args.chunk, float32=args.dtype == "float32")
     if ours.loaded.mtp is None:
         raise SystemExit(f"{args.checkpoint} has no MTP head: nothing to speculate with")
     rows = []
