@@ -4,16 +4,16 @@ A compiled step (engine/decode.py, engine/compiled_prefill.py) is traced, and it
 JIT-compiled, the first time each bucketed shape runs. Left to the first busy minute, that
 lands on the requests of that minute: a fresh server's first 16 concurrent chats waited
 behind one new trace after another (H200, 0.8B: TTFT p99 5.2 s against p50 0.37 s).
-Here the engine runs them at start, most common first: fresh prompts alone at each length
-bucket up to a chunk, the decode batch at each row bucket up to max_num_seqs (first two
-KV capacities), with speculation the verify batch at each row bucket (first capacity),
-then cohorts of several prompts (every bucket the runner runs, the smaller first), and
-with compiled later chunks a long prompt's second and third full chunk. What the time
-limit leaves out traces on first use, except a prompt shape (fresh prompts, later
-chunks): that runs eagerly until a step of one prompt chunk and no row decoding meets it
-(engine/runner.py `_may_trace`). First of all the sampler draws
-once each way (greedy, top-k, top-p, plain, with logprobs): its kernels are built on
-first use too (H100, a fresh machine: the first request's first decode step took 4.1 s).
+Here the engine runs them at start, in the order `_shapes` gives: the decode batch at
+each row bucket up to max_num_seqs (first KV capacity), fresh prompts alone at each
+length bucket up to a chunk, the decode batch at two more capacities, with speculation
+the verify batch at each row bucket, then cohorts of several prompts (every bucket the
+runner runs, the smaller first), and with compiled later chunks a long prompt's second
+and third full chunk. What the time limit leaves out traces on first use, except a
+prompt shape (fresh prompts, later chunks): that runs eagerly until a step of one prompt
+chunk and no row decoding meets it (engine/runner.py `_may_trace`). First of all the
+sampler draws once each way (greedy, top-k, top-p, plain, with logprobs): its kernels
+are built on first use too (H100, a fresh machine: the first decode step took 4.1 s).
 """
 
 from __future__ import annotations
@@ -122,13 +122,22 @@ def _shapes(
     verify_columns: int = 0,
     chunks: bool = False,
 ) -> Iterator[Callable[[], None]]:
-    """Runs of one shape each, the most common first."""
+    """Runs of one shape each, those a missing trace costs most first: the decode batch
+    at its first KV capacity (a decode shape traces on first use, a stall of every
+    stream), fresh prompts alone (a lone prompt's shape traces in its own step, a stall
+    of that request), the decode batch's next capacities, the verify batch; then the
+    shapes that run eagerly until traced (runner `_may_trace`): cohorts, later chunks.
+    A fresh CUDA machine traced 8 shapes in 68 s (H100, 0.8B: each builds its kernels)."""
     lengths = prompt_lengths(max_chunk)
+    decodes = decode is not None and CompiledDecode.supports(new_state())
+    for tokens in DECODE_TOKENS[:1] if decodes else ():
+        for rows in decode_sizes(max_rows):
+            yield lambda rows=rows, tokens=tokens: _decode(decode, new_state, rows, tokens)
     if prompts is not None and prompts.applies(new_state(), 1):
         for length in lengths:
             yield lambda length=length: _prompts(prompts, new_state, 1, length)
-    if decode is not None and CompiledDecode.supports(new_state()):
-        for tokens in DECODE_TOKENS:
+    if decodes:
+        for tokens in DECODE_TOKENS[1:]:
             for rows in decode_sizes(max_rows):
                 yield lambda rows=rows, tokens=tokens: _decode(decode, new_state, rows, tokens)
         for rows in decode_sizes(max_rows) if verify_columns else ():

@@ -500,3 +500,27 @@ def test_a_prompt_bucket_traces_only_in_a_step_of_its_own(loaded: LoadedModel) -
             pass
         assert prompts.shapes == traced
         assert bool(calls) == (rid == "traced")
+
+
+def test_warm_up_traces_the_decode_batch_first(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode shape warm-up leaves out traces on first use, a stall of every stream,
+    while a prompt shape runs eagerly until traced: so warm-up runs the decode batch's
+    first capacity before any prompt, and its later capacities before cohorts."""
+    import deltaserve.engine.warmup as warmup
+
+    ran: list[tuple] = []
+    monkeypatch.setattr(
+        warmup, "_decode", lambda d, n, rows, tokens, *v: ran.append(("d", rows, tokens))
+    )
+    monkeypatch.setattr(
+        warmup, "_prompts", lambda p, n, rows, length: ran.append(("p", rows, length))
+    )
+    new_state = partial(BatchState.empty, loaded.config)
+    prompts, decode = CompiledPrefill(loaded.model), CompiledDecode(loaded.model)
+    assert warm_up(new_state, prompts, decode, 48, 4, 600.0) == len(ran) == 3 + 3 * 3 + 1
+    first = warmup.DECODE_TOKENS[0]
+    assert ran[:3] == [("d", rows, first) for rows in (1, 2, 4)]
+    assert ran[3:6] == [("p", 1, length) for length in (16, 32, 48)]
+    assert all(kind == "d" for kind, *_ in ran[6:12]) and ran[12] == ("p", 2, 16)
