@@ -599,8 +599,8 @@ class ModelRunner:
         prompt chunk and no row decoding, whose trace delays that one request. Anywhere
         else a trace stalls every stream and every waiting prompt while the eager forward
         costs a few ms more (H100, 0.8B, a fresh machine's kernel cache: traces of 3-18 s;
-        one cut a 16-client run's tok/s to a quarter), and a shape first met under load
-        seldom recurs often enough to repay it."""
+        two were 36 s of a 16-client phase's 40), and a shape first met under load seldom
+        recurs often enough to repay it."""
         return not plan.decode_row_ids and len(plan.prefill) == 1
 
     def _compiled_chunk(
