@@ -596,12 +596,14 @@ class ModelRunner:
     @staticmethod
     def _may_trace(plan: StepPlan) -> bool:
         """Whether this step may trace a prompt shape warm-up left out: only a step of one
-        prompt chunk and no row decoding, whose trace delays that one request. Anywhere
+        prompt chunk and no row streaming (none decodes, verifies or waits out the step),
+        whose trace delays that one request. Anywhere
         else a trace stalls every stream and every waiting prompt while the eager forward
         costs a few ms more (H100, 0.8B, a fresh machine's kernel cache: traces of 3-18 s;
         two were 36 s of a 16-client phase's 40), and a shape first met under load seldom
         recurs often enough to repay it."""
-        return not plan.decode_row_ids and len(plan.prefill) == 1
+        streaming = plan.decode_row_ids or plan.verify_row_ids or plan.decode_rows_wait
+        return not streaming and len(plan.prefill) == 1
 
     def _compiled_chunk(
         self, plan: StepPlan, cohort: _Cohort

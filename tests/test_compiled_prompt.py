@@ -524,3 +524,20 @@ def test_warm_up_traces_the_decode_batch_first(
     assert ran[:3] == [("d", rows, first) for rows in (1, 2, 4)]
     assert ran[3:6] == [("p", 1, length) for length in (16, 32, 48)]
     assert all(kind == "d" for kind, *_ in ran[6:12]) and ran[12] == ("p", 2, 16)
+
+
+def test_a_step_may_trace_only_with_no_stream_waiting_on_it() -> None:
+    """A prompt shape traces only in a step of one chunk and no row streaming: not next
+    to decoding or verifying rows, nor while the decode batch sits the step out."""
+    from deltaserve.engine.plan import PrefillChunk, StepPlan
+    from deltaserve.engine.runner import ModelRunner
+
+    one, two = (PrefillChunk("a", 0, 30),), (PrefillChunk("a", 0, 30), PrefillChunk("b", 0, 9))
+    assert ModelRunner._may_trace(StepPlan(prefill=one))
+    assert not ModelRunner._may_trace(StepPlan(prefill=two))
+    for streaming in (
+        {"decode_row_ids": ("d",)},
+        {"verify_row_ids": ("v",)},
+        {"decode_rows_wait": True},
+    ):
+        assert not ModelRunner._may_trace(StepPlan(prefill=one, **streaming))
