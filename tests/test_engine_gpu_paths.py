@@ -144,3 +144,52 @@ def test_merge_and_filter_leave_growth_headroom() -> None:
     before = a.arrays[0]
     a.reserve(1)
     assert a.arrays[0] is before  # room was there: no copy
+
+
+def test_every_gpu_path_under_load_gives_the_plain_engines_tokens() -> None:
+    """The GPU's default paths together (compiled decode, fresh prompts and later chunks,
+    batched prefill, pipelined steps, the prefix cache) at up to 32 rows, with prompts
+    of 40-400 tokens arriving in waves while others decode, half of them sharing a
+    prefix (next turns of a chat: restored rows whose rest runs as later chunks): the
+    tokens of an engine with every one of those paths off."""
+    loaded = load_model(str(cached_checkpoint("tiny")), dtype=mx.float32)
+    rng = random.Random(11)
+    shared = [rng.randrange(100, 240000) for _ in range(120)]
+    requests = []
+    for i in range(48):
+        rest = [rng.randrange(100, 240000) for _ in range(rng.randint(40, 280))]
+        prompt = (shared if i % 2 else []) + rest
+        params = SamplingParams(temperature=0.0, max_tokens=rng.randint(8, 24), ignore_eos=True)
+        requests.append(GenerationRequest(f"r{i}", tuple(prompt), params))
+    base = EngineConfig(
+        max_num_seqs=32, max_num_batched_tokens=384, max_prefill_chunk=128,
+        prefix_block_tokens=16, prefix_min_tokens=16, warm_up_seconds=0,
+    )  # fmt: skip
+    gpu = dataclasses.replace(
+        base, compile_decode=True, compile_prompt=True, compile_chunks=True,
+        batch_prefill=True, pipeline_steps=True,
+    )  # fmt: skip
+    plain = dataclasses.replace(
+        base, compile_decode=False, compile_prompt=False, compile_chunks=False,
+        batch_prefill=False, pipeline_steps=False,
+    )  # fmt: skip
+
+    # 8 at once, 16 at once while they decode, then one a step
+    arrivals = {0: requests[:8], 10: requests[8:24]}
+    arrivals |= {20 + i: [req] for i, req in enumerate(requests[24:])}
+
+    def waves(config: EngineConfig) -> tuple[dict, LLMEngine]:
+        engine, tokens, step = LLMEngine(loaded, config), {}, 0
+        while engine.has_work() or step <= max(arrivals):
+            for req in arrivals.get(step, ()):
+                engine.add_request(req)
+            for delta in engine.step():
+                tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+            step += 1
+        return tokens, engine
+
+    got, engine = waves(gpu)
+    assert engine.runner.compiled is not None and engine.runner.compile_chunks
+    assert engine.prefix_cache is not None and engine.prefix_cache.stats.hit_tokens > 0
+    want, _ = waves(plain)
+    assert len(got) == 48 and got == want
