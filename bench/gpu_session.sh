@@ -19,6 +19,8 @@
 #   call 5, 6:           bash bench/gpu_session.sh spec; bash bench/gpu_session.sh spec35
 #                        (spec = spec08 spec9b: ~3 and ~6 min; any steps share a call)
 #   call 7:              bash bench/gpu_session.sh serve35   (after spec35 wrote its checkpoint)
+#   call 4b:             bash bench/gpu_session.sh fault9b  (~8 min; while serve9b's 64
+#                        clients fault: which kernel, ours or MLX's)
 #   if time is left:     bash bench/gpu_session.sh mixed; bash bench/gpu_session.sh servechat
 #                        (0.8B, 3-turn chats: next turns on the prefix cache under load)
 # A session's 30 device minutes hold calls 1-4 or 1-5 (2026-12-05: calls 1, 2, tests,
@@ -107,6 +109,26 @@ spec08() {  # issue 32: speculation (MTP head; forced 80% / 60% drafts) vs plain
     timeout 300 python3 -m bench.speculative --checkpoint 0.8B --batches 1 8 64 --dtype float32 \
         >"$OUT/spec08.log" 2>&1
     grep '^|' "$OUT/spec08.log"
+}
+
+fault9b() {  # the 9B 64-client CUDA fault (2026-12-05: an illegal memory access after ~18
+    # mixed steps, results/h100_serve_9B_33eeb2f_server.log): deltaserve alone, kernel
+    # launches synchronous so the error names the launch that faults, three ways: as is,
+    # our CUDA kernels off (their plain-MLX references), and nothing compiled, each
+    # server's log under $OUT/f9b-*; a server that faults now exits 1
+    need9b
+    local ours="--no-deltanet-scan --no-fused-deltanet-decode --no-fused-rms-norm"
+    ours+=" --no-fused-gated-delta-step"
+    local eager="--no-compile-decode --no-compile-prompt --no-compile-chunks"
+    local name flags
+    for name in asis kernels-off eager; do
+        case $name in asis) flags="" ;; kernels-off) flags=$ours ;; eager) flags=$eager ;; esac
+        CUDA_LAUNCH_BLOCKING=1 timeout 240 python3 -m bench.serve --checkpoint 9B \
+            --clients 64 --only deltaserve --extra-args="$flags" --log-dir "$OUT/f9b-$name" \
+            >"$OUT/fault9b-$name.log" 2>&1
+        echo "$name: $(grep -E '^\| 64 \| deltaserve' "$OUT/fault9b-$name.log" | cut -c1-90)"
+        grep -m3 -E "illegal|CRITICAL|Error" "$OUT/f9b-$name/deltaserve.log" | cut -c1-200
+    done
 }
 
 spec9b() {  # the same at 9B
