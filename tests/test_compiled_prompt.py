@@ -460,7 +460,9 @@ def test_cohorts_split_into_the_buckets_warm_up_traced(loaded: LoadedModel) -> N
     assert drive(plain, joins, {}) == got
 
 
-def test_a_prompt_bucket_traces_only_in_a_step_of_its_own(loaded: LoadedModel) -> None:
+def test_a_prompt_bucket_traces_only_in_a_step_of_its_own(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Past warm-up a fresh prompt's bucket not traced yet traces only in a step of that
     one prompt and no row decoding: prompts that arrive together, or next to a decoding
     row, run eagerly (with the eager tokens); a traced bucket runs compiled anywhere."""
@@ -471,12 +473,10 @@ def test_a_prompt_bucket_traces_only_in_a_step_of_its_own(loaded: LoadedModel) -
     engine = LLMEngine(loaded, base)
     prompts = engine.compiled_prompts
     calls: list[int] = []
-    original = prompts.__call__
-    prompts_call = lambda *a, **k: calls.append(1) or original(*a, **k)  # noqa: E731
-    engine.runner.compiled_prompts = type(
-        "Counting", (), {"__call__": staticmethod(prompts_call), "shapes": prompts.shapes,
-                         "applies": staticmethod(prompts.applies), "max_area": prompts.max_area}
-    )()  # fmt: skip
+    original = CompiledPrefill.__call__
+    monkeypatch.setattr(
+        CompiledPrefill, "__call__", lambda self, *a: calls.append(1) or original(self, *a)
+    )
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     together = [
         GenerationRequest(f"t{i}", tuple(range(200 + i, 230 + i)), params) for i in range(3)
