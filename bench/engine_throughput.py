@@ -36,10 +36,10 @@ class Ours:
         budget: int,
         chunk: int,
         pack: bool = True,
-        float32: bool | None = None,
+        float32: bool = False,
         **kw,
     ) -> None:
-        """float32: load the weights in float32 (None: the device's default, load_model)."""
+        """float32: load the weights in float32 (else the device's default: load_model)."""
         import mlx.core as mx
 
         from deltaserve.engine.config import EngineConfig

@@ -166,7 +166,7 @@ async def _phase(
 ) -> Row:
     """Every client's chats, client i starting at i/clients of the ramp; the summary.
     warm_up: one chat per client, other prompts, WARM_UP_TOKENS each (`_measure`)."""
-    per_client = 1 if warm_up else args.requests_per_client
+    chats = 1 if warm_up else args.requests_per_client  # per client
     max_tokens = WARM_UP_TOKENS if warm_up else args.max_tokens
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients)
     async with httpx.AsyncClient(limits=limits) as client:
@@ -184,7 +184,7 @@ async def _phase(
             return results
 
         start = time.perf_counter()
-        prompts = _prompts(clients, per_client, "warm" if warm_up else "serve")
+        prompts = _prompts(clients, chats, "warm" if warm_up else "serve")
         per_client = await asyncio.gather(*(run(i, p) for i, p in enumerate(prompts)))
         wall = time.perf_counter() - start
     results = [r for rs in per_client for r in rs]

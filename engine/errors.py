@@ -29,8 +29,6 @@ _DEVICE_FAULTS = (
     "unspecified launch failure",
     "misaligned address",
     "device-side assert",
-    "cudaerrorillegaladdress",
-    "cuda error: an illegal",
     "command buffer execution failed",
     "gpu hang",
     "device lost",
