@@ -39,13 +39,17 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD DELTASERVE_TEST_CACHE=/tmp/ckpt PYTHONUNBUFFERED=1
 
-setup() {  # unpack MLX (two parts) and the wheels; write the 0.8B checkpoint
+unpack() {  # MLX (two parts) and the wheels into /tmp/site; MLX's kernel cache, if carried
     if [ ! -d /tmp/site/mlx ]; then
         cat /tmp/parts/part_aa .wb/part_ab | xz -d | (mkdir -p /tmp/site && tar xf - -C /tmp/site)
         for w in /tmp/parts/*.whl .wb/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
     fi
     if [ -f .wb/ptx.tar.xz ] && [ ! -d /tmp/mlx ]; then xz -dc .wb/ptx.tar.xz | tar xf - -C /tmp; fi
     mkdir -p ~/.cache/huggingface/hub
+}
+
+setup() {  # unpack, and write the 0.8B checkpoint
+    unpack
     python3 -m deltaserve.models.testing cached 0.8B
 }
 
@@ -76,7 +80,7 @@ tests() {  # the GPU-only kernels' tests, and the compiled paths against the eag
     # engine built on a GPU measures its chunk cost first)
     # -v: each test's name and outcome on its own line, so a run the time limit cuts
     # still says which failed (2026-12-05: 20 F's, no names)
-    timeout 540 bash bench/gpu_tests.sh -v --tb=short -rfE --timeout 120 \
+    timeout "${TESTS_S:-540}" bash bench/gpu_tests.sh -v --tb=short -rfE --timeout 120 \
         tests/test_compiled_prompt.py tests/test_engine_gpu_paths.py \
         tests/test_cache_rows.py tests/test_cache_quantized.py \
         tests/test_engine_speculative.py::test_compiled_verify_keeps_tokens \
