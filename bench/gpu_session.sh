@@ -88,6 +88,11 @@ tests() {  # the GPU-only kernels' tests, and the compiled paths against the eag
     grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | cut -c1-160 | tail -40
 }
 
+scan() {  # the DeltaNet prefill scan kernel by tile size, against the chunked form
+    timeout 150 python3 -m bench.deltanet_scan >"$OUT/scan.log" 2>&1
+    cat "$OUT/scan.log" | cut -c1-200
+}
+
 mixed() {  # issue 30's mixed-step target: 64 decode rows + 256 prompt tokens <= 2x decode
     for fresh in "" "--eager-chunks" "--fresh"; do
         timeout 180 python3 -m bench.mixed_step --shape 0.8B --rows 64 --sizes 16 256 \

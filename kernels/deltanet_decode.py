@@ -40,6 +40,7 @@ import mlx.core as mx
 from deltaserve.kernels import fastmath
 from deltaserve.kernels.deltanet_decode_metal import METAL_HEADER, METAL_SOURCE, conv_stage
 from deltaserve.kernels.gated_delta_reference import gated_delta_step
+from deltaserve.kernels.jit import kernel_name
 from deltaserve.kernels.platform import current_platform
 from deltaserve.kernels.rms_norm import float_bits
 
@@ -263,7 +264,7 @@ def _kernel(backend: str) -> Callable[..., list[mx.array]]:
     else:
         make, source, header = mx.fast.metal_kernel, METAL_SOURCE, METAL_HEADER
     return make(
-        name="deltaserve_dn_decode",
+        name=kernel_name("deltaserve_dn_decode", source, header),
         input_names=_INPUTS,
         output_names=_OUTPUTS,
         source=source,

@@ -34,6 +34,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from deltaserve.kernels.gated_delta_reference import gated_delta_step
+from deltaserve.kernels.jit import kernel_name
 from deltaserve.kernels.platform import current_platform
 
 __all__ = ["gated_delta_step_fused"]
@@ -213,11 +214,12 @@ def _kernel(backend: str, masked: bool) -> Callable[..., list[mx.array]]:
         make, source, extra = mx.fast.cuda_kernel, _CUDA_SOURCE, {"header": _CUDA_HEADER}
     else:
         make, source, extra = mx.fast.metal_kernel, _METAL_SOURCE, {}
+    source = source.replace("__MASKED__", "!mask[b]" if masked else "false")
     return make(
-        name="deltaserve_gdn_step" + ("_masked" if masked else ""),
+        name=kernel_name("deltaserve_gdn_step", source, extra.get("header", "")),
         input_names=_INPUTS + (["mask"] if masked else []),
         output_names=_OUTPUTS,
-        source=source.replace("__MASKED__", "!mask[b]" if masked else "false"),
+        source=source,
         **extra,
     )
 

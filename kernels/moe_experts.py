@@ -35,6 +35,7 @@ import os
 
 import mlx.core as mx
 
+from deltaserve.kernels.jit import kernel_name
 from deltaserve.kernels.platform import current_platform
 
 # Rows (tokens x k) up to which the kernels replace gather_qmm (decode sizes). Prefill
@@ -131,14 +132,14 @@ _DOWN = """
 @functools.cache
 def _kernels():
     gate_up = mx.fast.cuda_kernel(
-        name="deltaserve_moe_gate_up",
+        name=kernel_name("deltaserve_moe_gate_up", _GATE_UP, _HEADER),
         input_names=["x", "idx", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b"],
         output_names=["act"],
         source=_GATE_UP,
         header=_HEADER,
     )
     down = mx.fast.cuda_kernel(
-        name="deltaserve_moe_down",
+        name=kernel_name("deltaserve_moe_down", _DOWN, _HEADER),
         input_names=["act", "idx", "score", "down_w", "down_s", "down_b"],
         output_names=["y"],
         source=_DOWN,

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from deltaserve.kernels.jit import kernel_name
 from deltaserve.kernels.platform import current_platform
 
 __all__ = ["float_bits", "rms_norm", "rms_norm_ops"]
@@ -95,11 +96,12 @@ _METAL_SOURCE = """
 @functools.cache
 def _kernel(backend: str) -> Callable[..., list[mx.array]]:
     make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
+    source = _CUDA_SOURCE if backend == "cuda" else _METAL_SOURCE
     return make(
-        name="deltaserve_rms_norm",
+        name=kernel_name("deltaserve_rms_norm", source),
         input_names=["x", "weight"],
         output_names=["out"],
-        source=_CUDA_SOURCE if backend == "cuda" else _METAL_SOURCE,
+        source=source,
     )
 
 
