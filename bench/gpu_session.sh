@@ -81,8 +81,8 @@ tests() {  # the GPU-only kernels' tests, and the compiled paths against the eag
     # -v: each test's name and outcome on its own line, so a run the time limit cuts
     # still says which failed (2026-12-05: 20 F's, no names)
     timeout "${TESTS_S:-540}" bash bench/gpu_tests.sh -v --tb=short -rfE --timeout 120 \
-        tests/test_compiled_prompt.py tests/test_engine_gpu_paths.py \
         tests/test_cache_rows.py tests/test_cache_quantized.py \
+        tests/test_engine_gpu_paths.py tests/test_compiled_prompt.py \
         tests/test_engine_speculative.py::test_compiled_verify_keeps_tokens \
         >"$OUT/gpu_tests.log" 2>&1
     grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | cut -c1-160 | tail -40
