@@ -23,6 +23,10 @@
 #                        clients fault: which kernel, ours or MLX's)
 #   if time is left:     bash bench/gpu_session.sh mixed; bash bench/gpu_session.sh servechat
 #                        (0.8B, 3-turn chats: next turns on the prefix cache under load)
+#   short of time:       TESTS_S=300 bash bench/gpu_session.sh unpack scan tests  (the
+#                        kernels' figures and tests without a checkpoint of the 0.8B)
+#   each call's end:     ... ptxsave  (MLX's kernel builds into $OUT; the next lease
+#                        carries them in .wb and `unpack` restores them)
 # A session's 30 device minutes hold calls 1-4 or 1-5 (2026-12-05: calls 1, 2, tests,
 # serve9b, spec08 in 21 minutes): run them back to back, the machine is given back after
 # 30 s idle. A fresh machine's first server builds MLX's kernels as it meets them (H100:
