@@ -92,7 +92,7 @@ tests() {  # the GPU-only kernels' tests, and the compiled paths against the eag
     grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | cut -c1-160 | tail -40
 }
 
-scan() {  # the DeltaNet prefill scan kernel by tile size, against the chunked form
+scan() {  # the DeltaNet prefill scan kernel against the chunked form
     timeout 150 python3 -m bench.deltanet_scan >"$OUT/scan.log" 2>&1
     cat "$OUT/scan.log" | cut -c1-200
 }
