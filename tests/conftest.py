@@ -70,3 +70,26 @@ def _no_start_up_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
     from deltaserve.engine import engine
 
     monkeypatch.setattr(engine, "WARM_UP_GPU_SECONDS", 0.0)
+
+
+_CHUNK_COSTS: dict[tuple[int, bool], tuple[object, object]] = {}
+
+
+@pytest.fixture(autouse=True)
+def _chunk_cost_once_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU every engine measures what a prompt chunk costs when it starts
+    (engine/scheduling/chunk_cost.py: a dozen forwards and two compiled traces); the GPU
+    test machine's tests build dozens of engines over a few models, so each model is
+    measured once per process and the engines after the first reuse its figure. The
+    CPU measures nothing."""
+    from deltaserve.engine import engine
+
+    measure = engine.measure_chunk_cost
+
+    def once(loaded, compiled=None):  # noqa: ANN001, ANN202 (measure_chunk_cost's own)
+        key = (id(loaded), compiled is not None)
+        if key not in _CHUNK_COSTS:  # the model is kept, so its id is not reused
+            _CHUNK_COSTS[key] = (loaded, measure(loaded, compiled))
+        return _CHUNK_COSTS[key][1]
+
+    monkeypatch.setattr(engine, "measure_chunk_cost", once)
