@@ -39,13 +39,18 @@ VIEWS = {
 }  # fmt: skip
 
 
-def count(arrays: list[mx.array]) -> dict:
-    """Primitives of the unevaluated graph behind `arrays`: kernels and views."""
+def count(arrays: list[mx.array], by_primitive: bool = False) -> dict:
+    """Primitives of the unevaluated graph behind `arrays`: kernels and views, and with
+    `by_primitive` each kernel primitive's count, most first."""
     dot = io.StringIO()
     mx.export_to_dot(dot, *arrays)
     labels = collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', dot.getvalue()))
     views = sum(n for name, n in labels.items() if name in VIEWS)
-    return {"kernels": sum(labels.values()) - views, "views": views}
+    out = {"kernels": sum(labels.values()) - views, "views": views}
+    if by_primitive:
+        kernels = [(name, n) for name, n in labels.most_common() if name not in VIEWS]
+        out["by_primitive"] = dict(kernels)
+    return out
 
 
 def _stub_gpu_kernels() -> None:
@@ -90,6 +95,7 @@ def main() -> None:
         help="the shape's layers at tiny widths: the same counts (they follow the layer "
         "count and kinds, not the widths) in seconds instead of minutes",
     )
+    ap.add_argument("--by-primitive", action="store_true", help="each primitive's count too")
     args = ap.parse_args()
     _stub_gpu_kernels()
     from deltaserve.engine.cache.batch import BatchState
@@ -125,7 +131,8 @@ def main() -> None:
 
     def line(what: str, graph: list[mx.array]) -> None:
         shape = args.shape + (" (narrow)" if args.narrow else "")
-        print(json.dumps({"what": what, "shape": shape, **count(graph)}), flush=True)
+        print(json.dumps({"what": what, "shape": shape, **count(graph, args.by_primitive)}),
+              flush=True)  # fmt: skip
         mx.eval(graph)
 
     n, start = args.chunk, 64

@@ -42,15 +42,21 @@ def shifted_conv_input(
     x: mx.array,
     mask: mx.array | None,
     left_pad: tuple[int, ...] | mx.array | None,
+    fresh: bool = False,
 ) -> mx.array:
     """[B, K-1, C] state + [B, L, C] inputs -> [B, K-1+L, C] with each row's state adjacent
     to its first real token, so left padding never sits between a row's history and its
     new tokens (padding moves to the far left, as zeros). left_pad: per-row pad counts
-    (tuple or [B] int32 array; only read when mask is given)."""
+    (tuple or [B] int32 array; only read when mask is given). fresh: every row's state
+    is zeros (no history yet), so state and padding are both zeros and nothing moves:
+    a prompt's first chunk skips the gather (per DeltaNet layer four kernels and a
+    copy of its padded inputs)."""
     if mask is None:
         return mx.concatenate([conv_state, x], axis=1)
     x = mx.where(mask[..., None], x, mx.zeros_like(x))
     full = mx.concatenate([conv_state, x], axis=1)
+    if fresh:
+        return full
     tail = conv_state.shape[1]
     pad = mx.array(left_pad, dtype=mx.int32)[:, None]  # [B, 1]
     j = mx.arange(full.shape[1], dtype=mx.int32)[None]  # [1, K-1+L]
@@ -88,6 +94,7 @@ def deltanet_core(
     mask: mx.array | None = None,
     left_pad: mx.array | None = None,
     every_state: bool = False,
+    fresh: bool = False,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """Projections in, out_proj input out; a pure function of arrays (so it compiles).
 
@@ -96,12 +103,13 @@ def deltanet_core(
     mask [B, L] bool and left_pad [B] int32 (both or neither). Returns y [B, L, value_dim]
     (in qkv's dtype), the new conv tail and the new recurrent state. every_state
     (unmasked input): the conv tail and state after each column instead, [B, L, K-1, C]
-    and [B, L, Hv, Dv, Dk] (RecurrentState.slots).
+    and [B, L, Hv, Dv, Dk] (RecurrentState.slots). fresh: conv_state is zeros (rows with
+    no history; `shifted_conv_input`).
     """
     b, length, _ = qkv.shape
     kernel = conv_w.shape[-1]
     key_dim = dims.num_k_heads * dims.head_k_dim
-    full = shifted_conv_input(conv_state.astype(qkv.dtype), qkv, mask, left_pad)
+    full = shifted_conv_input(conv_state.astype(qkv.dtype), qkv, mask, left_pad, fresh)
     w = conv_w.astype(qkv.dtype)
     conv = full[:, 0:length] * w[:, 0]
     for j in range(1, kernel):
@@ -128,10 +136,10 @@ def deltanet_core(
 
 
 @cache
-def _compiled_core(dims: CoreDims):
-    """One compiled core per dims, shared by every layer of that size (one trace per
-    input shape and mask presence, replayed by all of them)."""
-    return mx.compile(partial(deltanet_core, dims))
+def _compiled_core(dims: CoreDims, fresh: bool = False):
+    """One compiled core per dims (and `fresh`: deltanet_core), shared by every layer of
+    that size (one trace per input shape and mask presence, replayed by all of them)."""
+    return mx.compile(partial(deltanet_core, dims, fresh=fresh))
 
 
 def _bucket(n: int, floor: int, step: int) -> int:
@@ -301,7 +309,8 @@ class GatedDeltaNet(nn.Module):
         left_pad = mx.array(pads, dtype=mx.int32)
         mask = mx.arange(length_b, dtype=mx.int32)[None] >= left_pad[:, None]
         weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
-        y, conv, ssm = _compiled_core(self.core_dims())(
+        fresh = all(s.conv is None for s in states)
+        y, conv, ssm = _compiled_core(self.core_dims(), fresh)(
             qkv, z, beta_in, a_in, mx.concatenate(convs), mx.concatenate(ssms), *weights,
             mask, left_pad,
         )  # fmt: skip
@@ -358,6 +367,7 @@ class GatedDeltaNet(nn.Module):
         (unpadded input): the state after every column is kept as state.slots, and the
         state itself becomes the last slot."""
         qkv = projected[0]
+        fresh = state.conv is None
         conv_state, ssm = self._states(state, qkv.shape[0], qkv.dtype)
         masked = () if mask is None else (mask, mx.array(left_pad, dtype=mx.int32))
         weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
@@ -371,7 +381,7 @@ class GatedDeltaNet(nn.Module):
             return y
         if not split:
             y, state.conv, state.ssm = deltanet_core(
-                self.core_dims(), *projected, conv_state, ssm, *weights, *masked
+                self.core_dims(), *projected, conv_state, ssm, *weights, *masked, fresh=fresh
             )
             return y
         assert mask is None and 0 < split < qkv.shape[1], "a split inside unpadded input"

@@ -17,7 +17,13 @@ from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.types import SamplingParams
 from deltaserve.models.build import LoadedModel, load_model
-from deltaserve.models.deltanet import CoreDims, GatedDeltaNet, deltanet_core, prefill_buckets
+from deltaserve.models.deltanet import (
+    CoreDims,
+    GatedDeltaNet,
+    deltanet_core,
+    prefill_buckets,
+    shifted_conv_input,
+)
 from deltaserve.models.state import ForwardGroup, text_positions
 from deltaserve.models.testing import cached_checkpoint
 
@@ -106,6 +112,29 @@ def test_compiled_core_equals_plain_core_with_masked_rows() -> None:
     assert mx.array_equal(s[1], ssm[1]).item() and mx.array_equal(conv[1], conv_state[1]).item()
     for plain, comp in ((y, yc), (conv, convc), (s, sc)):
         assert mx.array_equal(plain, comp).item()
+
+
+def test_fresh_rows_skip_the_shift_with_the_same_result() -> None:
+    """Rows with no history (a zero conv state): `fresh` leaves state and padding where
+    they are, and the conv input and the core's outputs equal the shifting path's, for
+    rows of every padding (none, some, all but one column, all)."""
+    dims = CoreDims(2, 16, 4, 16, 1e-6)
+    conv_dim = 2 * 2 * 16 + 4 * 16
+    keys = mx.random.split(mx.random.key(2), 4)
+    b, length = 4, 7
+    qkv = mx.random.normal((b, length, conv_dim), key=keys[0])
+    z = mx.random.normal((b, length, 64), key=keys[1])
+    beta_in, a_in = (mx.random.normal((b, length, 4), key=k) for k in keys[2:4])
+    conv_state = mx.zeros((b, 3, conv_dim))
+    pad = mx.array([0, 2, length - 1, length], dtype=mx.int32)
+    mask = mx.arange(length)[None] >= pad[:, None]
+    moved = shifted_conv_input(conv_state, qkv, mask, pad)
+    assert mx.array_equal(shifted_conv_input(conv_state, qkv, mask, pad, fresh=True), moved)
+    weights = (mx.ones((conv_dim, 4)) * 0.3, mx.zeros((4,)), mx.zeros((4,)), mx.ones((16,)))
+    args = (qkv, z, beta_in, a_in, conv_state, mx.zeros((b, 4, 16, 16)), *weights, mask, pad)
+    outputs = deltanet_core(dims, *args), deltanet_core(dims, *args, fresh=True)
+    for plain, fresh in zip(*outputs, strict=True):
+        assert mx.array_equal(plain, fresh).item()
 
 
 def test_engine_tokens_with_compiled_prefill(loaded: LoadedModel) -> None:
