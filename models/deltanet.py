@@ -17,6 +17,7 @@ token is an exact no-op on the state (kernels/gated_delta.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache, partial
 
@@ -136,7 +137,7 @@ def deltanet_core(
 
 
 @cache
-def _compiled_core(dims: CoreDims, fresh: bool = False):
+def _compiled_core(dims: CoreDims, fresh: bool = False) -> Callable[..., tuple[mx.array, ...]]:
     """One compiled core per dims (and `fresh`: deltanet_core), shared by every layer of
     that size (one trace per input shape and mask presence, replayed by all of them)."""
     return mx.compile(partial(deltanet_core, dims, fresh=fresh))
