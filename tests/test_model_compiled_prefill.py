@@ -91,24 +91,35 @@ def test_buckets() -> None:
     assert prefill_buckets(64, 512) == (64, 512)
 
 
-def test_compiled_core_equals_plain_core_with_masked_rows() -> None:
-    """deltanet_core compiled == plain bit for bit; an all-masked row keeps its state."""
-    dims = CoreDims(2, 16, 4, 16, 1e-6)
-    conv_dim = 2 * 2 * 16 + 4 * 16
-    keys = mx.random.split(mx.random.key(1), 6)
-    b, length = 2, 9
-    qkv = mx.random.normal((b, length, conv_dim), key=keys[0])
+DIMS = CoreDims(2, 16, 4, 16, 1e-6)  # 2 key heads of 16, 4 value heads of 16
+CONV_DIM = 2 * 2 * 16 + 4 * 16
+
+
+def _core_inputs(seed: int, b: int, length: int) -> tuple[mx.array, ...]:
+    """deltanet_core's projection inputs (qkv, z, beta_in, a_in) at DIMS, random."""
+    keys = mx.random.split(mx.random.key(seed), 4)
+    qkv = mx.random.normal((b, length, CONV_DIM), key=keys[0])
     z = mx.random.normal((b, length, 64), key=keys[1])
     beta_in, a_in = (mx.random.normal((b, length, 4), key=k) for k in keys[2:4])
-    conv_state = mx.random.normal((b, 3, conv_dim), key=keys[4])
-    ssm = mx.random.normal((b, 4, 16, 16), key=keys[5])
-    weights = (mx.ones((conv_dim, 4)) * 0.3, mx.zeros((4,)), mx.zeros((4,)), mx.ones((16,)))
+    return qkv, z, beta_in, a_in
+
+
+# deltanet_core's weights at DIMS: conv taps, A_log, dt_bias, the gated norm's weight
+WEIGHTS = (mx.ones((CONV_DIM, 4)) * 0.3, mx.zeros((4,)), mx.zeros((4,)), mx.ones((16,)))
+
+
+def test_compiled_core_equals_plain_core_with_masked_rows() -> None:
+    """deltanet_core compiled == plain bit for bit; an all-masked row keeps its state."""
+    b, length = 2, 9
+    keys = mx.random.split(mx.random.key(11), 2)
+    conv_state = mx.random.normal((b, 3, CONV_DIM), key=keys[0])
+    ssm = mx.random.normal((b, 4, 16, 16), key=keys[1])
     mask = mx.array([[True] * length, [False] * length])
     pad = mx.array([0, length], dtype=mx.int32)
-    args = (qkv, z, beta_in, a_in, conv_state, ssm, *weights, mask, pad)
-    y, conv, s = deltanet_core(dims, *args)
-    yc, convc, sc = mx.compile(lambda *a: deltanet_core(dims, *a))(*args)
-    assert y.shape == (b, length, 64) and conv.shape == (b, 3, conv_dim)
+    args = (*_core_inputs(1, b, length), conv_state, ssm, *WEIGHTS, mask, pad)
+    y, conv, s = deltanet_core(DIMS, *args)
+    yc, convc, sc = mx.compile(lambda *a: deltanet_core(DIMS, *a))(*args)
+    assert y.shape == (b, length, 64) and conv.shape == (b, 3, CONV_DIM)
     assert mx.array_equal(s[1], ssm[1]).item() and mx.array_equal(conv[1], conv_state[1]).item()
     for plain, comp in ((y, yc), (conv, convc), (s, sc)):
         assert mx.array_equal(plain, comp).item()
@@ -118,21 +129,15 @@ def test_fresh_rows_skip_the_shift_with_the_same_result() -> None:
     """Rows with no history (a zero conv state): `fresh` leaves state and padding where
     they are, and the conv input and the core's outputs equal the shifting path's, for
     rows of every padding (none, some, all but one column, all)."""
-    dims = CoreDims(2, 16, 4, 16, 1e-6)
-    conv_dim = 2 * 2 * 16 + 4 * 16
-    keys = mx.random.split(mx.random.key(2), 4)
     b, length = 4, 7
-    qkv = mx.random.normal((b, length, conv_dim), key=keys[0])
-    z = mx.random.normal((b, length, 64), key=keys[1])
-    beta_in, a_in = (mx.random.normal((b, length, 4), key=k) for k in keys[2:4])
-    conv_state = mx.zeros((b, 3, conv_dim))
+    inputs = _core_inputs(2, b, length)
+    conv_state = mx.zeros((b, 3, CONV_DIM))
     pad = mx.array([0, 2, length - 1, length], dtype=mx.int32)
     mask = mx.arange(length)[None] >= pad[:, None]
-    moved = shifted_conv_input(conv_state, qkv, mask, pad)
-    assert mx.array_equal(shifted_conv_input(conv_state, qkv, mask, pad, fresh=True), moved)
-    weights = (mx.ones((conv_dim, 4)) * 0.3, mx.zeros((4,)), mx.zeros((4,)), mx.ones((16,)))
-    args = (qkv, z, beta_in, a_in, conv_state, mx.zeros((b, 4, 16, 16)), *weights, mask, pad)
-    outputs = deltanet_core(dims, *args), deltanet_core(dims, *args, fresh=True)
+    moved = shifted_conv_input(conv_state, inputs[0], mask, pad)
+    assert mx.array_equal(shifted_conv_input(conv_state, inputs[0], mask, pad, fresh=True), moved)
+    args = (*inputs, conv_state, mx.zeros((b, 4, 16, 16)), *WEIGHTS, mask, pad)
+    outputs = deltanet_core(DIMS, *args), deltanet_core(DIMS, *args, fresh=True)
     for plain, fresh in zip(*outputs, strict=True):
         assert mx.array_equal(plain, fresh).item()
 
