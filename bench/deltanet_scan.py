@@ -1,5 +1,6 @@
 """Benchmark: the CUDA DeltaNet prefill scan (kernels/gated_delta_scan.py) against the
-chunked WY form (kernels/gated_delta.py), one layer at Qwen3.5's head shapes, bf16 inputs.
+chunked WY form (kernels/gated_delta.py), one layer at Qwen3.5's head shapes and the
+model's input dtypes (v bf16; q, k, g, beta float32).
 
 Run on a CUDA machine (bench/gpu_session.sh `scan`):
     python3 -m bench.deltanet_scan
@@ -34,7 +35,8 @@ def main() -> None:
         for b in args.rows:
             for length in args.lengths:
                 x = make_inputs(b, length, 16, hv, 128)
-                x = tuple(a.astype(mx.bfloat16) for a in x[:5]) + (x[5],)
+                q, k, v, g, beta, state = x  # the model's dtypes: v bf16, the rest float32
+                x = (q, k, v.astype(mx.bfloat16), g, beta, state)
                 chunked = time_ms(lambda x=x: gated_delta_chunked(*x), args.reps)[1]
                 scan = time_ms(lambda x=x: gated_delta_scan(*x), args.reps)[1]
                 pairs = zip(gated_delta_scan(*x), gated_delta_chunked(*x), strict=True)
