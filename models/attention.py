@@ -8,7 +8,7 @@ import mlx.nn as nn
 from deltaserve.kernels import fastmath
 from deltaserve.models.config import TextConfig
 from deltaserve.models.fused import fuse_into
-from deltaserve.models.layers import MRoPE, RMSNorm
+from deltaserve.models.layers import MRoPE, RMSNorm, linear_plus
 from deltaserve.models.state import AttentionState
 
 
@@ -47,10 +47,12 @@ class GatedAttention(nn.Module):
         state: AttentionState,
         left_pad: tuple[int, ...] | None,
         last_only: bool = False,
+        residual: mx.array | None = None,
     ) -> mx.array:
-        """x [B, L, H] -> [B, L, H] ([B, 1, H] with last_only, see `core`); appends this
-        step's K/V to `state`."""
-        return self.o_proj(self.core(self.project(x), rope, cos_sin, state, left_pad, last_only))
+        """x [B, L, H] -> [B, L, H] ([B, 1, H] with last_only, see `core`), plus `residual`
+        when given (`linear_plus`); appends this step's K/V to `state`."""
+        core = self.core(self.project(x), rope, cos_sin, state, left_pad, last_only)
+        return linear_plus(self.o_proj, core, residual)
 
     def core(
         self,

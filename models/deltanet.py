@@ -30,7 +30,7 @@ from deltaserve.kernels.gated_delta import gated_delta
 from deltaserve.kernels.platform import current_platform
 from deltaserve.models.config import TextConfig
 from deltaserve.models.fused import fuse_into
-from deltaserve.models.layers import GatedRMSNorm, gated_rms_norm
+from deltaserve.models.layers import GatedRMSNorm, gated_rms_norm, linear_plus
 from deltaserve.models.state import RecurrentState
 
 
@@ -256,8 +256,10 @@ class GatedDeltaNet(nn.Module):
             enabled = fused_decode_default() and dn_decode.supported(self._decode_dims)
         return enabled
 
-    def _decode_fused(self, x: mx.array, state: RecurrentState) -> mx.array:
-        """x [B, 1, H] -> [B, 1, H] through kernels/deltanet_decode.py."""
+    def _decode_fused(
+        self, x: mx.array, state: RecurrentState, residual: mx.array | None = None
+    ) -> mx.array:
+        """x [B, 1, H] -> [B, 1, H] (+ residual) through kernels/deltanet_decode.py."""
         b = x.shape[0]
         if "in_proj" in self:  # the fused projection unsplit: [B, 1, P] is contiguous
             proj = self.in_proj.proj(x)
@@ -268,7 +270,7 @@ class GatedDeltaNet(nn.Module):
         y, state.conv, state.ssm = dn_decode.deltanet_decode(
             self._decode_dims, proj.reshape(b, -1), conv_state, ssm, *weights
         )
-        return self.out_proj(y[:, None])
+        return linear_plus(self.out_proj, y[:, None], residual)
 
     def _states(self, state: RecurrentState, rows: int, dtype: mx.Dtype) -> tuple:
         """(conv tail, recurrent state) of `state`, zeros for fresh rows."""
@@ -285,10 +287,12 @@ class GatedDeltaNet(nn.Module):
         xs: list[mx.array],
         states: list[RecurrentState],
         left_pads: list[tuple[int, ...] | None],
+        residuals: list[mx.array] | None = None,
     ) -> list[mx.array]:
         """Several groups' x [B_g, L_g, H] as one compiled call at a bucketed [B, L]: each
         row is left-padded to L (dead rows after the real ones are all padding), its
-        state taken from and written back to its group's `states` entry."""
+        state taken from and written back to its group's `states` entry; each group's
+        output plus its `residuals` entry when given (`linear_plus`)."""
         rows = sum(x.shape[0] for x in xs)
         length = max(x.shape[1] for x in xs)
         rows_b, length_b = prefill_buckets(rows, length)
@@ -322,7 +326,8 @@ class GatedDeltaNet(nn.Module):
             out.append(y[start : start + b, length_b - length_g :])
             start += b
         # out_proj per group on its real columns only (cheaper than on the padded block)
-        return [self.out_proj(o) for o in out]
+        residuals = residuals or [None] * len(out)
+        return [linear_plus(self.out_proj, o, r) for o, r in zip(out, residuals, strict=True)]
 
     def __call__(
         self,
@@ -332,17 +337,20 @@ class GatedDeltaNet(nn.Module):
         left_pad: tuple[int, ...] | mx.array | None,
         split: int = 0,
         slots: bool = False,
+        residual: mx.array | None = None,
     ) -> mx.array:
-        """x [B, L, H] -> [B, L, H]; mask [B, L] (True = real) keeps pads out of the state.
-        split: ForwardGroup.snapshot_at; slots: ForwardGroup.state_slots (see `core`)."""
+        """x [B, L, H] -> [B, L, H], plus `residual` when given (`linear_plus`); mask
+        [B, L] (True = real) keeps pads out of the state. split: ForwardGroup.snapshot_at;
+        slots: ForwardGroup.state_slots (see `core`)."""
         length = x.shape[1]
         if isinstance(left_pad, mx.array) or self.eager(length, mask, split, slots):
             # pads as data: already inside a compiled forward (engine/compiled_prefill.py)
-            projected = self.project(x)
-            return self.out_proj(self.core(projected, state, mask, left_pad, split, slots))
+            core = self.core(self.project(x), state, mask, left_pad, split, slots)
+            return linear_plus(self.out_proj, core, residual)
         if self.use_compiled(length):
-            return self.prefill_many([x], [state], [left_pad])[0]
-        return self._decode_fused(x, state)
+            residuals = None if residual is None else [residual]
+            return self.prefill_many([x], [state], [left_pad], residuals)[0]
+        return self._decode_fused(x, state, residual)
 
     def eager(
         self, length: int, mask: mx.array | None, split: int = 0, slots: bool = False

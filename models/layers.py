@@ -97,6 +97,17 @@ class MRoPE(nn.Module):
         return mx.concatenate([out, rest], axis=-1)
 
 
+def linear_plus(linear: nn.Module, x: mx.array, residual: mx.array | None) -> mx.array:
+    """linear(x) + residual (linear(x) for None). A full-precision, bias-free projection
+    adds the residual inside its matmul (`mx.addmm`): on a GPU a residual add is otherwise
+    a kernel of its own, two per layer and step; a quantized one adds it after."""
+    if residual is None:
+        return linear(x)
+    if type(linear) is nn.Linear and "bias" not in linear:
+        return mx.addmm(residual, x, linear.weight.T)
+    return residual + linear(x)
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -106,12 +117,13 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+        """x [..., H] -> [..., H]; with `residual`, residual + that (`linear_plus`)."""
         if "gate_up_proj" in self:
             gate, up = self.gate_up_proj(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(fastmath.silu(gate) * up)
+        return linear_plus(self.down_proj, fastmath.silu(gate) * up, residual)
 
     def fuse_projections(self) -> None:
         """After loading: gate and up projections as one matmul (models/fused.py)."""

@@ -17,9 +17,9 @@ import mlx.nn as nn
 from deltaserve.models.attention import GatedAttention
 from deltaserve.models.config import TextConfig
 from deltaserve.models.deltanet import GatedDeltaNet
-from deltaserve.models.layers import MLP, MRoPE, RMSNorm, SparseMoE
+from deltaserve.models.layers import MLP, MRoPE, RMSNorm, SparseMoE, linear_plus
 from deltaserve.models.parallel import TensorParallel
-from deltaserve.models.state import ForwardGroup
+from deltaserve.models.state import ForwardGroup, LayerState
 
 
 class DecoderLayer(nn.Module):
@@ -67,14 +67,32 @@ class DecoderLayer(nn.Module):
         [B, 1, H] with last_only (the last positions alone are read; every position's state
         is still written)."""
         h = self.input_layernorm(x)
+        if self.parallel is not None:  # partial sums: all-reduced before the residual add
+            out = self._mixer(h, group, ctx, state, last_only, None)
+            return (x[:, -1:] if last_only else x) + self._reduce(out)
+        return self._mixer(h, group, ctx, state, last_only, x)
+
+    def _mixer(
+        self,
+        h: mx.array,
+        group: ForwardGroup,
+        ctx: _GroupContext,
+        state: LayerState,
+        last_only: bool,
+        residual: mx.array | None,
+    ) -> mx.array:
+        """The mixer over normed h, plus `residual` (x) when given, inside the output
+        projection (models/layers.py linear_plus)."""
         if self.is_full_attention:
-            out = self.self_attn(h, ctx.rope, ctx.cos_sin, state, group.left_pad, last_only)
-        else:
-            out = self.linear_attn(
-                h, state, ctx.mask, group.left_pad, group.snapshot_at, group.state_slots
+            if residual is not None and last_only:
+                residual = residual[:, -1:]
+            return self.self_attn(
+                h, ctx.rope, ctx.cos_sin, state, group.left_pad, last_only, residual
             )
-            out = out[:, -1:] if last_only else out
-        return (x[:, -1:] if last_only else x) + self._reduce(out)
+        out = self.linear_attn(
+            h, state, ctx.mask, group.left_pad, group.snapshot_at, group.state_slots, residual
+        )
+        return out[:, -1:] if last_only else out
 
     def mix_many(
         self, xs: list[mx.array], groups: list[ForwardGroup], states: list
@@ -82,6 +100,8 @@ class DecoderLayer(nn.Module):
         """`mix` for several prefill groups of a DeltaNet layer in one call (prefill_many)."""
         normed = [self.input_layernorm(x) for x in xs]
         pads = [g.left_pad for g in groups]
+        if self.parallel is None:  # the residual inside the output projection
+            return self.linear_attn.prefill_many(normed, states, pads, xs)
         outs = self.linear_attn.prefill_many(normed, states, pads)
         return [x + self._reduce(out) for x, out in zip(xs, outs, strict=True)]
 
@@ -103,7 +123,11 @@ class DecoderLayer(nn.Module):
             else:
                 y = mixer.core(parts, state, ctx.mask, g.left_pad, g.snapshot_at, g.state_slots)
             cores.append(y.reshape(n, -1))
-        out = self._reduce(mixer.output(mx.concatenate(cores)))
+        core = mx.concatenate(cores)
+        if self.parallel is None:  # the residual inside the output projection
+            out = linear_plus(mixer.output, core, flat)
+            return [o.reshape(x.shape) for x, o in zip(xs, _split(out, sizes), strict=True)]
+        out = self._reduce(mixer.output(core))
         return [x + o.reshape(x.shape) for x, o in zip(xs, _split(out, sizes), strict=True)]
 
     def packable(self, group: ForwardGroup, ctx: _GroupContext) -> bool:
@@ -115,9 +139,14 @@ class DecoderLayer(nn.Module):
         )
 
     def feed_forward(self, x: mx.array) -> mx.array:
-        """Residual + MLP over tokens x [N, H] (any leading shape is flattened)."""
+        """Residual + MLP over tokens x [N, H] (any leading shape is flattened). A dense
+        MLP on one device takes the residual into its down projection (MLP.__call__);
+        partial sums (tensor parallel) are all-reduced before the add."""
         flat = x.reshape(-1, x.shape[-1])
-        return x + self._reduce(self.mlp(self.post_attention_layernorm(flat))).reshape(x.shape)
+        normed = self.post_attention_layernorm(flat)
+        if self.parallel is None and isinstance(self.mlp, MLP):
+            return self.mlp(normed, residual=flat).reshape(x.shape)
+        return x + self._reduce(self.mlp(normed)).reshape(x.shape)
 
     def _reduce(self, partial: mx.array) -> mx.array:
         return partial if self.parallel is None else self.parallel.all_sum(partial)
