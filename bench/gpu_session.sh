@@ -58,7 +58,7 @@ setup() {  # unpack, and write the 0.8B checkpoint
 }
 
 ptxsave() {  # MLX's NVRTC kernel cache (/tmp/mlx/<version>/ptx) into $OUT, for the next
-    # lease to start from (put it in .wb: `setup` unpacks it). A fresh machine builds every
+    # lease to start from (put it in .wb: `unpack` restores it). A fresh machine builds every
     # kernel as it first meets it (H100, 2026-12-05: a server ready in ~150 s, a 4 s decode
     # step and a 6.5 s eager step inside the first timed phase); a machine that served
     # before has them, as a user's does from its second start on.

@@ -83,10 +83,13 @@ def _chunk_cost_once_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
     measured once per process and the engines after the first reuse its figure. The
     CPU measures nothing."""
     from deltaserve.engine import engine
+    from deltaserve.engine.compiled_prefill import CompiledPrefill
+    from deltaserve.engine.scheduling.step_cost import ChunkCost
+    from deltaserve.models.build import LoadedModel
 
     measure = engine.measure_chunk_cost
 
-    def once(loaded, compiled=None):  # noqa: ANN001, ANN202 (measure_chunk_cost's own)
+    def once(loaded: LoadedModel, compiled: CompiledPrefill | None = None) -> ChunkCost:
         key = (id(loaded), compiled is not None)
         if key not in _CHUNK_COSTS:  # the model is kept, so its id is not reused
             _CHUNK_COSTS[key] = (loaded, measure(loaded, compiled))
