@@ -82,9 +82,10 @@ tests() {  # the GPU-only kernels' tests, and the compiled paths against the eag
     # alone instead of the call's time limit cutting the run, so one call reports every
     # failure (2026-12-05: -x stopped at the first, a tolerance, after 56 s; every
     # engine built on a GPU measures its chunk cost first)
-    # -v: each test's name and outcome on its own line, so a run the time limit cuts
-    # still says which failed (2026-12-05: 20 F's, no names)
-    timeout "${TESTS_S:-540}" bash bench/gpu_tests.sh -v --tb=short -rfE --timeout 120 \
+    # -vv: each test's name and outcome on its own line, so a run the time limit cuts
+    # still says which failed (2026-12-05: 20 F's, no names; gpu_tests.sh passes -q, which
+    # one -v only cancels: the next run's F's were nameless again)
+    timeout "${TESTS_S:-540}" bash bench/gpu_tests.sh -vv --tb=short -rfE --timeout 120 \
         tests/test_cache_rows.py tests/test_cache_quantized.py \
         tests/test_engine_gpu_paths.py tests/test_compiled_prompt.py \
         tests/test_engine_speculative.py::test_compiled_verify_keeps_tokens \
@@ -137,17 +138,25 @@ spec08() {  # issue 32: speculation (MTP head; forced 80% / 60% drafts) vs plain
 
 fault9b() {  # the 9B 64-client CUDA fault (2026-12-05: an illegal memory access after ~18
     # mixed steps, results/h100_serve_9B_33eeb2f_server.log): deltaserve alone, kernel
-    # launches synchronous so the error names the launch that faults, three ways: as is,
-    # our CUDA kernels off (their plain-MLX references), and nothing compiled, each
-    # server's log under $OUT/f9b-*; a server that faults now exits 1
+    # launches synchronous so the error names the launch that faults, four ways: as is,
+    # MLX's CUDA graphs off, our CUDA kernels off (their plain-MLX references), and
+    # nothing compiled, each server's log under $OUT/f9b-*; a server that faults now exits
+    # 1. Found (2026-12-05, H100): MLX's cache of freed buffers filled the device; capped
+    # (kernels/platform.py CUDA_BUFFER_CACHE_BYTES, the default since) it serves
     need9b
     local ours="--no-deltanet-scan --no-fused-deltanet-decode --no-fused-rms-norm"
     ours+=" --no-fused-gated-delta-step"
     local eager="--no-compile-decode --no-compile-prompt --no-compile-chunks"
-    local name flags
-    for name in asis kernels-off eager; do
-        case $name in asis) flags="" ;; kernels-off) flags=$ours ;; eager) flags=$eager ;; esac
-        CUDA_LAUNCH_BLOCKING=1 timeout 240 python3 -m bench.serve --checkpoint 9B \
+    # graphs-off: MLX's CUDA graphs off (MLX_USE_CUDA_GRAPHS=0; MLX keys its graph cache by
+    # topology, not shapes, and updates a cached graph in place: others report that class
+    # of fault, "a captured graph remembers buffer addresses the allocator later reuses")
+    local name flags graphs
+    for name in ${FAULT_WAYS:-asis graphs-off kernels-off eager}; do
+        graphs=1
+        case $name in asis) flags="" ;; kernels-off) flags=$ours ;; eager) flags=$eager ;;
+            graphs-off) flags="" graphs=0 ;; esac
+        MLX_USE_CUDA_GRAPHS=$graphs CUDA_LAUNCH_BLOCKING=1 timeout 240 \
+            python3 -m bench.serve --checkpoint 9B \
             --clients 64 --only deltaserve --extra-args="$flags" --log-dir "$OUT/f9b-$name" \
             >"$OUT/fault9b-$name.log" 2>&1
         echo "$name: $(grep -E '^\| 64 \| deltaserve' "$OUT/fault9b-$name.log" | cut -c1-90)"

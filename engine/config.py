@@ -52,6 +52,11 @@ class EngineConfig:
     max_prefill_chunk: int = 0
     max_waiting: int = 256  # queued requests before new ones get 429
     memory_budget_bytes: int = 0  # row state (KV + DeltaNet); 0 = derive from free memory
+    # MLX's cache of freed GPU buffers, capped (kernels/platform.py); unset: 4 GiB on CUDA
+    # (MLX's own cap is its memory limit, and a server's steps of ever new shapes filled
+    # an H100 to 81 GB with freed buffers until an allocation failed), MLX's on Metal;
+    # 0 = MLX's. The CPU keeps freed buffers in glibc instead (kernels/cpu/host_memory.py)
+    buffer_cache_bytes: int | None = None
     max_context: int = 0  # 0 = the model's max_position_embeddings
     # Norms, projections and MLP over all groups' tokens at once (each weight read once a
     # step); unset: on for CPU (a small prompt group next to the decode rows cost a second
@@ -135,6 +140,8 @@ class EngineConfig:
             raise ValueError("max_waiting must be >= 1")
         if self.memory_budget_bytes < 0 or self.max_context < 0:
             raise ValueError("memory_budget_bytes and max_context must be >= 0")
+        if self.buffer_cache_bytes is not None and self.buffer_cache_bytes < 0:
+            raise ValueError("buffer_cache_bytes must be >= 0 (0 = MLX's own cap)")
         if self.prefix_cache_bytes < 0 or self.prefix_block_tokens < 1:
             raise ValueError("prefix_cache_bytes must be >= 0 and prefix_block_tokens >= 1")
         if self.prefix_min_tokens < 1:

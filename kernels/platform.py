@@ -11,8 +11,8 @@ A fused kernel exists for some devices only (FUSED_KERNEL_DEVICES); switched on 
 stays off, with a warning. The Linux CPU set-up (OpenBLAS, the sgemv shim, malloc tuning)
 lives in kernels/cpu/; `start_platform` runs its post-load half.
 
-Imports nothing from server/, engine/ or models/, and mlx only when probing the device,
-so the server's formatting code can import the profile type.
+Imports nothing from server/, engine/ or models/, and mlx only when probing the device or
+starting the platform, so the server's formatting code can import the profile type.
 """
 
 from __future__ import annotations
@@ -34,6 +34,14 @@ FUSED_KERNEL_DEVICES = {
     "fused_rms_norm": ("cuda", "metal"),  # kernels/rms_norm.py
     "fused_gated_delta_step": ("cuda", "metal"),  # kernels/gated_delta_fused.py
 }
+# MLX's cache of freed buffers on CUDA, capped: MLX's own cap is its memory limit, and a
+# server's steps meet ever new shapes (prompt chunks of every length next to any number of
+# rows), whose freed buffers a later step of another size cannot reuse. Measured (H100,
+# 9B, random weights, 16 then 64 streaming clients): uncapped, the device filled to 81 GB
+# within a minute and a step failed (cudaMallocAsync out of memory, or an illegal memory
+# access reported by cudaGraphInstantiate), every request in flight with it; capped at
+# 4 GiB, 0 of 160 requests failed, at a 50.6 GB peak (bench/README.md, thirteenth session).
+CUDA_BUFFER_CACHE_BYTES = 4 << 30
 # Step shapes whose default is on for a GPU (launch- or op-bound) and off on the CPU
 GPU_DEFAULT_ON = (
     "compile_decode",
@@ -60,6 +68,7 @@ class PlatformSwitches(Protocol):
     fused_deltanet_decode: bool | None
     fused_rms_norm: bool | None
     fused_gated_delta_step: bool | None
+    buffer_cache_bytes: int | None  # MLX's cache of freed GPU buffers; None = the device's
 
 
 @dataclass(frozen=True)
@@ -84,9 +93,13 @@ class Platform:
     fused_deltanet_decode: bool = False
     fused_rms_norm: bool = False
     fused_gated_delta_step: bool = False
+    # MLX's cache of freed buffers on a GPU, capped at start (mx.set_cache_limit); 0 = MLX's
+    # own cap. The CPU's freed buffers are kept by glibc instead (kernels/cpu/host_memory.py)
+    buffer_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         assert self.device in DEVICES, f"device must be one of {DEVICES}, not {self.device!r}"
+        assert not (self.buffer_cache_bytes and self.is_cpu), "buffer_cache_bytes on the CPU"
         for name, devices in FUSED_KERNEL_DEVICES.items():
             assert not getattr(self, name) or self.device in devices, f"{name} on {self.device}"
 
@@ -105,9 +118,11 @@ class Platform:
         mlx = f", mlx {self.mlx_version}" if self.mlx_version else ""
         head = f"platform: {self.device}{name}, {self.dtype or '?'}{mlx}"
         blas = f"; BLAS: {self.blas}" if self.blas else ""
+        cache = self.buffer_cache_bytes
+        kept = f"; freed buffers kept: up to {cache / 2**30:.1f} GiB" if cache else ""
         on = [name for name, enabled in self.switches().items() if enabled] or ["none"]
         off = [name for name, enabled in self.switches().items() if not enabled] or ["none"]
-        return f"{head}{blas}; on: {', '.join(on)}; off: {', '.join(off)}"
+        return f"{head}{blas}{kept}; on: {', '.join(on)}; off: {', '.join(off)}"
 
 
 def resolve_platform(
@@ -132,7 +147,13 @@ def resolve_platform(
             continue
         values[key] = chosen
     blas = cpu.blas_in_use() if device == "cpu" else ""
-    return Platform(device, name, dtype, version, blas, **values)
+    cache = getattr(switches, "buffer_cache_bytes", None)
+    if cache is None:
+        cache = CUDA_BUFFER_CACHE_BYTES if device == "cuda" else 0
+    elif cache and device == "cpu":
+        log.warning("buffer_cache_bytes is for a GPU: the CPU keeps freed buffers in glibc")
+        cache = 0
+    return Platform(device, name, dtype, version, blas, **values, buffer_cache_bytes=cache)
 
 
 def _probe() -> tuple[str, str, str]:
@@ -168,9 +189,14 @@ def use_platform(profile: Platform | None) -> None:
 
 
 def start_platform(profile: Platform) -> None:
-    """Make `profile` current and, on the CPU, finish the process set-up that needs the
-    model loaded (kernels/cpu: freed buffers kept for the next step, Linux only). The BLAS
-    half ran before mlx was imported (kernels/cpu `reexec_with_openblas`)."""
+    """Make `profile` current and finish the process set-up that needs the model loaded:
+    on the CPU, freed buffers kept for the next step (kernels/cpu, Linux only; the BLAS
+    half ran before mlx was imported: kernels/cpu `reexec_with_openblas`); on a GPU, MLX's
+    cache of freed buffers capped at the profile's buffer_cache_bytes."""
     use_platform(profile)
     if profile.is_cpu:
         cpu.keep_freed_memory()
+    elif profile.buffer_cache_bytes:
+        import mlx.core as mx
+
+        mx.set_cache_limit(profile.buffer_cache_bytes)

@@ -21,7 +21,9 @@ rows): quantized_matmul does not use BLAS on CPU and runs 3-6x slower than dequa
 fused SDPA (measured, bench/kv_cache.py), so those dequantize the stored columns and call
 mx.fast SDPA. The transient copy is one layer of the group's rows only; the engine
 prefills [1, C] groups, so it is one row's cache, and already smaller than the
-[rep * L, S] score matrix once rep * L > 2 * D.
+[rep * L, S] score matrix once rep * L > 2 * D. On CUDA, float32 queries dequantize at
+every size: MLX's CUDA quantized_matmul has no float32 kernel (mlx-cuda 0.32.4 raises "No
+implementation for problem shape ... activation: float32"; H100, 2026-12-05).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from deltaserve.kernels.attention import attention
+from deltaserve.kernels.platform import current_platform
 
 __all__ = [
     "DEQUANT_ROWS",
@@ -84,12 +87,18 @@ def masked_softmax(scores: mx.array, mask: Mask, length: int) -> mx.array:
 # --------------------------------------------------------------------------- affine
 
 
+def _dequantizes(x: mx.array) -> bool:
+    """Whether a few rows' product with quantized K/V still dequantizes: float32 on CUDA,
+    which has no float32 quantized_matmul (module docstring)."""
+    return x.dtype == mx.float32 and current_platform().device == "cuda"
+
+
 def affine_scores(
     q: mx.array, k_q: mx.array, k_s: mx.array, k_b: mx.array, group_size: int, bits: int
 ) -> mx.array:
     """Folded, pre-scaled queries [B, Hkv, R, D] x quantized keys -> [B, Hkv, R, S]."""
     q = q.astype(k_s.dtype)  # quantized_matmul wants the scales' dtype
-    if q.shape[2] >= DEQUANT_ROWS:  # prefill: dequantize + BLAS matmul (see module doc)
+    if q.shape[2] >= DEQUANT_ROWS or _dequantizes(q):  # prefill: dequantize + BLAS matmul
         keys = mx.dequantize(k_q, k_s, k_b, group_size=group_size, bits=bits)
         return q @ keys.swapaxes(-1, -2)
     return mx.quantized_matmul(q, k_q, k_s, k_b, transpose=True, group_size=group_size, bits=bits)
@@ -100,7 +109,7 @@ def affine_weighted_sum(
 ) -> mx.array:
     """probs [B, Hkv, R, S] x quantized values [B, Hkv, S, X] -> [B, Hkv, R, D]."""
     probs = probs.astype(v_s.dtype)
-    if probs.shape[2] >= DEQUANT_ROWS:
+    if probs.shape[2] >= DEQUANT_ROWS or _dequantizes(probs):
         return probs @ mx.dequantize(v_q, v_s, v_b, group_size=group_size, bits=bits)
     return mx.quantized_matmul(
         probs, v_q, v_s, v_b, transpose=False, group_size=group_size, bits=bits

@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from deltaserve.kernels.platform import Platform, use_platform
 from deltaserve.kernels.quant_attention import (
     affine_attention,
     affine_attention_reference,
@@ -80,6 +81,38 @@ def test_affine_attention_equals_reference(bits: int, hq: int, length: int, mask
     args = (q, *kq, *vq, 0.125, mask, 32, bits)
     got, ref = affine_attention(*args), affine_attention_reference(*args)
     np.testing.assert_allclose(np.array(got), np.array(ref), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_cuda_float32_never_calls_quantized_matmul(
+    monkeypatch: pytest.MonkeyPatch, dtype: mx.Dtype
+) -> None:
+    """On CUDA, whose quantized_matmul has no float32 kernel (faked here: it raises as
+    mlx-cuda does), float32 decode attention dequantizes and still equals the reference;
+    half precision keeps quantized_matmul."""
+    real = mx.quantized_matmul
+    calls: list[mx.Dtype] = []
+
+    def cuda_quantized_matmul(x: mx.array, *args: object, **kwargs: object) -> mx.array:
+        calls.append(x.dtype)
+        if x.dtype == mx.float32:
+            raise RuntimeError("[quantized_matmul] No implementation for problem shape")
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(mx, "quantized_matmul", cuda_quantized_matmul)
+    use_platform(Platform("cuda"))
+    try:
+        q, k, v = (x.astype(dtype) for x in _qkv(False, hq=4, length=1, s=200, d=64))
+        kq, vq = mx.quantize(k, 32, 8), mx.quantize(v, 32, 8)
+        args = (q, *kq, *vq, 0.125, "causal", 32, 8)
+        got, ref = affine_attention(*args), affine_attention_reference(*args)
+    finally:
+        use_platform(None)
+    assert calls == ([] if dtype == mx.float32 else [dtype, dtype])
+    atol = 1e-5 if dtype == mx.float32 else 2e-2
+    np.testing.assert_allclose(
+        np.array(got.astype(mx.float32)), np.array(ref.astype(mx.float32)), atol=atol
+    )
 
 
 def test_fully_masked_query_row_is_finite_uniform() -> None:

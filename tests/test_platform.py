@@ -18,6 +18,7 @@ from deltaserve.engine.engine import LLMEngine
 from deltaserve.kernels import cpu, deltanet_decode, gated_delta_fused, rms_norm
 from deltaserve.kernels.cpu import blas, host_memory
 from deltaserve.kernels.platform import (
+    CUDA_BUFFER_CACHE_BYTES,
     FUSED_KERNEL_DEVICES,
     Platform,
     current_platform,
@@ -217,3 +218,36 @@ def test_cpu_setup_runs_on_linux(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == []
     start_platform(Platform("cpu"))
     assert calls == ["malloc"]
+
+
+def test_gpu_buffer_cache_is_capped_on_cuda_by_default(caplog: pytest.LogCaptureFixture) -> None:
+    """Unset, CUDA caps MLX's cache of freed buffers (CUDA_BUFFER_CACHE_BYTES) and Metal
+    keeps MLX's own cap; a configured cap wins on a GPU, 0 means MLX's; the CPU, whose
+    freed buffers glibc keeps, ignores one with a warning. The log line says the cap."""
+    cuda = resolve_platform(EngineConfig(), device="cuda")
+    assert cuda.buffer_cache_bytes == CUDA_BUFFER_CACHE_BYTES
+    assert "freed buffers kept: up to 4.0 GiB" in cuda.describe()
+    assert resolve_platform(EngineConfig(), device="metal").buffer_cache_bytes == 0
+    mlx_own = resolve_platform(EngineConfig(buffer_cache_bytes=0), device="cuda")
+    assert mlx_own.buffer_cache_bytes == 0
+    metal = resolve_platform(EngineConfig(buffer_cache_bytes=1 << 30), device="metal")
+    assert metal.buffer_cache_bytes == 1 << 30 and "up to 1.0 GiB" in metal.describe()
+    with caplog.at_level(logging.WARNING):
+        cpu_profile = resolve_platform(EngineConfig(buffer_cache_bytes=1 << 30), device="cpu")
+    assert cpu_profile.buffer_cache_bytes == 0 and "freed buffers" not in cpu_profile.describe()
+    assert "buffer_cache_bytes is for a GPU" in caplog.text
+    with pytest.raises(ValueError, match="buffer_cache_bytes"):
+        EngineConfig(buffer_cache_bytes=-1)
+
+
+def test_gpu_start_sets_the_buffer_cache_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting a GPU profile hands its cap to MLX once; a cap of 0 leaves MLX's alone, and
+    a CPU profile's start tunes malloc instead."""
+    limits: list[int] = []
+    monkeypatch.setattr(mx, "set_cache_limit", limits.append)
+    monkeypatch.setattr(host_memory, "keep_freed_memory", lambda: limits.append(-1))
+    monkeypatch.setattr(sys, "platform", "linux")
+    start_platform(Platform("cuda", buffer_cache_bytes=3 << 30))
+    start_platform(Platform("metal"))
+    start_platform(Platform("cpu"))
+    assert limits == [3 << 30, -1]
