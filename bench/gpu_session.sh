@@ -28,7 +28,10 @@
 #   each call's end:     ... ptxsave  (MLX's kernel builds into $OUT; the next lease
 #                        carries them in .wb and `unpack` restores them)
 # A session's 30 device minutes hold calls 1-4 or 1-5 (2026-12-05: calls 1, 2, tests,
-# serve9b, spec08 in 21 minutes): run them back to back, the machine is given back after
+# serve9b, spec08 in 21 minutes; a later lease: call 2 296 s on a fresh H100, start9b +
+# tests 300 s, cut by TESTS_S before test_compiled_prompt's end, whose tests take ~16 s
+# each; serve9b 146 s; and refused starts cost 15 s to 3 min each before one came): run
+# them back to back, the machine is given back after
 # 30 s idle. A fresh machine's first server builds MLX's kernels as it meets them (H100:
 # ready in 164 s, the next server on that machine in 18 s), so compare servers within one
 # call's order, not across machines. Ad-hoc commands: never `pgrep -f PATTERN` with the
@@ -104,6 +107,21 @@ mixed() {  # issue 30's mixed-step target: 64 decode rows + 256 prompt tokens <=
             --prompt 2048 --reps 3 --skip-model $fresh >>"$OUT/mixed_step.log" 2>&1
     done
     grep '"engine_step"' "$OUT/mixed_step.log"
+}
+
+tune() {  # MLX's CUDA graph batching (MLX_MAX_OPS_PER_BUFFER: ops per CUDA graph before
+    # MLX launches it; its default is small, and a 64-row decode step is ~520 ops): the
+    # mixed-step target's decode and mixed steps at each setting (a setting that helps is
+    # then a `serve08` run with it exported, before it becomes a default)
+    local ops
+    for ops in ${TUNE_OPS:-default 100 250}; do
+        if [ "$ops" = default ]; then unset MLX_MAX_OPS_PER_BUFFER; else
+            export MLX_MAX_OPS_PER_BUFFER=$ops; fi
+        timeout 150 python3 -m bench.mixed_step --shape 0.8B --rows 64 --sizes 16 256 \
+            --prompt 2048 --reps 3 --skip-model >"$OUT/tune_mixed_$ops.log" 2>&1
+        echo "ops $ops: $(grep '"engine_step"' "$OUT/tune_mixed_$ops.log" | tr '\n' ' ' | cut -c1-300)"
+    done
+    unset MLX_MAX_OPS_PER_BUFFER
 }
 
 serve08() {  # the headline: deltaserve serve (default config) vs mlx_lm.server, 0.8B
