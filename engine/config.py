@@ -53,9 +53,9 @@ class EngineConfig:
     max_waiting: int = 256  # queued requests before new ones get 429
     memory_budget_bytes: int = 0  # row state (KV + DeltaNet); 0 = derive from free memory
     # MLX's cache of freed GPU buffers, capped (kernels/platform.py); unset: 4 GiB on CUDA
-    # (MLX's own cap is its memory limit, and a server's steps of ever new shapes filled
-    # an H100 to 81 GB with freed buffers until an allocation failed), MLX's on Metal;
-    # 0 = MLX's. The CPU keeps freed buffers in glibc instead (kernels/cpu/host_memory.py)
+    # (MLX's own cap is its memory limit, and freed buffers of a server's ever new step
+    # shapes filled an H100 until steps failed), MLX's on Metal; 0 = MLX's. The CPU keeps
+    # freed buffers in glibc instead (kernels/cpu/host_memory.py)
     buffer_cache_bytes: int | None = None
     max_context: int = 0  # 0 = the model's max_position_embeddings
     # Norms, projections and MLP over all groups' tokens at once (each weight read once a

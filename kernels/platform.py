@@ -36,11 +36,9 @@ FUSED_KERNEL_DEVICES = {
 }
 # MLX's cache of freed buffers on CUDA, capped: MLX's own cap is its memory limit, and a
 # server's steps meet ever new shapes (prompt chunks of every length next to any number of
-# rows), whose freed buffers a later step of another size cannot reuse. Measured (H100,
-# 9B, random weights, 16 then 64 streaming clients): uncapped, the device filled to 81 GB
-# within a minute and a step failed (cudaMallocAsync out of memory, or an illegal memory
-# access reported by cudaGraphInstantiate), every request in flight with it; capped at
-# 4 GiB, 0 of 160 requests failed, at a 50.6 GB peak (bench/README.md, thirteenth session).
+# rows), whose freed buffers a later step of another size cannot reuse. Uncapped, an H100
+# serving the 9B shape filled with them until steps failed (out of memory, or an illegal
+# memory access reported by cudaGraphInstantiate); capped, none did (bench/README.md).
 CUDA_BUFFER_CACHE_BYTES = 4 << 30
 # Step shapes whose default is on for a GPU (launch- or op-bound) and off on the CPU
 GPU_DEFAULT_ON = (
