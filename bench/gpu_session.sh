@@ -11,7 +11,7 @@
 #           manylinux_2_31 llguidance wheel, uvloop and httptools (cp312) into .wb:
 #           ../shared/GPU.md)
 #   call 1 (carry .wa):  mkdir -p /tmp/parts && cp .wa/* /tmp/parts/
-#   call 2 (carry .wb):  bash bench/gpu_session.sh setup serve08     (~5 min: ~150 s start-up
+#   call 2 (carry .wb):  bash bench/gpu_session.sh setup serve08 cap08  (~7 min: ~150 s start-up
 #                        on a fresh machine, both servers warmed up by bench.serve)
 #   call 3:              bash bench/gpu_session.sh start9b tests      (~7 min; the 9B
 #                        checkpoint is written beside the tests, not beside a timed server)
@@ -128,6 +128,14 @@ serve08() {  # the headline: deltaserve serve (default config) vs mlx_lm.server,
     timeout 560 python3 -m bench.serve --checkpoint 0.8B --log-dir "$OUT/s08" \
         --plot "$OUT/s08.png" >"$OUT/serve08.log" 2>&1
     grep -E '^(\||- )' "$OUT/serve08.log"  # the tables: phases, ratios, engine steps
+}
+
+cap08() {  # 0.8B, deltaserve alone at 16 and 64 clients with MLX's freed-buffer cache
+    # uncapped (--buffer-cache-bytes 0), against serve08's run at the default 4 GiB cap in
+    # the same call: what the cap costs where memory is plenty
+    timeout 300 python3 -m bench.serve --checkpoint 0.8B --clients 16 64 --only deltaserve \
+        --extra-args="--buffer-cache-bytes 0" --log-dir "$OUT/cap08" >"$OUT/cap08.log" 2>&1
+    grep -E '^(\||- )' "$OUT/cap08.log"
 }
 
 serve08small() {  # 0.8B, 64 clients, deltaserve alone with a 384-token step budget:
