@@ -227,6 +227,8 @@ class AsyncEngine:
                 deltas = self.engine.fail_all(f"engine error: {exc}")
                 if is_device_fault(exc):
                     self._fault(str(exc))
+                else:
+                    self.engine.release_cached_buffers()
             self._dispatch(deltas)
             self._publish_stats()
         with self._inbox_lock:  # from here `_send` refuses; what came before is answered

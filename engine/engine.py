@@ -424,6 +424,13 @@ class LLMEngine:
             self.leader.fail(error)
         return self.scheduler.fail_all(error)
 
+    def release_cached_buffers(self) -> None:
+        """After a failed step (not a device fault, after which the device takes no call):
+        MLX's cache of freed buffers, which now holds the rows' states too, goes back to
+        the device, so that a step that failed for want of memory (CUDA: cudaMallocAsync
+        out of memory) is not followed by others failing for the same cache."""
+        mx.clear_cache()
+
     def idle(self) -> None:
         """Called while there is no work: rank 0 of a tensor-parallel group heartbeats."""
         if self.leader is not None:

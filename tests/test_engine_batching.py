@@ -188,7 +188,8 @@ def test_first_token_comes_back_from_the_step_that_computed_it(loaded: LoadedMod
 def test_failing_every_request_survives_broken_accounting(loaded: LoadedModel) -> None:
     """After a step raised, every running and queued request ends with the error even if
     the memory accounting was left inconsistent (ending them must not raise again: their
-    streams would wait forever), and nothing stays reserved."""
+    streams would wait forever), and nothing stays reserved; with MLX's cache emptied
+    after, a new request runs."""
     engine = LLMEngine(loaded, SMALL)
     for i, p in enumerate(_prompts(4, seed=3)):
         engine.add_request(GenerationRequest(f"r{i}", tuple(p), _greedy(20)))
@@ -199,6 +200,10 @@ def test_failing_every_request_survives_broken_accounting(loaded: LoadedModel) -
     assert sorted(d.request_id for d in deltas) == [f"r{i}" for i in range(4)]
     assert all(d.finish_reason == "error" for d in deltas)
     assert engine.budget.reserved == 0 and not engine.has_work()
+    engine.release_cached_buffers()  # as the engine loop does next (MLX's cache emptied)
+    engine.add_request(GenerationRequest("after", (5, 6, 7), _greedy(2)))
+    tokens = [t for _ in range(4) for d in engine.step() for t in d.token_ids]
+    assert len(tokens) == 2 and not engine.has_work()
 
 
 def test_pipelined_steps_equal_lockstep(loaded: LoadedModel) -> None:

@@ -64,13 +64,15 @@ def test_shutdown_waits_for_the_engine_os_thread() -> None:
 
 def test_a_device_fault_stops_the_engine_and_a_request_error_does_not() -> None:
     """A step failing with an error of the step's own (ValueError) fails the requests in
-    flight and the engine goes on; one failing with the device's own (CUDA's illegal
-    memory access: every later step would fail too) ends the loop: /health's is_alive
-    turns false, `on_fault` tells the server (which exits 1), new requests get
-    EngineStoppedError (HTTP 503)."""
+    flight, hands MLX's cached freed buffers back, and the engine goes on; one failing
+    with the device's own (CUDA's illegal memory access: every later step would fail too)
+    ends the loop: /health's is_alive turns false, `on_fault` tells the server (which
+    exits 1), new requests get EngineStoppedError (HTTP 503)."""
     engine = AsyncEngine.start(str(cached_checkpoint("tiny")), EngineConfig(), name="tiny")
     faults: list[str] = []
     engine.on_fault = faults.append
+    released: list[bool] = []
+    engine.engine.release_cached_buffers = lambda: released.append(True)
     step = engine.engine.step
     cuda = "cudaGraphInstantiate(...) failed: an illegal memory access was encountered"
     errors = [ValueError("boom"), RuntimeError(cuda)]
@@ -89,10 +91,12 @@ def test_a_device_fault_stops_the_engine_and_a_request_error_does_not() -> None:
     try:
         assert asyncio.run(finish_reasons("a")) == ["error"]
         assert engine.stats().is_alive and not faults  # a step's own error: it goes on
+        assert released == [True]  # and MLX's freed buffers went back to the device
         assert asyncio.run(finish_reasons("b")) == ["error"]
         engine._thread.join(10)
         assert faults and "illegal memory access" in faults[0] and engine.fault == faults[0]
         assert not engine.stats().is_alive
+        assert released == [True]  # a faulted device takes no call: nothing released
         with pytest.raises(EngineStoppedError, match="the device failed"):
             asyncio.run(finish_reasons("c"))
     finally:
