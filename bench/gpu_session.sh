@@ -138,6 +138,21 @@ cap08() {  # 0.8B, deltaserve alone at 16 and 64 clients with MLX's freed-buffer
     grep -E '^(\||- )' "$OUT/cap08.log"
 }
 
+policy08() {  # 0.8B, deltaserve alone at 16 and 64 clients under other step policies than
+    # the default: no stall bound, and twice the measured token budget; what the policy
+    # costs or gains in tok/s against its gaps (2026-12-05 H100: the default's mixed steps
+    # were 31% of the 16-client phase, 2.4x the peer there)
+    local name args
+    for name in nostall budget1024; do
+        case $name in nostall) args="--max-stall-factor 0" ;;
+            budget1024) args="--max-num-batched-tokens 1024 --max-prefill-chunk 1024" ;; esac
+        timeout 200 python3 -m bench.serve --checkpoint 0.8B --clients 16 64 --only deltaserve \
+            --extra-args="$args" --log-dir "$OUT/p08-$name" >"$OUT/policy08-$name.log" 2>&1
+        echo "$name ($args):"
+        grep -E '^\| (16|64) \| deltaserve' "$OUT/policy08-$name.log" | cut -c1-120
+    done
+}
+
 serve08small() {  # 0.8B, 64 clients, deltaserve alone with a 384-token step budget:
     # steps of about a decode step + 2x a chunk's fixed part, the size that would keep the
     # p99 gap within 3x its p50, against the default's full-budget steps (tok/s, TTFT)
