@@ -1,11 +1,13 @@
-"""Benchmark: the CUDA DeltaNet prefill scan (kernels/gated_delta_scan.py) against the
-chunked WY form (kernels/gated_delta.py), one layer at Qwen3.5's head shapes and the
-model's input dtypes (v bf16; q, k, g, beta float32).
+"""Benchmark: the CUDA DeltaNet prefill scan (kernels/gated_delta_scan.py) by tile size,
+against the chunked WY form (kernels/gated_delta.py), one layer at Qwen3.5's head shapes.
 
 Run on a CUDA machine (bench/gpu_session.sh `scan`):
     python3 -m bench.deltanet_scan
-Prints a table: the fastest of --reps calls of each, the scan's speed-up over the chunked
-form, and the largest difference between their outputs (y and the float32 state).
+The scan stages TILE tokens' inputs in shared memory per round trip to global memory;
+TILE=1 pays a round trip (and two block barriers) per token, as the kernel before tiles
+paid one; a prefetched variant (`16p`) loads the next tile while it scans this one. Prints
+a table: the fastest of --reps calls of each, each variant's speed-up over the first, and
+the outputs' largest difference from the chunked form's (float32 state and y).
 """
 
 from __future__ import annotations
@@ -15,9 +17,17 @@ import argparse
 import mlx.core as mx
 
 from bench.gated_delta import make_inputs, time_ms
+from deltaserve.kernels import gated_delta_scan as scan
 from deltaserve.kernels.gated_delta import gated_delta_chunked
-from deltaserve.kernels.gated_delta_scan import gated_delta_scan
 from deltaserve.kernels.platform import current_platform
+
+
+def _run(variant: str, x: tuple) -> tuple[mx.array, mx.array]:
+    """The scan at one variant: a tile size, `p` after it for the prefetched tiles."""
+    # template constants read at launch: each variant is its own build
+    tile = int(variant.rstrip("p"))
+    scan._TILE, scan._TILE_WIDE, scan._PREFETCH = tile, tile, variant.endswith("p")
+    return scan.gated_delta_scan(*x)
 
 
 def main() -> None:
@@ -26,11 +36,20 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--hv", type=int, nargs="+", default=[16, 32], help="value heads (0.8B, 9B)")
+    ap.add_argument(
+        "--tiles",
+        nargs="+",
+        default=["1", "16", "4p", "16p", "32p"],
+        help="tile sizes; a trailing p: the next tile prefetched",
+    )
     args = ap.parse_args()
     if current_platform().device != "cuda":
         raise SystemExit("the scan kernel runs on CUDA only (elsewhere it is the reference loop)")
-    print("| B | L | Hv | chunked ms | scan ms | scan speed-up | max diff |")
-    print("|---|---|---|---|---|---|---|")
+    default = scan._TILE, scan._TILE_WIDE, scan._PREFETCH
+    print("| B | L | Hv | chunked ms | " + " | ".join(f"tile {t} ms" for t in args.tiles)
+          + " | " + " | ".join(f"tile {t} speed-up" for t in args.tiles[1:])
+          + " | max diff vs chunked |")  # fmt: skip
+    print("|" + "---|" * (4 + 2 * len(args.tiles)))
     for hv in args.hv:
         for b in args.rows:
             for length in args.lengths:
@@ -38,17 +57,20 @@ def main() -> None:
                 q, k, v, g, beta, state = x  # the model's dtypes: v bf16, the rest float32
                 x = (q, k, v.astype(mx.bfloat16), g, beta, state)
                 chunked = time_ms(lambda x=x: gated_delta_chunked(*x), args.reps)[1]
-                scan = time_ms(lambda x=x: gated_delta_scan(*x), args.reps)[1]
-                pairs = zip(gated_delta_scan(*x), gated_delta_chunked(*x), strict=True)
-                diff = max(
-                    mx.abs(g.astype(mx.float32) - w.astype(mx.float32)).max().item()
-                    for g, w in pairs
-                )
-                print(
-                    f"| {b} | {length} | {hv} | {chunked:.3f} | {scan:.3f} | "
-                    f"{chunked / scan:.2f}x | {diff:.2e} |",
-                    flush=True,
-                )
+                want = gated_delta_chunked(*x)
+                times, diff = [], 0.0
+                for tile in args.tiles:
+                    times.append(time_ms(lambda t=tile, x=x: _run(t, x), args.reps)[1])
+                    got = _run(tile, x)
+                    for g, w in zip(got, want, strict=True):
+                        d = mx.abs(g.astype(mx.float32) - w.astype(mx.float32)).max().item()
+                        diff = max(diff, d)
+                ratios = [times[0] / t for t in times[1:]]
+                print(f"| {b} | {length} | {hv} | {chunked:.3f} | "
+                      + " | ".join(f"{t:.3f}" for t in times) + " | "
+                      + " | ".join(f"{r:.2f}x" for r in ratios) + f" | {diff:.2e} |",
+                      flush=True)  # fmt: skip
+    scan._TILE, scan._TILE_WIDE, scan._PREFETCH = default
 
 
 if __name__ == "__main__":

@@ -40,17 +40,32 @@ __all__ = ["gated_delta_scan", "scan_supported"]
 
 # As kernels/gated_delta_fused.py (whose row_sum header it shares): LANES lanes per state
 # row, float4s interleaved so a warp's loads read whole rows; BLOCK / LANES rows per
-# block; grid B * Hv * Dv / ROWS.
+# block; grid B * Hv * Dv / ROWS. TILE tokens' inputs at a time are staged in shared
+# memory by the whole block (coalesced loads, one memory round trip per tile), so the
+# sequential part of a token reads only shared memory: the per-token loop had waited on
+# a global load (and, masked, on the mask's load before it) at every token.
 _LANES = 8
 _BLOCK = 128
+_TILE = 16  # tokens a tile when the grid is small (a prompt or a few: each block's turn)
+_TILE_WIDE = 4  # ... when it is wide: smaller tiles' shared memory keeps more blocks resident
+_WIDE_BLOCKS = 512  # blocks from which a grid counts as wide
+_PREFETCH = True
 
-# Template constants: Dk, Dv, Hk, Hv, LANES, BLOCK; Tq, Tk, Tv, Tg, Tb (input dtypes:
+# Template constants: Dk, Dv, Hk, Hv, LANES, BLOCK, TILE; Tq, Tk, Tv, Tg, Tb (input dtypes:
 # MLX caches compiled kernels by name + template arguments). __SKIP__ is `!mask[bt]` or
-# `false`. Every lane of a row takes the same branch, so the shuffles stay converged.
+# `false`. Every lane of a row takes the same branch, so the shuffles stay converged; a
+# block's rows past Dv (none at Qwen3.5's Dv = 128) compute on zeros and store nothing,
+# as every thread must reach the block's barriers.
 _CUDA_SOURCE = """
   constexpr int NV4 = Dk / (4 * LANES);
   constexpr int ROWS = BLOCK / LANES;
   constexpr int CHUNKS = (Dv + ROWS - 1) / ROWS;
+  __shared__ float4 k4[TILE][Dk / 4];
+  __shared__ float4 q4[TILE][Dk / 4];
+  __shared__ float v_t[TILE][ROWS];
+  __shared__ float a_t[TILE];
+  __shared__ float beta_t[TILE];
+  __shared__ bool skip_t[TILE];
 
   const int tid = threadIdx.x;
   const int n = blockIdx.x / CHUNKS;  // b * Hv + h
@@ -58,11 +73,11 @@ _CUDA_SOURCE = """
   const int h = n % Hv;
   const int hk = h / (Hv / Hk);
   const int lane = tid % LANES;
-  const int row = (blockIdx.x % CHUNKS) * ROWS + tid / LANES;
-  if (row >= Dv) {
-    return;  // whole rows only: the shuffles below never span two rows
-  }
-  const size_t s_off = (size_t(n) * Dv + row) * Dk;
+  const int row0 = (blockIdx.x % CHUNKS) * ROWS;
+  const int local = tid / LANES;
+  const int row = row0 + local;
+  const bool live = row < Dv;
+  const size_t s_off = (size_t(n) * Dv + (live ? row : 0)) * Dk;
   const float* src = state_in + s_off;
   float* dst = state_out + s_off;
 
@@ -70,54 +85,121 @@ _CUDA_SOURCE = """
 #pragma unroll
   for (int i = 0; i < NV4; ++i) {
     const int c = 4 * (lane + i * LANES);
-    s[i] = make_float4(src[c], src[c + 1], src[c + 2], src[c + 3]);
+    s[i] = live ? make_float4(src[c], src[c + 1], src[c + 2], src[c + 3])
+                : make_float4(0.f, 0.f, 0.f, 0.f);
   }
 
   const int L = steps[0];  // an input, not a template constant: one build for every L
-  for (int t = 0; t < L; ++t) {
-    const size_t bt = size_t(b) * L + t;
-    const size_t gh = bt * Hv + h;  // index into g, beta; (gh * Dv + row) into v, y
-    if (__SKIP__) {
-      if (lane == 0) {
-        y[gh * Dv + row] = static_cast<Tv>(0.f);
+  // Each thread's share of a tile's inputs, fetched into registers one tile ahead (when
+  // PREFETCH) so their global round trip overlaps the tile before; then stashed into
+  // shared memory between two barriers.
+  constexpr int KQ_EACH = (TILE * Dk + BLOCK - 1) / BLOCK;
+  constexpr int V_EACH = (TILE * ROWS + BLOCK - 1) / BLOCK;
+  float rk[KQ_EACH], rq[KQ_EACH], rv[V_EACH];
+  float ra = 0.f, rb = 0.f;
+  bool rs = false;
+  auto fetch = [&](int t0) {
+    const int nt = min(TILE, L - t0);
+#pragma unroll
+    for (int j = 0; j < KQ_EACH; ++j) {
+      const int i = tid + j * BLOCK;
+      if (i < nt * Dk) {
+        const size_t off = ((size_t(b) * L + t0 + i / Dk) * Hk + hk) * Dk + i % Dk;
+        rk[j] = static_cast<float>(k[off]);
+        rq[j] = static_cast<float>(q[off]);
       }
-      continue;
     }
-    const size_t kq_off = (bt * Hk + hk) * Dk;
-    float4 kk[NV4];
-    float sk = 0.f, sq = 0.f, kq = 0.f;
 #pragma unroll
-    for (int i = 0; i < NV4; ++i) {
-      const int c = 4 * (lane + i * LANES);
-      kk[i] = make_float4(
-          static_cast<float>(k[kq_off + c]), static_cast<float>(k[kq_off + c + 1]),
-          static_cast<float>(k[kq_off + c + 2]), static_cast<float>(k[kq_off + c + 3]));
-      const float4 qq = make_float4(
-          static_cast<float>(q[kq_off + c]), static_cast<float>(q[kq_off + c + 1]),
-          static_cast<float>(q[kq_off + c + 2]), static_cast<float>(q[kq_off + c + 3]));
-      sk += s[i].x * kk[i].x + s[i].y * kk[i].y + s[i].z * kk[i].z + s[i].w * kk[i].w;
-      sq += s[i].x * qq.x + s[i].y * qq.y + s[i].z * qq.z + s[i].w * qq.w;
-      kq += kk[i].x * qq.x + kk[i].y * qq.y + kk[i].z * qq.z + kk[i].w * qq.w;
+    for (int j = 0; j < V_EACH; ++j) {
+      const int i = tid + j * BLOCK;
+      const int r = row0 + i % ROWS;
+      if (i < nt * ROWS) {
+        const size_t gh = (size_t(b) * L + t0 + i / ROWS) * Hv + h;
+        rv[j] = r < Dv ? static_cast<float>(v[gh * Dv + r]) : 0.f;
+      }
     }
-    sk = deltaserve_gdn::row_sum<LANES>(sk);
-    sq = deltaserve_gdn::row_sum<LANES>(sq);
-    kq = deltaserve_gdn::row_sum<LANES>(kq);
-    const float a = expf(static_cast<float>(g[gh]));
-    const float vr = static_cast<float>(v[gh * Dv + row]);
-    const float delta = static_cast<float>(beta[gh]) * (vr - a * sk);
-#pragma unroll
-    for (int i = 0; i < NV4; ++i) {
-      s[i].x = a * s[i].x + delta * kk[i].x;
-      s[i].y = a * s[i].y + delta * kk[i].y;
-      s[i].z = a * s[i].z + delta * kk[i].z;
-      s[i].w = a * s[i].w + delta * kk[i].w;
+    if (tid < nt) {
+      const size_t bt = size_t(b) * L + t0 + tid;
+      const size_t gh = bt * Hv + h;
+      ra = static_cast<float>(g[gh]);
+      rb = static_cast<float>(beta[gh]);
+      rs = __SKIP__;
     }
-    if (lane == 0) {
-      y[gh * Dv + row] = static_cast<Tv>(a * sq + delta * kq);
-    }
-    __STORE_STEP__
+  };
+  if (PREFETCH && L > 0) {
+    fetch(0);
   }
-  __STORE_FINAL__
+  for (int t0 = 0; t0 < L; t0 += TILE) {
+    const int nt = min(TILE, L - t0);
+    if (!PREFETCH) {
+      fetch(t0);
+    }
+    __syncthreads();  // every row is done with the last tile
+#pragma unroll
+    for (int j = 0; j < KQ_EACH; ++j) {
+      const int i = tid + j * BLOCK;
+      if (i < nt * Dk) {
+        reinterpret_cast<float*>(&k4[i / Dk][0])[i % Dk] = rk[j];
+        reinterpret_cast<float*>(&q4[i / Dk][0])[i % Dk] = rq[j];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < V_EACH; ++j) {
+      const int i = tid + j * BLOCK;
+      if (i < nt * ROWS) {
+        v_t[i / ROWS][i % ROWS] = rv[j];
+      }
+    }
+    if (tid < nt) {
+      a_t[tid] = expf(ra);
+      beta_t[tid] = rb;
+      skip_t[tid] = rs;
+    }
+    __syncthreads();
+    if (PREFETCH && t0 + TILE < L) {
+      fetch(t0 + TILE);  // in flight while this tile is scanned
+    }
+    for (int tt = 0; tt < nt; ++tt) {
+      const size_t gh = (size_t(b) * L + t0 + tt) * Hv + h;  // (gh * Dv + row): y's index
+      if (skip_t[tt]) {
+        if (live && lane == 0) {
+          y[gh * Dv + row] = static_cast<Tv>(0.f);
+        }
+        continue;
+      }
+      float4 kk[NV4];
+      float sk = 0.f, sq = 0.f, kq = 0.f;
+#pragma unroll
+      for (int i = 0; i < NV4; ++i) {
+        kk[i] = k4[tt][lane + i * LANES];
+        const float4 qq = q4[tt][lane + i * LANES];
+        sk += s[i].x * kk[i].x + s[i].y * kk[i].y + s[i].z * kk[i].z + s[i].w * kk[i].w;
+        sq += s[i].x * qq.x + s[i].y * qq.y + s[i].z * qq.z + s[i].w * qq.w;
+        kq += kk[i].x * qq.x + kk[i].y * qq.y + kk[i].z * qq.z + kk[i].w * qq.w;
+      }
+      sk = deltaserve_gdn::row_sum<LANES>(sk);
+      sq = deltaserve_gdn::row_sum<LANES>(sq);
+      kq = deltaserve_gdn::row_sum<LANES>(kq);
+      const float a = a_t[tt];
+      const float delta = beta_t[tt] * (v_t[tt][local] - a * sk);
+#pragma unroll
+      for (int i = 0; i < NV4; ++i) {
+        s[i].x = a * s[i].x + delta * kk[i].x;
+        s[i].y = a * s[i].y + delta * kk[i].y;
+        s[i].z = a * s[i].z + delta * kk[i].z;
+        s[i].w = a * s[i].w + delta * kk[i].w;
+      }
+      if (live && lane == 0) {
+        y[gh * Dv + row] = static_cast<Tv>(a * sq + delta * kq);
+      }
+      if (live) {
+        __STORE_STEP__
+      }
+    }
+  }
+  if (live) {
+    __STORE_FINAL__
+  }
 """
 
 # Writes this row of the state s to `out`: after the last token (gated_delta_scan), or
@@ -209,7 +291,10 @@ def _launch(
         # is made a full [B, L] array first (a broadcast view is copied: row-contiguous).
         inputs.append(mx.broadcast_to(mask.astype(mx.bool_), (b, length)))
     template = [("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv)]
-    template += [("LANES", _LANES), ("BLOCK", _BLOCK)]
+    blocks = b * hv * -(-dv // (_BLOCK // _LANES))
+    tile = _TILE if blocks < _WIDE_BLOCKS else _TILE_WIDE
+    template += [("LANES", _LANES), ("BLOCK", _BLOCK), ("TILE", tile)]
+    template += [("PREFETCH", int(_PREFETCH))]
     template += [(f"T{c}", x.dtype) for c, x in zip("qkvgb", inputs, strict=False)]
     rows = _BLOCK // _LANES
     y, s = kernel(
