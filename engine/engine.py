@@ -392,8 +392,9 @@ class LLMEngine:
         So does one that samples a prompt's first token: read back now, not after the next
         step's graph is built (and a max_tokens=1 row then plans no wasted step)."""
         first = any(c.sample_row_ids for c in plan.prefill)
-        # a speculating row's next step needs its acceptance (and a fresh row's drafts)
-        if plan.verify_row_ids:
+        # a speculating row's next step needs its acceptance (and a fresh row's drafts),
+        # and a row that may draft next needs its token (plan.read_back)
+        if plan.verify_row_ids or plan.read_back:
             return False
         return self.pipeline and not (plan.prefill and (plan.decode_row_ids or first))
 

@@ -86,6 +86,9 @@ class StepPlan:
     verify_token_ids: tuple[int, ...] = ()
     verify_positions: tuple[int, ...] = ()
     num_draft: int = 0
+    # Some decode row may speculate next step, so this step's tokens are read back before
+    # the next plan (not pipelined): a row whose last token is in flight cannot draft.
+    read_back: bool = False
     prefill: tuple[PrefillChunk, ...] = ()  # prefill chunks, one group each
     num_tokens: int = 0  # tokens run this step (<= max_num_batched_tokens)
     cache_saves: tuple[CacheSave, ...] = ()  # rows to snapshot after their chunk ran

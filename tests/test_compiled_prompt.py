@@ -82,9 +82,11 @@ def _eager(loaded: LoadedModel, prompt: list[int], kv: KVCacheConfig) -> tuple:
 def _close(got: np.ndarray, want: np.ndarray) -> None:
     """Float arrays to TOL. Packed integer codes (quantized KV) exactly, except a rare
     value on a quantization boundary that the compiled graph's fused float ops round to
-    the neighbouring level (seen: 2 of 736 words)."""
+    the neighbouring level: under 1% of their bytes (seen: 2 of 736 words on the CPU; on
+    the H100 1.6-1.9% of 8-bit codes' words, four codes a word)."""
     if np.issubdtype(got.dtype, np.integer):
-        assert got.shape == want.shape and np.mean(got != want) < 0.01
+        assert got.shape == want.shape
+        assert np.mean(got.view(np.uint8) != want.view(np.uint8)) < 0.01
     else:
         np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
 
@@ -323,12 +325,14 @@ def test_two_rows_chunks_run_as_one_call_with_the_eager_tokens(loaded: LoadedMod
     eager = LLMEngine(loaded, dataclasses.replace(base, compile_chunks=False))
     want = [o.token_ids for o in eager.generate(prompts, params)]
     engine = LLMEngine(loaded, dataclasses.replace(base, compile_chunks=True))
+    # on a GPU the engine's start-up measurement of a later chunk traced one already
+    before = chunk_shapes(engine)
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
-    assert not chunk_shapes(engine)  # two chunks in the step: no trace
+    assert chunk_shapes(engine) == before  # two chunks in the step: no trace
     engine.runner._may_trace = lambda plan: True  # the first pass traces
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
     del engine.runner._may_trace
-    assert chunk_shapes(engine) == {(2, 32)}  # both rows, the longer chunk's bucket
+    assert chunk_shapes(engine) - before == {(2, 32)}  # both rows, the longer chunk's bucket
     calls: list[int] = []
     original = engine.runner.compiled.chunk
     engine.runner.compiled.chunk = lambda ids, *a: calls.append(len(ids)) or original(ids, *a)

@@ -201,6 +201,22 @@ def test_forced_drafts_accept_every_count_and_keep_greedy_output(
     assert 0 < stats.num_accepted < stats.num_drafted
 
 
+def test_pipelined_steps_still_speculate(loaded: LoadedModel) -> None:
+    """With steps pipelined (the GPU's default), a row that may draft has its plain step
+    read back before the next plan, so it does draft: every accepted count 0..k is seen
+    and the output is that of a pipelined engine without speculation. (A pipelined step's
+    token is still in flight when the next plan is made, and such a row cannot draft:
+    before, no row ever drafted on a GPU.)"""
+    config = dataclasses.replace(SMALL, pipeline_steps=True)
+    joins = _joins(_prompts(6, seed=4), _greedy(max_tokens=16))
+    plain = _drive(LLMEngine(loaded, config), joins)
+    engine = LLMEngine(loaded, _spec(config))
+    assert engine.pipeline
+    seen = force_drafts(engine, _oracle(loaded, joins), _cycle)
+    assert _drive(engine, joins) == plain
+    assert seen == set(range(K + 1)), seen
+
+
 @pytest.mark.parametrize("kv", KV_KINDS, ids=["fp", "affine8", "turboquant"])
 def test_every_kv_kind_with_aborts_mid_draft(loaded: LoadedModel, kv: KVCacheConfig) -> None:
     """Per KV kind, with rows aborted while they speculate: the others' tokens equal the

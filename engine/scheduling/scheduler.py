@@ -217,6 +217,13 @@ class Scheduler:
         ]
         return set(rows[: max(room, 0)])
 
+    def _may_speculate_next(self, decoding: list[Request]) -> bool:
+        """Whether a row decoding plainly this step may draft in the next one: then this
+        step is read back before the next plan, or its token would still be in flight
+        (a pipelined step's) and the row could never draft."""
+        spec = self.speculation
+        return spec is not None and any(spec.speculates(r, self._num_steps + 1) for r in decoding)
+
     def _plan(
         self, chunks: list[PrefillChunk], decoding: list[Request], verifying: set[str]
     ) -> StepPlan:
@@ -238,6 +245,7 @@ class Scheduler:
             decode_positions=tuple(r.num_computed + r.rope_delta for r in decoding),
             decode_rows_wait=bool(st.decoding) and not decoding and not verify,
             verify_row_ids=tuple(r.row_id for r in verify),
+            read_back=self._may_speculate_next(decoding),
             verify_token_ids=tuple(r.output_ids[-1] for r in verify),
             verify_positions=tuple(r.num_computed + r.rope_delta for r in verify),
             num_draft=k,
