@@ -172,8 +172,11 @@ serve9b() {  # 9B at 16 and 64 clients
 spec08() {  # issue 32: speculation (MTP head; forced 80% / 60% drafts) vs plain, 0.8B;
     # float32: in bf16 random weights' near ties flip tokens between a verify's shape and
     # a decode step's, and forced drafts stop matching (2026-12-05: 10-30% accepted of 80%)
-    timeout 300 python3 -m bench.speculative --checkpoint 0.8B --batches ${SPEC_BATCHES:-1 8 64} --dtype float32 \
-        >"$OUT/spec08.log" 2>&1
+    # MLX_ENABLE_TF32=0: float32 matmuls in full precision (CUDA's default TF32 flips near
+    # ties too: 2026-12-06, H200, float32 without it, no mode's output equalled the plain
+    # run's and forced drafts stopped matching; each row verified twice, then paused)
+    MLX_ENABLE_TF32=0 timeout 300 python3 -m bench.speculative --checkpoint 0.8B \
+        --batches ${SPEC_BATCHES:-1 8 64} --dtype float32 >"$OUT/spec08.log" 2>&1
     grep '^|' "$OUT/spec08.log"
 }
 
