@@ -43,19 +43,22 @@ __all__ = ["gated_delta_scan", "scan_supported"]
 # block; grid B * Hv * Dv / ROWS. TILE tokens' inputs at a time are staged in shared
 # memory by the whole block (coalesced loads, one memory round trip per tile), so the
 # sequential part of a token reads only shared memory: the per-token loop had waited on
-# a global load (and, masked, on the mask's load before it) at every token.
+# a global load (and, masked, on the mask's load before it) at every token. With PREFETCH
+# the next tile's loads are issued into registers before this tile is scanned. Tile sizes
+# by grid width, from bench.deltanet_scan on an H100 (bench/README.md): 16 tokens were
+# fastest at 128-256 blocks (one or a few prompts), 4 at 2,048 (16 rows).
 _LANES = 8
 _BLOCK = 128
-_TILE = 16  # tokens a tile when the grid is small (a prompt or a few: each block's turn)
+_TILE = 16  # tokens a tile when the grid is small
 _TILE_WIDE = 4  # ... when it is wide: smaller tiles' shared memory keeps more blocks resident
 _WIDE_BLOCKS = 512  # blocks from which a grid counts as wide
 _PREFETCH = True
 
-# Template constants: Dk, Dv, Hk, Hv, LANES, BLOCK, TILE; Tq, Tk, Tv, Tg, Tb (input dtypes:
-# MLX caches compiled kernels by name + template arguments). __SKIP__ is `!mask[bt]` or
-# `false`. Every lane of a row takes the same branch, so the shuffles stay converged; a
-# block's rows past Dv (none at Qwen3.5's Dv = 128) compute on zeros and store nothing,
-# as every thread must reach the block's barriers.
+# Template constants: Dk, Dv, Hk, Hv, LANES, BLOCK, TILE, PREFETCH; Tq, Tk, Tv, Tg, Tb
+# (input dtypes: MLX caches compiled kernels by name + template arguments). __SKIP__ is
+# `!mask[bt]` or `false`. Every lane of a row takes the same branch, so the shuffles stay
+# converged; a block's rows past Dv (none at Qwen3.5's Dv = 128) compute on zeros and
+# store nothing, as every thread must reach the block's barriers.
 _CUDA_SOURCE = """
   constexpr int NV4 = Dk / (4 * LANES);
   constexpr int ROWS = BLOCK / LANES;

@@ -325,7 +325,7 @@ def test_two_rows_chunks_run_as_one_call_with_the_eager_tokens(loaded: LoadedMod
     eager = LLMEngine(loaded, dataclasses.replace(base, compile_chunks=False))
     want = [o.token_ids for o in eager.generate(prompts, params)]
     engine = LLMEngine(loaded, dataclasses.replace(base, compile_chunks=True))
-    # on a GPU the engine's start-up measurement of a later chunk traced one already
+    # on a GPU the engine's start-up (its warm-up) has traced chunk shapes already
     before = chunk_shapes(engine)
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
     assert chunk_shapes(engine) == before  # two chunks in the step: no trace

@@ -206,7 +206,7 @@ def test_pipelined_steps_still_speculate(loaded: LoadedModel) -> None:
     read back before the next plan, so it does draft: every accepted count 0..k is seen
     and the output is that of a pipelined engine without speculation. (A pipelined step's
     token is still in flight when the next plan is made, and such a row cannot draft:
-    before, no row ever drafted on a GPU.)"""
+    before, a row drafted on a GPU only after a step that happened to run in lockstep.)"""
     config = dataclasses.replace(SMALL, pipeline_steps=True)
     joins = _joins(_prompts(6, seed=4), _greedy(max_tokens=16))
     plain = _drive(LLMEngine(loaded, config), joins)
