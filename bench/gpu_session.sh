@@ -124,6 +124,48 @@ tune() {  # MLX's CUDA graph batching (MLX_MAX_OPS_PER_BUFFER: ops per CUDA grap
     unset MLX_MAX_OPS_PER_BUFFER
 }
 
+hostcost() {  # where a mixed step's host time goes: mx.async_eval's share and the
+    # primitives a chunk adds to the decode rows' graph (bench.mixed_step --graph), then
+    # the same steps with MLX's CUDA graph cache enlarged and with graphs off, and a
+    # sampled native profile (py-spy, when carried in .wb) of the default run
+    local base="python3 -m bench.mixed_step --shape 0.8B --rows 64 --sizes 16 256 --prompt 2048 --reps 3 --skip-model"
+    timeout 150 $base --graph >"$OUT/hostcost_graph.log" 2>&1
+    timeout 150 $base --graph --fresh >>"$OUT/hostcost_graph.log" 2>&1
+    grep -E '"(engine_step|primitives_added)"' "$OUT/hostcost_graph.log" | cut -c1-700
+    local env
+    for env in MLX_CUDA_GRAPH_CACHE_SIZE=4000 MLX_USE_CUDA_GRAPHS=0; do
+        env "$env" timeout 150 $base >"$OUT/hostcost_$env.log" 2>&1
+        echo "$env: $(grep '"engine_step"' "$OUT/hostcost_$env.log" | cut -c1-220 | tr '\n' ' ')"
+    done
+    if [ -f .wb/py_spy.whl ]; then
+        python3 -m zipfile -e .wb/py_spy.whl /tmp/pyspy && chmod +x /tmp/pyspy/*/bin/py-spy 2>/dev/null
+        local spy
+        spy=$(find /tmp/pyspy -name py-spy -type f | head -1)
+        chmod +x "$spy"
+        timeout 200 "$spy" record --native --format raw -r 400 -o "$OUT/hostcost_pyspy.txt" \
+            -- $base >"$OUT/hostcost_pyspy.log" 2>&1
+        tail -3 "$OUT/hostcost_pyspy.log"
+    fi
+}
+
+forwards64() {  # 0.8B, deltaserve alone at 64 clients with --log-level debug: how many
+    # forwards each step ran (runner.execute's debug line; a forward's host cost on a GPU
+    # is its op count, whatever its tokens) and what the steps with prompt work held
+    timeout 300 python3 -m bench.serve --checkpoint 0.8B --clients 64 --only deltaserve \
+        --extra-args="--log-level debug" --log-dir "$OUT/fw64" >"$OUT/forwards64.log" 2>&1
+    grep -E '^(\||- )' "$OUT/forwards64.log"
+    local log
+    log=$(find "$OUT/fw64" -name '*.log' | xargs grep -l 'forwards:' | head -1)
+    echo "forwards per step (steps with prompt work): count"
+    grep -o 'forwards: .*' "$log" | grep -E 'prompt run|eager' \
+        | awk -F', ' '{print NF}' | sort -n | uniq -c
+    echo "kinds of forward in those steps: count"
+    grep -o 'forwards: .*' "$log" | grep -E 'prompt run|eager' | sed 's/forwards: //' \
+        | tr ',' '\n' | sed 's/^ //; s/[0-9]*x[0-9]*/PxL/; s/[0-9]* rows/N rows/; s/decode [0-9]*/decode B/' \
+        | sort | uniq -c
+    grep -E 'step [0-9]+: [0-9]+ decode rows, [1-9]' "$log" | tail -5 | cut -c1-250
+}
+
 serve08() {  # the headline: deltaserve serve (default config) vs mlx_lm.server, 0.8B
     timeout 560 python3 -m bench.serve --checkpoint 0.8B --log-dir "$OUT/s08" \
         --plot "$OUT/s08.png" >"$OUT/serve08.log" 2>&1

@@ -8,17 +8,22 @@ and evaluation (device synchronised around each). Engine level: `--rows` rows de
 while a long prompt prefills; decode-only and mixed steps alternate (chunk sizes forced,
 the stall bound off), each step synchronised; per chunk size the median mixed step, the
 median decode-only step, and the CPU time inside runner.execute (graph building and
-submission). Prints JSON lines.
+submission). With `--graph`, each kind of step also says what mx.async_eval itself took
+(MLX encoding the graph for the device) and how many primitives its graph held, by kind
+(mx.export_to_dot of the step's first measured instance): where the host time of a
+step goes, per primitive. Prints JSON lines.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import random
+import re
 import statistics
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import mlx.core as mx
 
@@ -93,6 +98,32 @@ def model_lines(loaded, sizes: list[int]) -> list[dict]:
     return out
 
 
+class _GraphProbe:
+    """Wraps mx.async_eval: the seconds spent inside it during a step, and (once per step
+    kind) the primitives of what it was given, counted by label from the DOT export."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.count_next = False
+        self.counts: Counter = Counter()
+        self._async_eval = mx.async_eval
+
+    def __call__(self, *arrays: mx.array) -> None:
+        if self.count_next:
+            dot = io.StringIO()
+            mx.export_to_dot(dot, *arrays)
+            self.counts += Counter(re.findall(r'label ="([^"]+)"', dot.getvalue()))
+        start = time.perf_counter()
+        self._async_eval(*arrays)
+        self.seconds += time.perf_counter() - start
+
+    def install(self) -> None:
+        mx.async_eval = self
+
+    def remove(self) -> None:
+        mx.async_eval = self._async_eval
+
+
 def engine_lines(
     path: str,
     rows: int,
@@ -101,6 +132,7 @@ def engine_lines(
     reps: int,
     fresh: bool = False,
     eager_chunks: bool = False,
+    graph: bool = False,
 ) -> list[dict]:
     """Alternate decode-only and mixed steps while a `prompt`-token prompt prefills, or
     with `fresh`, each mixed step's chunk a new `size`-token prompt (a chat arriving:
@@ -148,6 +180,10 @@ def engine_lines(
     engine.runner.execute = timed_execute
     walls: dict[int, list[float]] = defaultdict(list)
     builds: dict[int, list[float]] = defaultdict(list)
+    submits: dict[int, list[float]] = defaultdict(list)
+    probe, graphs = _GraphProbe(), {}
+    if graph:
+        probe.install()
     for rep in range(2):  # the first pass traces every shape; the second is measured
         long_ids = tuple(rng.randrange(1000, 50000) for _ in range(prompt))
         if not fresh:
@@ -160,12 +196,17 @@ def engine_lines(
                 ids = tuple(rng.randrange(1000, 50000) for _ in range(forced["tokens"]))
                 engine.add_request(GenerationRequest(f"f{rep}.{k}", ids, one))
             mx.synchronize()
+            probe.seconds, probe.counts = 0.0, Counter()
+            probe.count_next = graph and rep and forced["tokens"] not in graphs
             start = time.perf_counter()
             engine.step()
             mx.synchronize()
             if rep:
                 walls[forced["tokens"]].append(1e3 * (time.perf_counter() - start))
                 builds[forced["tokens"]].append(1e3 * cpu["s"])
+                submits[forced["tokens"]].append(1e3 * probe.seconds)
+                if probe.count_next:
+                    graphs[forced["tokens"]] = probe.counts
         if not fresh:
             engine.abort(f"p{rep}")
         engine.step()
@@ -179,8 +220,20 @@ def engine_lines(
             "execute_cpu_ms": round(statistics.median(builds[size]), 3),
             "x_decode": round(statistics.median(walls[size]) / decode, 2), "n": len(walls[size]),
         }  # fmt: skip
+        if graph:
+            counts = graphs.get(size, Counter())
+            line["async_eval_ms"] = round(statistics.median(submits[size]), 3)
+            line["primitives"] = sum(counts.values())
+            line["by_kind"] = dict(counts.most_common(25))
         out.append(line)
         print(json.dumps(line), flush=True)
+    probe.remove()
+    if graph and 0 in graphs:
+        for size in sizes:  # what a chunk adds to the decode rows' graph
+            extra = graphs.get(size, Counter())
+            extra.subtract(graphs[0])
+            print(json.dumps({"what": "primitives_added", "chunk": size, "fresh": fresh,
+                              "by_kind": dict(extra.most_common(30))}), flush=True)  # fmt: skip
     return out
 
 
@@ -198,6 +251,9 @@ def main() -> None:
         "--fresh", action="store_true", help="each chunk a new prompt (a chat arriving)"
     )
     ap.add_argument("--eager-chunks", action="store_true", help="later chunks eagerly")
+    ap.add_argument(
+        "--graph", action="store_true", help="time mx.async_eval and count each step's primitives"
+    )
     args = ap.parse_args()
     from deltaserve.models.build import load_model
     from deltaserve.models.testing import cached_checkpoint
@@ -207,7 +263,10 @@ def main() -> None:
     if not args.skip_model:
         model_lines(load_model(path), args.sizes)
     for rows in args.rows:
-        engine_lines(path, rows, args.sizes, args.prompt, args.reps, args.fresh, args.eager_chunks)
+        engine_lines(
+            path, rows, args.sizes, args.prompt, args.reps, args.fresh, args.eager_chunks,
+            args.graph,
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ execute (the forward, queued with mx.async_eval), sample (queued behind it), rea
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -36,6 +37,8 @@ from deltaserve.engine.types import SamplingParams
 from deltaserve.engine.vision.features import VisionInputs
 from deltaserve.models.qwen35 import Qwen35Model
 from deltaserve.models.state import ForwardGroup, text_positions
+
+log = logging.getLogger(__name__)
 
 
 class TokenMasks(Protocol):
@@ -259,6 +262,10 @@ class ModelRunner:
         if verify is not None:
             pending += [verify.logits, *_slots(self.states.verify)]
         built = time.perf_counter()
+        if log.isEnabledFor(logging.DEBUG):  # what ran as which forward: its host cost
+            compiled = [("decode", plan.decode_row_ids, decode_logits is not None)]
+            compiled.append(("verify", plan.verify_row_ids, compiled_verify is not None))
+            log.debug("step %d forwards: %s", plan.step, _forwards(compiled, groups, runs))
         mx.async_eval(*pending, *([logits] if logits is not None else []))
         split = (built - start, time.perf_counter() - built)
         if self._shapes_run() > shapes:
@@ -681,6 +688,21 @@ class ModelRunner:
                 h, p = where[i]
                 last.append(mx.repeat(h[p : p + 1, -1], len(chunk.sample_row_ids), axis=0))
         return last
+
+
+def _forwards(
+    compiled: list[tuple[str, tuple[str, ...], bool]],
+    groups: list[ForwardGroup],
+    runs: dict[int, tuple[mx.array, list[BatchState]]],
+) -> str:
+    """The step's forwards for the debug log: the decode and verify batches (compiled or
+    a group of the eager forward), each compiled prompt run ([P, 1, H] out) and each group
+    of the eager forward by shape. On a GPU a forward's host cost is its op count, about
+    the same whatever its tokens, so the count of forwards is most of a step's cost."""
+    parts = [f"{name} {len(rows)} compiled" for name, rows, done in compiled if rows and done]
+    parts += [f"prompt run {len(states)} rows" for _, states in runs.values()]
+    parts += [f"eager {g.shape[0]}x{g.shape[1]}" for g in groups]
+    return ", ".join(parts) or "none"
 
 
 def _decode_tokens(plan: StepPlan, prev_tokens: mx.array | None) -> mx.array:
