@@ -148,6 +148,26 @@ hostcost() {  # where a mixed step's host time goes: mx.async_eval's share and t
     fi
 }
 
+chunk() {  # the DeltaNet prompt chunk as kernels (kernels/deltanet_chunk.py): their GPU
+    # tests, then the mixed step with them and without (bench.mixed_step --graph: host
+    # time and graph nodes); stops after the tests when any fails
+    timeout 240 bash bench/gpu_tests.sh -k "deltanet_chunk" --timeout 120 -rfE \
+        tests/test_kernel_deltanet_chunk.py >"$OUT/chunk_tests.log" 2>&1
+    tail -3 "$OUT/chunk_tests.log" | cut -c1-300
+    grep -q " passed" "$OUT/chunk_tests.log" && ! grep -qE "[0-9]+ failed|error" "$OUT/chunk_tests.log" || return 1
+    local base="python3 -m bench.mixed_step --shape 0.8B --rows 64 --sizes 16 256 1024 --prompt 2048 --reps 3 --skip-model --graph"
+    local off
+    for off in "" "--off fused_deltanet_chunk"; do
+        timeout 150 $base $off >>"$OUT/chunk_mixed.log" 2>&1
+        timeout 150 $base --fresh $off >>"$OUT/chunk_mixed.log" 2>&1
+    done
+    grep '"engine_step"' "$OUT/chunk_mixed.log" | python3 -c '
+import json, sys
+for line in sys.stdin:
+    d = json.loads(line)
+    print(d["chunk"], d["fresh"], d["off"], d["wall_ms"], d["x_decode"], d["async_eval_ms"], d["primitives"])'
+}
+
 forwards64() {  # 0.8B, deltaserve alone at 64 clients with --log-level debug: how many
     # forwards each step ran (runner.execute's debug line; a forward's host cost on a GPU
     # is its op count, whatever its tokens) and what the steps with prompt work held

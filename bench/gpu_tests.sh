@@ -15,4 +15,5 @@ export MLX_ENABLE_TF32=0
 exec python3 -m pytest -q -p no:cacheprovider \
     tests/test_kernel_gated_delta_scan.py tests/test_kernel_gated_delta_states.py \
     tests/test_kernel_gated_delta_fused.py \
-    tests/test_kernel_deltanet_decode.py tests/test_kernel_rms_norm.py "$@"
+    tests/test_kernel_deltanet_decode.py tests/test_kernel_deltanet_chunk.py \
+    tests/test_kernel_rms_norm.py "$@"

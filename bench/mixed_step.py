@@ -133,6 +133,7 @@ def engine_lines(
     fresh: bool = False,
     eager_chunks: bool = False,
     graph: bool = False,
+    overrides: dict | None = None,
 ) -> list[dict]:
     """Alternate decode-only and mixed steps while a `prompt`-token prompt prefills, or
     with `fresh`, each mixed step's chunk a new `size`-token prompt (a chat arriving:
@@ -149,7 +150,7 @@ def engine_lines(
     runner_module.CHUNK_TRACE_AFTER = 0
     config = EngineConfig(
         max_num_seqs=max(64, rows + 1), max_stall_factor=0, warm_up_seconds=0,
-        compile_chunks=False if eager_chunks else None,
+        compile_chunks=False if eager_chunks else None, **(overrides or {}),
     )  # fmt: skip
     engine = LLMEngine(loaded, config)
     rng = random.Random(0)
@@ -215,7 +216,7 @@ def engine_lines(
     for size in [0, *sizes]:
         line = {
             "what": "engine_step", "rows": rows, "chunk": size, "fresh": fresh,
-            "compiled_chunks": engine.runner.compile_chunks,
+            "compiled_chunks": engine.runner.compile_chunks, "off": sorted(overrides or {}),
             "wall_ms": round(statistics.median(walls[size]), 3),
             "execute_cpu_ms": round(statistics.median(builds[size]), 3),
             "x_decode": round(statistics.median(walls[size]) / decode, 2), "n": len(walls[size]),
@@ -254,6 +255,9 @@ def main() -> None:
     ap.add_argument(
         "--graph", action="store_true", help="time mx.async_eval and count each step's primitives"
     )
+    ap.add_argument(
+        "--off", nargs="*", default=[], help="engine switches set False (e.g. fused_deltanet_chunk)"
+    )
     args = ap.parse_args()
     from deltaserve.models.build import load_model
     from deltaserve.models.testing import cached_checkpoint
@@ -265,7 +269,7 @@ def main() -> None:
     for rows in args.rows:
         engine_lines(
             path, rows, args.sizes, args.prompt, args.reps, args.fresh, args.eager_chunks,
-            args.graph,
+            args.graph, {name: False for name in args.off},
         )  # fmt: skip
 
 

@@ -94,6 +94,9 @@ class EngineConfig:
     # Prompt chunks' DeltaNet recurrence as one scan kernel per layer (CUDA only:
     # kernels/gated_delta_scan.py) instead of the chunked form's many small kernels
     deltanet_scan: bool | None = None
+    # A DeltaNet layer's prompt chunk as three kernels around that scan (CUDA only:
+    # kernels/deltanet_chunk.py) instead of ~45 compiled ops, each a node MLX encodes
+    fused_deltanet_chunk: bool | None = None
     # A DeltaNet layer's decode token as one kernel (CUDA/Metal: kernels/deltanet_decode.py)
     fused_deltanet_decode: bool | None = None
     # RMSNorm of half-precision activations as one kernel (CUDA/Metal: kernels/rms_norm.py)

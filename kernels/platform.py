@@ -30,6 +30,7 @@ DEVICES = ("cpu", "cuda", "metal")
 # reference behind the same function). The Metal sources are untested here (no Mac).
 FUSED_KERNEL_DEVICES = {
     "deltanet_scan": ("cuda",),  # kernels/gated_delta_scan.py
+    "fused_deltanet_chunk": ("cuda",),  # kernels/deltanet_chunk.py (with deltanet_scan)
     "fused_deltanet_decode": ("cuda", "metal"),  # kernels/deltanet_decode.py
     "fused_rms_norm": ("cuda", "metal"),  # kernels/rms_norm.py
     "fused_gated_delta_step": ("cuda", "metal"),  # kernels/gated_delta_fused.py
@@ -63,6 +64,7 @@ class PlatformSwitches(Protocol):
     pipeline_steps: bool | None
     pack_token_wise: bool | None
     deltanet_scan: bool | None
+    fused_deltanet_chunk: bool | None
     fused_deltanet_decode: bool | None
     fused_rms_norm: bool | None
     fused_gated_delta_step: bool | None
@@ -88,6 +90,7 @@ class Platform:
     pack_token_wise: bool = False  # token-wise layers over all groups' tokens at once
     # Kernels: on = the fused kernel, off = its plain-MLX reference behind the same function
     deltanet_scan: bool = False
+    fused_deltanet_chunk: bool = False
     fused_deltanet_decode: bool = False
     fused_rms_norm: bool = False
     fused_gated_delta_step: bool = False

@@ -26,6 +26,8 @@ import mlx.nn as nn
 
 from deltaserve.kernels import deltanet_decode as dn_decode
 from deltaserve.kernels import fastmath
+from deltaserve.kernels.deltanet_chunk import deltanet_chunk
+from deltaserve.kernels.deltanet_chunk import uses_kernels as chunk_kernels
 from deltaserve.kernels.gated_delta import gated_delta
 from deltaserve.kernels.platform import current_platform
 from deltaserve.models.config import TextConfig
@@ -187,6 +189,8 @@ class GatedDeltaNet(nn.Module):
     None = fused_decode_default().
     scan_prefill: the recurrence of L > 1 inputs as one CUDA scan kernel
     (kernels/gated_delta_scan.py); None = scan_prefill_default().
+    fused_chunk: run an L > 1 input (no split, no state slots) as the kernels of
+    kernels/deltanet_chunk.py; None = where they run (CUDA, with the scan on).
     """
 
     def __init__(self, cfg: TextConfig) -> None:
@@ -202,6 +206,7 @@ class GatedDeltaNet(nn.Module):
         self.compile_prefill: bool | None = None
         self.fused_decode: bool | None = None
         self.scan_prefill: bool | None = None
+        self.fused_chunk: bool | None = None
         self._dims = CoreDims(
             self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim, cfg.rms_norm_eps
         )
@@ -230,6 +235,13 @@ class GatedDeltaNet(nn.Module):
         if "in_proj" in self:
             return self.in_proj(x)
         return [self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)]
+
+    def project_whole(self, x: mx.array) -> mx.array:
+        """`project`'s outputs as one [B, L, P] array (qkv | z | b | a), the fused kernels'
+        input: the fused projection's output unsplit (contiguous, no copy)."""
+        if "in_proj" in self:
+            return self.in_proj.proj(x)
+        return mx.concatenate(self.project(x), axis=-1)
 
     def fuse_projections(self) -> None:
         """After loading: the four input projections as one matmul (models/fused.py)."""
@@ -261,16 +273,44 @@ class GatedDeltaNet(nn.Module):
     ) -> mx.array:
         """x [B, 1, H] -> [B, 1, H] (+ residual) through kernels/deltanet_decode.py."""
         b = x.shape[0]
-        if "in_proj" in self:  # the fused projection unsplit: [B, 1, P] is contiguous
-            proj = self.in_proj.proj(x)
-        else:
-            proj = mx.concatenate(self.project(x), axis=-1)
+        proj = self.project_whole(x)
         conv_state, ssm = self._states(state, b, proj.dtype)
         weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
         y, state.conv, state.ssm = dn_decode.deltanet_decode(
             self._decode_dims, proj.reshape(b, -1), conv_state, ssm, *weights
         )
         return linear_plus(self.out_proj, y[:, None], residual)
+
+    def use_fused_chunk(self, length: int, split: int = 0, slots: bool = False) -> bool:
+        """Whether an L = length input runs as kernels/deltanet_chunk.py's kernels (CUDA,
+        by the platform profile): a prompt chunk without a split or state slots."""
+        if length < 2 or split or slots:
+            return False
+        if self.fused_chunk is not None:
+            return self.fused_chunk
+        return chunk_kernels(self._decode_dims) and self.core_dims().scan
+
+    def _chunk_fused(
+        self,
+        x: mx.array,
+        state: RecurrentState,
+        mask: mx.array | None,
+        left_pad: tuple[int, ...] | mx.array | None,
+        residual: mx.array | None = None,
+    ) -> mx.array:
+        """x [B, L, H] -> [B, L, H] (+ residual) through kernels/deltanet_chunk.py; mask
+        and left_pad (pads as data or a tuple) describe the same padding."""
+        b = x.shape[0]
+        proj = self.project_whole(x)
+        conv_state, ssm = self._states(state, b, proj.dtype)
+        pads = None
+        if mask is not None:
+            pads = left_pad if isinstance(left_pad, mx.array) else mx.array(left_pad, mx.int32)
+        weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
+        y, state.conv, state.ssm = deltanet_chunk(
+            self._decode_dims, proj, conv_state, ssm, *weights, pads, mask
+        )
+        return linear_plus(self.out_proj, y, residual)
 
     def _states(self, state: RecurrentState, rows: int, dtype: mx.Dtype) -> tuple:
         """(conv tail, recurrent state) of `state`, zeros for fresh rows."""
@@ -305,20 +345,28 @@ class GatedDeltaNet(nn.Module):
         if rows_b > rows:  # dead rows: nothing but padding
             padded.append(mx.zeros((rows_b - rows, length_b, hidden), xs[0].dtype))
             pads += [length_b] * (rows_b - rows)
-        qkv, z, beta_in, a_in = self.project(mx.concatenate(padded, axis=0))
-        parts = [self._states(s, x.shape[0], qkv.dtype) for s, x in zip(states, xs, strict=True)]
+        fused = self.use_fused_chunk(length_b)
+        x = mx.concatenate(padded, axis=0)
+        projected = [self.project_whole(x)] if fused else self.project(x)
+        dtype = projected[0].dtype
+        parts = [self._states(s, x.shape[0], dtype) for s, x in zip(states, xs, strict=True)]
         convs, ssms = [p[0] for p in parts], [p[1] for p in parts]
         if rows_b > rows:
-            convs.append(mx.zeros((rows_b - rows, *convs[0].shape[1:]), qkv.dtype))
+            convs.append(mx.zeros((rows_b - rows, *convs[0].shape[1:]), dtype))
             ssms.append(mx.zeros((rows_b - rows, *ssms[0].shape[1:]), mx.float32))
         left_pad = mx.array(pads, dtype=mx.int32)
         mask = mx.arange(length_b, dtype=mx.int32)[None] >= left_pad[:, None]
         weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
-        fresh = all(s.conv is None for s in states)
-        y, conv, ssm = _compiled_core(self.core_dims(), fresh)(
-            qkv, z, beta_in, a_in, mx.concatenate(convs), mx.concatenate(ssms), *weights,
-            mask, left_pad,
-        )  # fmt: skip
+        conv_state, ssm = mx.concatenate(convs), mx.concatenate(ssms)
+        if fused:
+            y, conv, ssm = deltanet_chunk(
+                self._decode_dims, projected[0], conv_state, ssm, *weights, left_pad, mask
+            )
+        else:
+            fresh = all(s.conv is None for s in states)
+            y, conv, ssm = _compiled_core(self.core_dims(), fresh)(
+                *projected, conv_state, ssm, *weights, mask, left_pad
+            )
         out, start = [], 0
         for x, state in zip(xs, states, strict=True):
             b, length_g = x.shape[0], x.shape[1]
@@ -343,6 +391,8 @@ class GatedDeltaNet(nn.Module):
         [B, L] (True = real) keeps pads out of the state. split: ForwardGroup.snapshot_at;
         slots: ForwardGroup.state_slots (see `core`)."""
         length = x.shape[1]
+        if self.use_fused_chunk(length, split, slots):
+            return self._chunk_fused(x, state, mask, left_pad, residual)
         if isinstance(left_pad, mx.array) or self.eager(length, mask, split, slots):
             # pads as data: already inside a compiled forward (engine/compiled_prefill.py)
             core = self.core(self.project(x), state, mask, left_pad, split, slots)
@@ -359,7 +409,10 @@ class GatedDeltaNet(nn.Module):
         do), rather than the compiled prefill or the fused decode kernel; its projections
         may then run packed with other groups' (models/qwen35.py)."""
         fused = length == 1 and mask is None and self.use_fused_decode()
-        return bool(split) or slots or (not fused and not self.use_compiled(length))
+        if split or slots:
+            return True
+        chunk = self.use_fused_chunk(length, split, slots)
+        return not fused and not chunk and not self.use_compiled(length)
 
     def core(
         self,
