@@ -22,9 +22,9 @@ from deltaserve.engine.types import SamplingParams
 K = 2
 
 
-def _row() -> Request:
+def _row(name: str = "r") -> Request:
     params = SamplingParams(temperature=0.0, max_tokens=1_000_000, ignore_eos=True)
-    req = Request("r", 0, [1, 2, 3], params, frozenset(), 2_000_000)
+    req = Request(name, 0, [1, 2, 3], params, frozenset(), 2_000_000)
     req.speculative = True
     return req
 
@@ -49,11 +49,39 @@ def test_zero_acceptance_backs_off_to_a_few_verifies_per_thousand_steps() -> Non
     floor = MIN_ACCEPTANCE * WINDOW_STEPS
     first = next(n for n in range(1, WINDOW_STEPS + 1) if WINDOW_STEPS - n < floor)
     assert drafted[:first] == list(range(first)) and drafted[first] > first
-    # then probes of PROBE_STEPS after pauses 64, 128, ... capped at MAX_PAUSE_STEPS
-    gaps = [b - a for a, b in zip(drafted, drafted[1:], strict=False) if b - a > 1]
-    want = [min(PAUSE_STEPS * 2**i, MAX_PAUSE_STEPS) for i in range(len(gaps))]
-    assert gaps == want
+    # then probes of PROBE_STEPS after pauses 64, 128, ... capped at MAX_PAUSE_STEPS, each
+    # starting on the grid of PAUSE_STEPS (so rows paused at other steps probe with it)
+    pairs = [(a, b) for a, b in zip(drafted, drafted[1:], strict=False) if b - a > 1]
+    want = [min(PAUSE_STEPS * 2**i, MAX_PAUSE_STEPS) for i in range(len(pairs))]
+    assert len(pairs) > 5
+    for (last, probe), pause in zip(pairs, want, strict=True):
+        assert probe % PAUSE_STEPS == 0 and pause <= probe - last < pause + PAUSE_STEPS
     assert len(drafted) < 0.01 * 20_000  # verify steps are under 1% of the row's steps
+
+
+def _grid(step: int) -> int:
+    """The first probe step on the shared grid at or after `step`."""
+    return -(-step // PAUSE_STEPS) * PAUSE_STEPS
+
+
+def test_rows_paused_at_different_steps_probe_together() -> None:
+    """Rows that started decoding (and so paused) at different steps probe in the same
+    step, one verify step for all of them; once verifies are measured not to pay, a new
+    row's first verify waits for that step too."""
+    policy = Speculation(K)
+    rows = [_row(f"r{i}") for i in range(3)]
+    probes: dict[str, list[int]] = {r.request_id: [] for r in rows}
+    for step in range(400):
+        for i, req in enumerate(rows):
+            if step >= 5 * i and policy.speculates(req, step):  # row i starts at step 5i
+                if step > 5 * i + WINDOW_STEPS:
+                    probes[req.request_id].append(step)
+                policy.observe(req, K, 0, step)
+    assert probes["r0"] and probes["r0"] == probes["r1"] == probes["r2"]
+    for _ in range(COST_SAMPLES):  # a verify costs 3.5 plain steps: no K drafts repay it
+        policy.observe_step(0, 1, 0.035, 0.01)
+    late = _row("late")
+    assert not policy.speculates(late, 401) and policy.speculates(late, _grid(401))
 
 
 def test_landing_drafts_keep_the_row_drafting() -> None:
@@ -76,7 +104,7 @@ def test_a_probe_that_lands_ends_the_back_off() -> None:
     while policy.speculates(req, step):  # fail: pause PAUSE_STEPS, then probe
         policy.observe(req, K, 0, step)
         step += 1
-    probe = step - 1 + PAUSE_STEPS
+    probe = _grid(step - 1 + PAUSE_STEPS)
     for step in range(probe, probe + PROBE_STEPS):  # the probe lands
         assert policy.speculates(req, step)
         policy.observe(req, K, K, step)
@@ -85,8 +113,8 @@ def test_a_probe_that_lands_ends_the_back_off() -> None:
         policy.observe(req, K, 0, step)
         step += 1
     failed = step - 1  # the verify that paused it: a fresh PAUSE_STEPS, not doubled
-    assert not policy.speculates(req, failed + PAUSE_STEPS - 1)
-    assert policy.speculates(req, failed + PAUSE_STEPS)
+    assert not policy.speculates(req, _grid(failed + PAUSE_STEPS) - 1)
+    assert policy.speculates(req, _grid(failed + PAUSE_STEPS))
 
 
 def test_the_break_even_is_what_a_verify_costs() -> None:

@@ -19,11 +19,16 @@ Until COST_SAMPLES such steps are measured the floor is MIN_ACCEPTANCE of the dr
 Each row keeps its recent verify steps; when they average fewer accepted drafts than the
 break-even (or can no longer reach it within WINDOW_STEPS) the row decodes plainly for a
 pause and then probes with PROBE_STEPS verifies (its MTP head store misses the plain
-steps' positions meanwhile). A failed probe doubles the pause (PAUSE_STEPS up to
-MAX_PAUSE_STEPS), a good one ends the back-off: a row whose drafts never land (or never
-land often enough to pay, as on a device where a verify costs several decode steps) pays
-at most WINDOW_STEPS verifies once and then a few per thousand steps, so speculation
-that cannot win costs about a plain step.
+steps' positions meanwhile). Pauses end on a grid of PAUSE_STEPS shared by every row, and
+where verifies are measured not to pay a new row's first verify waits for it too: rows
+that started decoding in different steps probe in one verify step, not one each (a step
+of 2-3 verifying rows costs a verify's fixed part, which then also priced the
+break-even as if no draft could ever repay it: 0.37x decode at B=64 on an H100).
+A failed probe doubles the pause (PAUSE_STEPS up to MAX_PAUSE_STEPS), a good one ends
+the back-off: a row whose drafts never land (or never land often enough to pay, as on a
+device where a verify costs several decode steps) pays at most WINDOW_STEPS verifies
+once and then a few per thousand steps, so speculation that cannot win costs about a
+plain step.
 """
 
 from __future__ import annotations
@@ -105,7 +110,14 @@ class Speculation:
             return False
         left = min(req.params.max_tokens - len(req.output_ids), req.max_context - req.num_tokens)
         record = self._rows.get(req.row_id)
-        return left > 1 and (record is None or step >= record.paused_until)
+        if record is None:
+            # a new row where verifies are measured not to pay (no k drafts repay one)
+            # waits for the grid its paused peers probe on, so they verify together
+            need = self.break_even()
+            if need is not None and need >= self.num_draft:
+                return left > 1 and step % PAUSE_STEPS == 0
+            return left > 1
+        return left > 1 and step >= record.paused_until
 
     def observe(self, req: Request, drafted: int, accepted: int, step: int) -> None:
         """A verify step's outcome for `req`'s row (accepted of drafted)."""
@@ -127,7 +139,10 @@ class Speculation:
             record.recent.clear()
             if record.probing:  # drafts still do not land: wait twice as long
                 record.pause = min(2 * record.pause, MAX_PAUSE_STEPS)
-            record.paused_until = step + record.pause
+            # on a grid shared by every row: rows that paused in different steps probe
+            # in the same one, a single verify step (its fixed cost shared by all of
+            # them), not one per row's own schedule
+            record.paused_until = -(-(step + record.pause) // PAUSE_STEPS) * PAUSE_STEPS
             record.probing = True
         elif record.probing and seen >= window:  # the drafts land again: the full window
             record.probing, record.pause = False, PAUSE_STEPS
