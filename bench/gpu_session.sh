@@ -168,6 +168,29 @@ for line in sys.stdin:
     print(d["chunk"], d["fresh"], d["off"], d["wall_ms"], d["x_decode"], d["async_eval_ms"], d["primitives"])'
 }
 
+tokens() {  # the engine-level token tests of the DeltaNet decode and chunk kernels (greedy
+    # tokens through each kernel == through its reference; float32, TF32 off)
+    MLX_ENABLE_TF32=0 timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE --timeout 150 \
+        tests/test_kernel_deltanet_decode.py::test_engine_decoding_through_it_is_unchanged \
+        tests/test_kernel_deltanet_chunk.py::test_engine_prompts_through_it_write_the_same_tokens \
+        >"$OUT/token_tests.log" 2>&1
+    tail -4 "$OUT/token_tests.log" | cut -c1-300
+}
+
+mixedc() {  # the mixed step through the compiled prompt paths (what a server runs, its
+    # shapes traced first), the fused DeltaNet chunk on and off
+    local base="python3 -m bench.mixed_step --shape 0.8B --rows 64 --sizes 16 256 --prompt 2048 --reps 3 --skip-model --graph"
+    local off
+    for off in "" "--off fused_deltanet_chunk"; do
+        timeout 150 $base $off >>"$OUT/mixedc.log" 2>&1
+    done
+    grep '"engine_step"' "$OUT/mixedc.log" | python3 -c '
+import json, sys
+for line in sys.stdin:
+    d = json.loads(line)
+    print(d["chunk"], d["fresh"], d["off"], d["wall_ms"], d["x_decode"], d["async_eval_ms"], d["primitives"])'
+}
+
 forwards64() {  # 0.8B, deltaserve alone at 64 clients with --log-level debug: how many
     # forwards each step ran (runner.execute's debug line; a forward's host cost on a GPU
     # is its op count, whatever its tokens) and what the steps with prompt work held

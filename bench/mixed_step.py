@@ -140,14 +140,12 @@ def engine_lines(
     its first and only chunk; it samples one token and leaves). The long prompt's later
     chunks run compiled where the device's default says so (a shape traced at its first
     use: the first pass meets them all), eagerly with `eager_chunks`."""
-    from deltaserve.engine import runner as runner_module
     from deltaserve.engine.config import EngineConfig
     from deltaserve.engine.engine import LLMEngine
     from deltaserve.engine.types import GenerationRequest, SamplingParams
     from deltaserve.models.build import load_model
 
     loaded = load_model(path)
-    runner_module.CHUNK_TRACE_AFTER = 0
     config = EngineConfig(
         max_num_seqs=max(64, rows + 1), max_stall_factor=0, warm_up_seconds=0,
         compile_chunks=False if eager_chunks else None, **(overrides or {}),
@@ -186,6 +184,10 @@ def engine_lines(
     if graph:
         probe.install()
     for rep in range(2):  # the first pass traces every shape; the second is measured
+        # the runner traces no new prompt shape while rows stream (ModelRunner._may_trace):
+        # a server's warm-up traces them at start, here the first pass does
+        may_trace = type(engine.runner)._may_trace
+        engine.runner._may_trace = (lambda plan: True) if rep == 0 else may_trace
         long_ids = tuple(rng.randrange(1000, 50000) for _ in range(prompt))
         if not fresh:
             engine.add_request(GenerationRequest(f"p{rep}", long_ids, params))
