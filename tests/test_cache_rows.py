@@ -260,6 +260,38 @@ def test_bucketed_decode_batch_pads_with_dead_rows_and_drops_them() -> None:
     assert ssm.conv[:, 0, 0].tolist() == [1.0, 3.0]
 
 
+def test_a_whole_batch_going_to_verify_and_back_trades_places() -> None:
+    """Every decode row speculating (the verify batch empty) swaps the two batches, and
+    so does their way back; a batch that keeps some rows moves only the others. Rows keep
+    their contents and order (and the bucket's dead rows) either way."""
+    from deltaserve.engine.cache.batch import BatchState
+    from deltaserve.engine.cache.rows import RowStates
+
+    def fresh() -> BatchState:
+        return BatchState([FullPrecisionKV(), SSMState()])
+
+    states = RowStates(fresh, partial(decode_bucket, max_rows=16))
+    for i, n in enumerate((3, 5, 7)):
+        state = states.prefill_state(f"r{i}")
+        store, _ = _row_store(n, seed=i)
+        ssm = SSMState(1)
+        ssm.conv, ssm.ssm = mx.full((1, 3, 4), float(i + 1)), mx.full((1, 2, 2, 2), float(i + 1))
+        state.layers[:] = [store, ssm]
+    rows = ["r0", "r1", "r2"]
+    states.sync(rows, [], [])
+    decode = states.decode
+    states.sync([], [], [], verify_row_ids=rows)
+    assert states.verify is decode and states.verify_ids == rows and not states.decode_ids
+    kv, ssm = states.verify.layers
+    assert kv.lengths() == [3, 5, 7, 0] and ssm.conv[:, 0, 0].tolist() == [1.0, 2.0, 3.0, 0.0]
+    states.sync(rows, [], [], verify_row_ids=[])
+    assert states.decode is decode and states.decode_ids == rows and not states.verify_ids
+    states.sync(["r0"], [], [], verify_row_ids=["r2", "r1"])  # some stay: rows move
+    assert states.decode is decode and states.verify_ids == ["r2", "r1"]
+    kv, ssm = states.verify.layers
+    assert kv.lengths()[:2] == [7, 5] and ssm.conv[:2, 0, 0].tolist() == [3.0, 2.0]
+
+
 def test_a_steps_mask_for_its_last_queries() -> None:
     """AttentionState.attend may get fewer queries than new tokens: an array mask keeps
     its last rows, "causal" stays (it aligns the last query with the last key) except for

@@ -109,13 +109,15 @@ class RowStates:
         """Make the decode batch hold exactly `decode_row_ids` and the verify batch (rows
         that speculate this step) `verify_row_ids`, in those orders; with `hold` (the rows
         sit this step out) leave both as they are (freed rows leave at the next sync). A
-        row that changes batch moves as an extracted B=1 state."""
+        row that changes batch moves as an extracted B=1 state, except when every row of
+        one batch moves to the other, which holds none: then the batches trade places."""
         for child, parent in forks:
             self.prefill[child] = self.prefill[parent].extract(0)
         for row_id in freed_row_ids:
             self.prefill.pop(row_id, None)
         if hold:
             return
+        self._trade_places(decode_row_ids, verify_row_ids)
         self._move_out(self.decode, self.decode_ids, set(verify_row_ids))
         self._move_out(self.verify, self.verify_ids, set(decode_row_ids))
         self.decode_ids = self._sync_batch(self.decode, self.decode_ids, decode_row_ids)
@@ -126,6 +128,20 @@ class RowStates:
             self.verify.pad_rows(self._bucket(len(self.verify_ids)) - self.verify.num_rows)
         assert self.decode_ids == list(decode_row_ids), "decode batch order diverged"
         assert self.verify_ids == list(verify_row_ids), "verify batch order diverged"
+
+    def _trade_places(
+        self, decode_row_ids: Sequence[str], verify_row_ids: Sequence[str]
+    ) -> None:
+        """When all the decode batch's rows go on to verify and the verify batch holds
+        none, or the other way round, swap the two batches instead of extracting every
+        row and merging it into the other (a probe of 64 rows that all speculate, and
+        their way back: ~1,000 graph nodes each way, each a cost on a GPU)."""
+        decode, verify = set(self.decode_ids), set(self.verify_ids)
+        to_verify = bool(decode) and not verify and decode <= set(verify_row_ids)
+        to_decode = bool(verify) and not decode and verify <= set(decode_row_ids)
+        if to_verify or to_decode:
+            self.decode, self.verify = self.verify, self.decode
+            self.decode_ids, self.verify_ids = self.verify_ids, self.decode_ids
 
     def _move_out(self, batch: BatchState, ids: list[str], elsewhere: set[str]) -> None:
         """Rows of `batch` wanted in the other batch wait as B=1 states (with prompts)."""
