@@ -31,7 +31,12 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from deltaserve.kernels.deltanet_decode import DecodeDims, deltanet_decode_ops, supported
+from deltaserve.kernels.deltanet_decode import (
+    DecodeDims,
+    check_inputs,
+    deltanet_decode_ops,
+    supported,
+)
 from deltaserve.kernels.gated_delta_scan import gated_delta_scan
 from deltaserve.kernels.jit import kernel_name
 from deltaserve.kernels.platform import current_platform
@@ -256,15 +261,10 @@ def deltanet_chunk(
     kernels on CUDA (`uses_kernels`), `deltanet_chunk_ops` elsewhere. left_pad and mask
     describe the same padding (both or neither): the prologue places each row's conv
     state by its pad count, the scan skips the masked tokens."""
-    b, length, p = proj.shape
-    c = dims.conv_dim
-    if p != dims.proj_dim or conv_state.shape != (b, dims.kernel - 1, c):
-        raise ValueError(f"proj {proj.shape} / conv_state {conv_state.shape} do not fit {dims}")
+    check_inputs(dims, proj, conv_state, ssm, conv_w, a_log, dt_bias, norm_w)
     if (left_pad is None) != (mask is None):
         raise ValueError("left_pad and mask describe one padding: give both or neither")
-    ssm_shape = (b, dims.num_v_heads, dims.head_v_dim, dims.head_k_dim)
-    if ssm.shape != ssm_shape:
-        raise ValueError(f"ssm {ssm.shape} must be {ssm_shape} for proj {proj.shape}")
+    b, length = proj.shape[:2]
     conv_state = conv_state.astype(proj.dtype)
     if not uses_kernels(dims):
         return deltanet_chunk_ops(dims, proj, conv_state, ssm, conv_w, a_log, dt_bias, norm_w, mask)

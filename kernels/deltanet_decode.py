@@ -44,7 +44,7 @@ from deltaserve.kernels.jit import kernel_name
 from deltaserve.kernels.platform import current_platform
 from deltaserve.kernels.rms_norm import float_bits
 
-__all__ = ["DecodeDims", "deltanet_decode", "deltanet_decode_ops", "supported"]
+__all__ = ["DecodeDims", "check_inputs", "deltanet_decode", "deltanet_decode_ops", "supported"]
 
 _LANES = 8  # lanes per state row (as kernels/gated_delta_fused.py)
 
@@ -272,6 +272,39 @@ def _kernel(backend: str) -> Callable[..., list[mx.array]]:
     )
 
 
+def check_inputs(
+    dims: DecodeDims,
+    proj: mx.array,
+    conv_state: mx.array,
+    ssm: mx.array,
+    conv_w: mx.array,
+    a_log: mx.array,
+    dt_bias: mx.array,
+    norm_w: mx.array,
+) -> None:
+    """Raise ValueError unless the inputs fit `dims`: proj [B, (L,) P], conv_state
+    [B, K-1, C], ssm [B, Hv, Dv, Dk] and weights of the layer's sizes. The kernels (here
+    and kernels/deltanet_chunk.py) index every input by these sizes and size their state
+    outputs from them: a state or weight of other sizes would be read (and the state
+    written) out of bounds."""
+    b, p = proj.shape[0], proj.shape[-1]
+    c = dims.conv_dim
+    if p != dims.proj_dim or conv_state.shape != (b, dims.kernel - 1, c):
+        raise ValueError(f"proj {proj.shape} / conv_state {conv_state.shape} do not fit {dims}")
+    ssm_shape = (b, dims.num_v_heads, dims.head_v_dim, dims.head_k_dim)
+    if ssm.shape != ssm_shape:
+        raise ValueError(f"ssm {ssm.shape} must be {ssm_shape} for proj {proj.shape}")
+    weights = {
+        "conv_w": (conv_w, c * dims.kernel),
+        "a_log": (a_log, dims.num_v_heads),
+        "dt_bias": (dt_bias, dims.num_v_heads),
+        "norm_w": (norm_w, dims.head_v_dim),
+    }
+    for name, (x, size) in weights.items():
+        if x.size != size:
+            raise ValueError(f"{name} {x.shape} must hold {size} values for {dims}")
+
+
 def deltanet_decode(
     dims: DecodeDims,
     proj: mx.array,
@@ -285,24 +318,8 @@ def deltanet_decode(
     """One decode token of a DeltaNet layer (shapes in the module docstring): the kernel on
     CUDA/Metal, `deltanet_decode_ops` on the CPU. Raises ValueError on shapes the kernel
     does not take (`supported`)."""
-    b, p = proj.shape
-    c = dims.conv_dim
-    if p != dims.proj_dim or conv_state.shape != (b, dims.kernel - 1, c):
-        raise ValueError(f"proj {proj.shape} / conv_state {conv_state.shape} do not fit {dims}")
-    # The kernel indexes every input by these sizes and sizes its state output from them:
-    # a state or weight of other sizes would be read (and the state written) out of bounds.
-    ssm_shape = (b, dims.num_v_heads, dims.head_v_dim, dims.head_k_dim)
-    if ssm.shape != ssm_shape:
-        raise ValueError(f"ssm {ssm.shape} must be {ssm_shape} for proj {proj.shape}")
-    weights = {
-        "conv_w": (conv_w, c * dims.kernel),
-        "a_log": (a_log, dims.num_v_heads),
-        "dt_bias": (dt_bias, dims.num_v_heads),
-        "norm_w": (norm_w, dims.head_v_dim),
-    }
-    for name, (x, size) in weights.items():
-        if x.size != size:
-            raise ValueError(f"{name} {x.shape} must hold {size} values for {dims}")
+    check_inputs(dims, proj, conv_state, ssm, conv_w, a_log, dt_bias, norm_w)
+    b = proj.shape[0]
     profile = current_platform()
     args = (proj, conv_state.astype(proj.dtype), ssm.astype(mx.float32), conv_w, a_log, dt_bias)
     if not profile.fused_deltanet_decode:  # the CPU, or switched off: the reference
@@ -322,7 +339,7 @@ def deltanet_decode(
         template=template,
         grid=(b * hv * block, 1, 1),
         threadgroup=(block, 1, 1),
-        output_shapes=[(b, hv * dv), conv_state.shape, ssm_shape],
+        output_shapes=[(b, hv * dv), conv_state.shape, ssm.shape],
         output_dtypes=[proj.dtype, proj.dtype, mx.float32],
     )
     return y, conv, state

@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.kv import (
     FullPrecisionKV,
     KVStore,
@@ -16,6 +17,7 @@ from deltaserve.engine.cache.kv import (
     round_capacity,
     take_rows,
 )
+from deltaserve.engine.cache.rows import RowStates
 from deltaserve.engine.cache.ssm import SSMState
 from deltaserve.engine.shapes import decode_bucket
 
@@ -233,12 +235,9 @@ def test_decode_bucket_sizes() -> None:
     assert decode_bucket(50, 50) == 50 and decode_bucket(3, 2) == 3
 
 
-def test_bucketed_decode_batch_pads_with_dead_rows_and_drops_them() -> None:
-    """RowStates holds the decode batch at its bucket size: dead rows (no tokens, zero
-    state) after the live ones; a join or a leave drops them before re-padding, so live
-    rows keep their order and contents."""
-    from deltaserve.engine.cache.batch import BatchState
-    from deltaserve.engine.cache.rows import RowStates
+def _three_prefilled_rows() -> RowStates:
+    """RowStates (decode batch bucketed) with prefill states r0, r1, r2: KV rows of 3, 5
+    and 7 tokens and DeltaNet states filled with 1, 2 and 3."""
 
     def fresh() -> BatchState:
         return BatchState([FullPrecisionKV(), SSMState()])
@@ -250,6 +249,14 @@ def test_bucketed_decode_batch_pads_with_dead_rows_and_drops_them() -> None:
         ssm = SSMState(1)
         ssm.conv, ssm.ssm = mx.full((1, 3, 4), float(i + 1)), mx.full((1, 2, 2, 2), float(i + 1))
         state.layers[:] = [store, ssm]
+    return states
+
+
+def test_bucketed_decode_batch_pads_with_dead_rows_and_drops_them() -> None:
+    """RowStates holds the decode batch at its bucket size: dead rows (no tokens, zero
+    state) after the live ones; a join or a leave drops them before re-padding, so live
+    rows keep their order and contents."""
+    states = _three_prefilled_rows()
     states.sync(["r0", "r1", "r2"], [], [])
     kv, ssm = states.decode.layers
     assert states.decode.num_rows == 4 and kv.lengths() == [3, 5, 7, 0]
@@ -264,19 +271,7 @@ def test_a_whole_batch_going_to_verify_and_back_trades_places() -> None:
     """Every decode row speculating (the verify batch empty) swaps the two batches, and
     so does their way back; a batch that keeps some rows moves only the others. Rows keep
     their contents and order (and the bucket's dead rows) either way."""
-    from deltaserve.engine.cache.batch import BatchState
-    from deltaserve.engine.cache.rows import RowStates
-
-    def fresh() -> BatchState:
-        return BatchState([FullPrecisionKV(), SSMState()])
-
-    states = RowStates(fresh, partial(decode_bucket, max_rows=16))
-    for i, n in enumerate((3, 5, 7)):
-        state = states.prefill_state(f"r{i}")
-        store, _ = _row_store(n, seed=i)
-        ssm = SSMState(1)
-        ssm.conv, ssm.ssm = mx.full((1, 3, 4), float(i + 1)), mx.full((1, 2, 2, 2), float(i + 1))
-        state.layers[:] = [store, ssm]
+    states = _three_prefilled_rows()
     rows = ["r0", "r1", "r2"]
     states.sync(rows, [], [])
     decode = states.decode
