@@ -1,6 +1,7 @@
 """What a mixed step (decode rows + one prompt chunk) costs, and where its time goes.
 
     python -m bench.mixed_step --shape 0.8B --rows 8 64 --sizes 16 64 256 [--fresh] [--eager-chunks]
+        [--graph] [--off fused_deltanet_chunk ...]
 
 Model level: a fresh [1, L] prompt group through the whole model and through one layer
 of each kind, timed as graph building (the Python call until it returns lazy arrays)
@@ -11,7 +12,8 @@ median decode-only step, and the CPU time inside runner.execute (graph building 
 submission). With `--graph`, each kind of step also says what mx.async_eval itself took
 (MLX encoding the graph for the device) and how many primitives its graph held, by kind
 (mx.export_to_dot of the step's first measured instance): where the host time of a
-step goes, per primitive. Prints JSON lines.
+step goes, per primitive. `--off` sets engine switches False (a kernel against its
+reference in one call). Prints JSON lines.
 """
 
 from __future__ import annotations
