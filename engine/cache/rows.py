@@ -129,9 +129,7 @@ class RowStates:
         assert self.decode_ids == list(decode_row_ids), "decode batch order diverged"
         assert self.verify_ids == list(verify_row_ids), "verify batch order diverged"
 
-    def _trade_places(
-        self, decode_row_ids: Sequence[str], verify_row_ids: Sequence[str]
-    ) -> None:
+    def _trade_places(self, decode_row_ids: Sequence[str], verify_row_ids: Sequence[str]) -> None:
         """When all the decode batch's rows go on to verify and the verify batch holds
         none, or the other way round, swap the two batches instead of extracting every
         row and merging it into the other (a probe of 64 rows that all speculate, and
