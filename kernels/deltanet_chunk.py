@@ -239,7 +239,9 @@ def _kernels() -> tuple[Callable[..., list[mx.array]], ...]:
 
 def uses_kernels(dims: DecodeDims) -> bool:
     """Whether `deltanet_chunk` runs the kernels here: CUDA with both `fused_deltanet_chunk`
-    and `deltanet_scan` on, at sizes they take (every Qwen3.5 shape)."""
+    and `deltanet_scan` on, at sizes they take (every Qwen3.5 shape): the decode kernel's
+    (`supported`: Dk a multiple of 32, Hv of Hk, which the scan needs too) and Dv a
+    multiple of 32 (the epilogue's warps)."""
     profile = current_platform()
     on = profile.fused_deltanet_chunk and profile.deltanet_scan and profile.device == "cuda"
     return on and supported(dims) and dims.head_v_dim % 32 == 0
