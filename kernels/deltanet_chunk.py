@@ -11,13 +11,13 @@
 What it computes is `deltanet_decode_ops` (kernels/deltanet_decode.py) token after token,
 a padded token leaving every state as it was and writing y = 0: the model's `deltanet_core`
 (models/deltanet.py) over a left-padded chunk. Compiled, that core is still ~45 graph
-nodes a layer (the conv's shifted views and gathers, splits, norms, gates, casts): a
-prompt chunk's forward held ~1,800 of them next to a 64-row decode step's 830, and on a
-GPU each node costs host time (~5.6 us on an H100: a mixed step's cost was mostly MLX
-encoding nodes, bench/README.md). Here the core is three: the conv, SiLU, L2 norms and
-gates of every token at once (`_PROLOGUE`, parallel over tokens: the causal conv of token
-t reads its K-1 predecessors, or the conv state before a row's first real token), the
-recurrence (kernels/gated_delta_scan.py), and the gated RMSNorm (`_EPILOGUE`).
+nodes a layer (the conv's shifted views and gathers, splits, norms, gates, casts), and
+on a GPU each node costs host time whatever its size: a mixed step's cost was mostly MLX
+encoding them (bench/README.md has the figures). Here the core is three: the conv,
+SiLU, L2 norms and gates of every token at once (`_PROLOGUE`, parallel over tokens: the
+causal conv of token t reads its K-1 predecessors, or the conv state before a row's
+first real token), the recurrence (kernels/gated_delta_scan.py), and the gated RMSNorm
+(`_EPILOGUE`).
 
 Backends (kernels/platform.py `fused_deltanet_chunk`, with `deltanet_scan`): CUDA -> the
 kernels; elsewhere, or switched off -> `deltanet_chunk_ops`, the plain-MLX reference the
