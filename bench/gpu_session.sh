@@ -191,6 +191,13 @@ for line in sys.stdin:
     print(d["chunk"], d["fresh"], d["off"], d["wall_ms"], d["x_decode"], d["async_eval_ms"], d["primitives"])'
 }
 
+inproc08() {  # issue 30's in-process reference: the engine alone at B = 64 (bench.gpu), so
+    # the server's 64-client tok/s can be put against it (target: >= 80%)
+    timeout 240 python3 -m bench.gpu --shape 0.8B --batches 64 --only deltaserve \
+        --out "$OUT/inproc08.jsonl" >"$OUT/inproc08.log" 2>&1
+    grep '^|' "$OUT/inproc08.log"
+}
+
 forwards64() {  # 0.8B, deltaserve alone at 64 clients with --log-level debug: how many
     # forwards each step ran (runner.execute's debug line; a forward's host cost on a GPU
     # is its op count, whatever its tokens) and what the steps with prompt work held
