@@ -191,6 +191,12 @@ for line in sys.stdin:
     print(d["chunk"], d["fresh"], d["off"], d["wall_ms"], d["x_decode"], d["async_eval_ms"], d["primitives"])'
 }
 
+nodecost() {  # what one graph node costs MLX's host by kind (views, launches, matmuls,
+    # compiled and custom kernels): which of a forward's nodes are worth removing
+    timeout 120 python3 -m bench.node_cost >"$OUT/node_cost.log" 2>&1
+    grep '^|' "$OUT/node_cost.log"
+}
+
 inproc08() {  # issue 30's in-process reference: the engine alone at B = 64 (bench.gpu), so
     # the server's 64-client tok/s can be put against it (target: >= 80%)
     timeout 240 python3 -m bench.gpu --shape 0.8B --batches 64 --only deltaserve \

@@ -18,7 +18,8 @@ a later prompt chunk of `--chunk` tokens eagerly (compiled DeltaNet core, as on 
 and through the compiled chunk forward (engine/decode.py), for one row and for two rows'
 chunks in one call, a fresh prompt's first chunk
 of that length compiled (engine/compiled_prefill.py), and the compiled decode step of
-`--rows` rows. Prints JSON lines.
+`--rows` rows, and the compiled speculative verify of `--drafts` + 1 columns a row.
+Prints JSON lines.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def main() -> None:
         help="the shape's layers at tiny widths: the same counts (they follow the layer "
         "count and kinds, not the widths) in seconds instead of minutes",
     )
+    ap.add_argument("--drafts", type=int, default=2, help="a verify's drafts a row (k)")
     ap.add_argument("--by-primitive", action="store_true", help="each primitive's count too")
     args = ap.parse_args()
     _stub_gpu_kernels()
@@ -169,6 +171,16 @@ def main() -> None:
         if run:
             line(f"decode step of {args.rows} rows, compiled", [logits, *arrays(decode)])
         mx.eval(logits, arrays(decode))
+    columns = args.drafts + 1
+    verify, state = CompiledDecode(model), started(8, args.rows)
+    for run in range(2):  # a speculative verify: k + 1 columns, every DeltaNet state kept
+        offsets = [8 + run * columns] * args.rows
+        hidden, logits = verify.verify(mx.zeros((args.rows, columns), mx.int32), offsets, state)
+        slots = [a for layer in state.layers for a in (getattr(layer, "slots", None) or ())]
+        graph = [logits, *arrays(state), *slots]
+        if run:
+            line(f"verify of {args.rows} rows x {columns} columns, compiled", graph)
+        mx.eval(graph)
 
 
 if __name__ == "__main__":
