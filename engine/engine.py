@@ -338,7 +338,21 @@ class LLMEngine:
         if not plan.is_empty:
             host = time.perf_counter() - start - self._waited
             self.scheduler.step_times.observe_host(plan.kind, host, self._parts)
+            if log.isEnabledFor(logging.DEBUG):
+                self._log_host(plan, host)
         return deltas
+
+    def _log_host(self, plan: StepPlan, host: float) -> None:
+        """Debug: where this call's host time went, what it waited on the device, and
+        MLX's memory after it (a step's first use of a buffer size allocates; the buffer
+        cache shrinking means buffers were freed back to the device), so a slow step in
+        the log says which it was."""
+        parts = " / ".join(f"{1e3 * self._parts[p]:.1f}" for p in HOST_PARTS)
+        log.debug(
+            "step %d host %.1f ms (%s: %s), waited %.1f ms; MLX active %.0f MiB, cache %.0f MiB",
+            plan.step, 1e3 * host, " / ".join(HOST_PARTS), parts, 1e3 * self._waited,
+            mx.get_active_memory() / 2**20, mx.get_cache_memory() / 2**20,
+        )  # fmt: skip
 
     def _lockstep(self, plan: StepPlan) -> list[RequestOutput]:
         """Run `plan` and read its tokens back before returning."""

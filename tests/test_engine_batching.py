@@ -226,3 +226,21 @@ def test_pipelined_steps_equal_lockstep(loaded: LoadedModel) -> None:
     assert pipelined == lockstep
     # The abort lands at the same step, when the pipelined engine has shown one token less.
     assert aborted[0] == aborted[1][: len(aborted[0])]
+
+
+def test_debug_log_says_where_each_steps_host_time_went(
+    loaded: LoadedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With debug logging, every step that ran says its host time by part, its wait on
+    the device and MLX's memory after it (what a slow step in a server's log is read by)."""
+    engine = LLMEngine(loaded, SMALL)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with caplog.at_level("DEBUG", logger="deltaserve.engine.engine"):
+        engine.generate([[5, 6, 7], list(range(10, 40))], params)
+    lines = [r.getMessage() for r in caplog.records if " host " in r.getMessage()]
+    steps = [int(line.split()[1]) for line in lines]
+    assert steps and steps == sorted(set(steps))
+    assert len(steps) >= 4  # the prompts' step and each decode step
+    for line in lines:
+        assert "(schedule / build / submit / sample / update:" in line, line
+        assert "waited" in line and "MLX active" in line and "cache" in line, line
