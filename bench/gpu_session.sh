@@ -177,6 +177,17 @@ tokens() {  # the engine-level token tests of the DeltaNet decode and chunk kern
     tail -4 "$OUT/token_tests.log" | cut -c1-300
 }
 
+slots() {  # the DeltaNet decode kernel's many-column form (a verify's k + 1 columns, each
+    # column's state kept) against the decode kernel column by column, and the engine's
+    # speculative tokens through it (float32, TF32 off)
+    MLX_ENABLE_TF32=0 timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE --timeout 150 \
+        tests/test_kernel_deltanet_decode.py -k slots \
+        tests/test_engine_speculative.py::test_verify_through_the_decode_kernel_keeps_tokens \
+        tests/test_engine_speculative.py::test_compiled_verify_keeps_tokens \
+        >"$OUT/slots_tests.log" 2>&1
+    tail -4 "$OUT/slots_tests.log" | cut -c1-300
+}
+
 mixedc() {  # the mixed step through the compiled prompt paths (what a server runs, its
     # shapes traced first), the fused DeltaNet chunk on and off
     local base="python3 -m bench.mixed_step --shape 0.8B --rows 64 --sizes 16 256 --prompt 2048 --reps 3 --skip-model --graph"

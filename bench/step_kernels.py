@@ -55,8 +55,9 @@ def count(arrays: list[mx.array], by_primitive: bool = False) -> dict:
 
 
 def _stub_gpu_kernels() -> None:
-    """The DeltaNet scan and decode kernels as one primitive each (the CPU runs their
-    references, hundreds of ops; a GPU launches one kernel)."""
+    """The DeltaNet scan and decode kernels (and the decode kernel's many-column form) as
+    a few primitives each (the CPU runs their references, hundreds of ops; a GPU launches
+    one kernel)."""
     import deltaserve.models.deltanet as deltanet
 
     def scan(
@@ -81,8 +82,21 @@ def _stub_gpu_kernels() -> None:
     ) -> tuple[mx.array, mx.array, mx.array]:
         return proj[:, : dims.num_v_heads * dims.head_v_dim] * 1.0, conv * 1.0, ssm * 1.0
 
+    def slots(
+        dims: deltanet.dn_decode.DecodeDims,
+        proj: mx.array,
+        conv: mx.array,
+        ssm: mx.array,
+        *weights: mx.array,
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        b, columns = proj.shape[:2]
+        y = proj[..., : dims.num_v_heads * dims.head_v_dim] * 1.0
+        conv = mx.broadcast_to(conv[:, None], (b, columns, *conv.shape[1:])) * 1.0
+        return y, conv, mx.broadcast_to(ssm[:, None], (b, columns, *ssm.shape[1:])) * 1.0
+
     deltanet.gated_delta = scan
     deltanet.dn_decode.deltanet_decode = decode
+    deltanet.dn_decode.deltanet_decode_slots = slots
 
 
 def main() -> None:

@@ -22,11 +22,18 @@ L2 norms; then LANES lanes per state row do the update as in kernels/gated_delta
 (one read, one write of the state); a last block sum gives the gated norm. Blocks of value
 head h with h % (Hv / Hk) == 0 also write the q/k channels of the new conv tail.
 
+`deltanet_decode_slots` runs the same token over a row's L columns in turn (a speculative
+verify: the last token and its drafts), keeping the conv tail and state after each column
+for the rollback: on CUDA one kernel whose columns are the decode kernel's, operation for
+operation (the state stays in registers between them), where the model's eager core took
+its conv views, norms, gates, the scan and stacks (`bench.step_kernels` counts a verify).
+
 Backends (by the platform profile, kernels/platform.py `fused_deltanet_decode`): CUDA ->
 `mx.fast.cuda_kernel`; Metal -> the same algorithm as `mx.fast.metal_kernel` (its source:
 kernels/deltanet_decode_metal.py; never run here: no Mac); CPU or switched off ->
 `deltanet_decode_ops`, plain MLX ops, which is the reference the tests compare the kernels
-against.
+against (`deltanet_decode_slots_ops` for the many-column form, which Metal runs as the
+decode kernel once a column).
 """
 
 from __future__ import annotations
@@ -44,7 +51,15 @@ from deltaserve.kernels.jit import kernel_name
 from deltaserve.kernels.platform import current_platform
 from deltaserve.kernels.rms_norm import float_bits
 
-__all__ = ["DecodeDims", "check_inputs", "deltanet_decode", "deltanet_decode_ops", "supported"]
+__all__ = [
+    "DecodeDims",
+    "check_inputs",
+    "deltanet_decode",
+    "deltanet_decode_ops",
+    "deltanet_decode_slots",
+    "deltanet_decode_slots_ops",
+    "supported",
+]
 
 _LANES = 8  # lanes per state row (as kernels/gated_delta_fused.py)
 
@@ -256,6 +271,151 @@ _CUDA_SOURCE = (
 _INPUTS = ["proj", "conv_state", "ssm", "conv_w", "a_log", "dt_bias", "norm_w"]
 _OUTPUTS = ["y", "conv_out", "ssm_out"]
 
+# The same token, NT columns of a row in turn (a speculative verify: the last token and its
+# drafts), each column's conv tail and state written to its own slot. The state row stays
+# in registers between columns (one read of the state, NT writes); column t's conv window
+# is positions t .. t+K-1 of [conv tail | the row's columns]. Per column it is the decode
+# kernel above, operation for operation, so a verify's columns equal NT decode steps bit
+# for bit. Template constants: the decode kernel's and NT. CUDA only (Metal runs the
+# decode kernel once a column: `deltanet_decode_slots`).
+_CUDA_SLOTS_SOURCE = """
+  using namespace deltaserve_dn;
+  constexpr int BLOCK = LANES * Dv;
+  constexpr int NW = BLOCK / 32;
+  constexpr int NV4 = Dk / (4 * LANES);
+  constexpr int QK = Hk * Dk;
+  constexpr int C = 2 * QK + Hv * Dv;
+  constexpr int VD = Hv * Dv;
+  constexpr int P = C + VD + 2 * Hv;
+  __shared__ float4 q4[Dk / 4];
+  __shared__ float4 k4[Dk / 4];
+  __shared__ float vs[Dv];
+  __shared__ float scratch[NW];
+  float* qf = reinterpret_cast<float*>(q4);
+  float* kf = reinterpret_cast<float*>(k4);
+
+  const int tid = threadIdx.x;
+  const int n = blockIdx.x;  // b * Hv + h
+  const int b = n / Hv;
+  const int h = n % Hv;
+  const int hk = h / (Hv / Hk);
+  const T* pb = proj + size_t(b) * NT * P;  // the row's NT columns
+  const T* cs = conv_state + size_t(b) * (K - 1) * C;
+
+  // this thread's conv channel: q, k or v of the head (as the decode kernel's stage 1)
+  int ch = -1;
+  bool write_tail = true;
+  if (tid < Dk) {
+    ch = hk * Dk + tid;
+    write_tail = (h % (Hv / Hk)) == 0;
+  } else if (tid < 2 * Dk) {
+    ch = QK + hk * Dk + (tid - Dk);
+    write_tail = (h % (Hv / Hk)) == 0;
+  } else if (tid < 2 * Dk + Dv) {
+    ch = 2 * QK + h * Dv + (tid - 2 * Dk);
+  }
+  // position i of [conv tail (K-1) | columns]: the channel's input there
+  auto x_at = [&](int i) -> T {
+    return i < K - 1 ? cs[i * C + ch] : pb[size_t(i - (K - 1)) * P + ch];
+  };
+
+  // the state row: LANES lanes per row, read once
+  const int lane = tid % LANES;
+  const int row = tid / LANES;
+  const float* src = ssm + (size_t(n) * Dv + row) * Dk;
+  const bool vec = (reinterpret_cast<size_t>(ssm) & 15) == 0;
+  float4 s[NV4];
+#pragma unroll
+  for (int i = 0; i < NV4; ++i) {
+    const int c = 4 * (lane + i * LANES);
+    s[i] = vec ? *reinterpret_cast<const float4*>(src + c)
+               : make_float4(src[c], src[c + 1], src[c + 2], src[c + 3]);
+  }
+
+  for (int t = 0; t < NT; ++t) {
+    const T* pr = pb + size_t(t) * P;
+    // 1. conv + SiLU over positions t .. t+K-1, rounded as the reference; the tail after it
+    float x2q = 0.f, x2k = 0.f;
+    if (ch >= 0) {
+      const float w0 = static_cast<float>(static_cast<T>(conv_w[ch * K]));
+      T acc = static_cast<T>(static_cast<float>(x_at(t)) * w0);
+#pragma unroll
+      for (int j = 1; j < K; ++j) {
+        const float x = static_cast<float>(x_at(t + j));
+        const T prod = static_cast<T>(x * static_cast<float>(static_cast<T>(conv_w[ch * K + j])));
+        acc = static_cast<T>(static_cast<float>(acc) + static_cast<float>(prod));
+      }
+      const float val = static_cast<float>(static_cast<T>(silu(static_cast<float>(acc))));
+      if (tid < Dk) {
+        qf[tid] = val;
+        x2q = val * val;
+      } else if (tid < 2 * Dk) {
+        kf[tid - Dk] = val;
+        x2k = val * val;
+      } else {
+        vs[tid - 2 * Dk] = val;
+      }
+      if (write_tail) {
+        T* co = conv_out + (size_t(b) * NT + t) * (K - 1) * C;
+#pragma unroll
+        for (int j = 0; j < K - 1; ++j) {
+          co[j * C + ch] = x_at(t + 1 + j);
+        }
+      }
+    }
+
+    // 2. L2 norms of q and k (block sums), gates
+    const float q_scale = rsqrtf(block_sum<NW>(x2q, scratch) + 1e-6f) * rsqrtf(float(Dk));
+    const float k_scale = rsqrtf(block_sum<NW>(x2k, scratch) + 1e-6f);
+    if (tid < Dk) {
+      qf[tid] *= q_scale;
+    } else if (tid < 2 * Dk) {
+      kf[tid - Dk] *= k_scale;
+    }
+    const float beta = 1.f / (1.f + expf(-static_cast<float>(pr[C + VD + h])));
+    const float ain = static_cast<float>(pr[C + VD + Hv + h]) + dt_bias[h];
+    const float softplus = fmaxf(ain, 0.f) + log1pf(expf(-fabsf(ain)));
+    const float a = expf(-expf(a_log[h]) * softplus);
+    __syncthreads();
+
+    // 3. the state update in registers, written to column t's slot
+    float4* dst = reinterpret_cast<float4*>(
+        ssm_out + (((size_t(b) * NT + t) * Hv + h) * Dv + row) * Dk);
+    float sk = 0.f, sq = 0.f, kq = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV4; ++i) {
+      const float4 kk = k4[lane + i * LANES];
+      const float4 qq = q4[lane + i * LANES];
+      sk += s[i].x * kk.x + s[i].y * kk.y + s[i].z * kk.z + s[i].w * kk.w;
+      sq += s[i].x * qq.x + s[i].y * qq.y + s[i].z * qq.z + s[i].w * qq.w;
+      kq += kk.x * qq.x + kk.y * qq.y + kk.z * qq.z + kk.w * qq.w;
+    }
+    sk = row_sum<LANES>(sk);
+    sq = row_sum<LANES>(sq);
+    kq = row_sum<LANES>(kq);
+    const float delta = beta * (vs[row] - a * sk);
+#pragma unroll
+    for (int i = 0; i < NV4; ++i) {
+      const float4 kk = k4[lane + i * LANES];
+      s[i] = make_float4(a * s[i].x + delta * kk.x, a * s[i].y + delta * kk.y,
+                         a * s[i].z + delta * kk.z, a * s[i].w + delta * kk.w);
+      dst[lane + i * LANES] = s[i];
+    }
+    const float yr = static_cast<float>(static_cast<T>(a * sq + delta * kq));
+
+    // 4. gated RMSNorm over the head's Dv outputs (its block sums also end every
+    // thread's reads of q4, k4 and vs before the next column writes them)
+    const float ss = block_sum<NW>(lane == 0 ? yr * yr : 0.f, scratch);
+    if (lane == 0) {
+      const float eps = __int_as_float(EPS_BITS);
+      const float normed = yr * rsqrtf(ss / float(Dv) + eps);
+      const float z = static_cast<float>(pr[C + h * Dv + row]);
+      const float out = static_cast<float>(norm_w[row]) * normed * silu(z);
+      y[(size_t(b) * NT + t) * VD + h * Dv + row] = static_cast<T>(out);
+    }
+  }
+"""
+
 
 @functools.cache
 def _kernel(backend: str) -> Callable[..., list[mx.array]]:
@@ -269,6 +429,17 @@ def _kernel(backend: str) -> Callable[..., list[mx.array]]:
         output_names=_OUTPUTS,
         source=source,
         header=header,
+    )
+
+
+@functools.cache
+def _slots_kernel() -> Callable[..., list[mx.array]]:
+    return mx.fast.cuda_kernel(
+        name=kernel_name("deltaserve_dn_decode_slots", _CUDA_SLOTS_SOURCE, _CUDA_HEADER),
+        input_names=_INPUTS,
+        output_names=_OUTPUTS,
+        source=_CUDA_SLOTS_SOURCE,
+        header=_CUDA_HEADER,
     )
 
 
@@ -326,20 +497,112 @@ def deltanet_decode(
         return deltanet_decode_ops(dims, *args, norm_w)
     if not supported(dims):
         raise ValueError(f"no fused DeltaNet decode kernel for {dims}")
-    hk, dk, hv, dv = dims.num_k_heads, dims.head_k_dim, dims.num_v_heads, dims.head_v_dim
-    block = _LANES * dv
-    template = [("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv), ("K", dims.kernel)]
-    template += [("LANES", _LANES), ("EPS_BITS", float_bits(dims.norm_eps))]
-    # Every input's dtype is a template argument: MLX caches compiled kernels by name +
-    # template only, and the signature's pointer types come from the dtypes.
-    template += [("T", proj.dtype), ("Tw", conv_w.dtype), ("Tn", norm_w.dtype)]
-    template += [("Ta", a_log.dtype), ("Tdt", dt_bias.dtype)]
+    hv, dv = dims.num_v_heads, dims.head_v_dim
     y, conv, state = _kernel(profile.device)(
         inputs=[*args, norm_w],
-        template=template,
-        grid=(b * hv * block, 1, 1),
-        threadgroup=(block, 1, 1),
+        template=_template(dims, proj, conv_w, a_log, dt_bias, norm_w),
+        grid=(b * hv * _LANES * dv, 1, 1),
+        threadgroup=(_LANES * dv, 1, 1),
         output_shapes=[(b, hv * dv), conv_state.shape, ssm.shape],
+        output_dtypes=[proj.dtype, proj.dtype, mx.float32],
+    )
+    return y, conv, state
+
+
+def _template(
+    dims: DecodeDims,
+    proj: mx.array,
+    conv_w: mx.array,
+    a_log: mx.array,
+    dt_bias: mx.array,
+    norm_w: mx.array,
+) -> list[tuple[str, int | mx.Dtype]]:
+    """The kernels' template arguments: sizes, and every input's dtype (MLX caches
+    compiled kernels by name + template only, and the signature's pointer types come
+    from the dtypes)."""
+    hk, dk, hv, dv = dims.num_k_heads, dims.head_k_dim, dims.num_v_heads, dims.head_v_dim
+    template: list[tuple[str, int | mx.Dtype]] = [
+        ("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv), ("K", dims.kernel),
+    ]  # fmt: skip
+    template += [("LANES", _LANES), ("EPS_BITS", float_bits(dims.norm_eps))]
+    template += [("T", proj.dtype), ("Tw", conv_w.dtype), ("Tn", norm_w.dtype)]
+    template += [("Ta", a_log.dtype), ("Tdt", dt_bias.dtype)]
+    return template
+
+
+def deltanet_decode_slots_ops(
+    dims: DecodeDims,
+    proj: mx.array,
+    conv_state: mx.array,
+    ssm: mx.array,
+    conv_w: mx.array,
+    a_log: mx.array,
+    dt_bias: mx.array,
+    norm_w: mx.array,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The reference of `deltanet_decode_slots`: `deltanet_decode_ops` a column at a time."""
+    return _column_by_column(deltanet_decode_ops, dims, proj, conv_state, ssm, conv_w, a_log,
+                             dt_bias, norm_w)  # fmt: skip
+
+
+def _column_by_column(
+    step: Callable[..., tuple[mx.array, mx.array, mx.array]],
+    dims: DecodeDims,
+    proj: mx.array,
+    conv_state: mx.array,
+    ssm: mx.array,
+    *weights: mx.array,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """`step` (a decode token) over proj's columns in turn; y, conv tails and states
+    stacked by column."""
+    ys, convs, states = [], [], []
+    for t in range(proj.shape[1]):
+        y, conv_state, ssm = step(dims, proj[:, t], conv_state, ssm, *weights)
+        ys.append(y)
+        convs.append(conv_state)
+        states.append(ssm)
+    return mx.stack(ys, axis=1), mx.stack(convs, axis=1), mx.stack(states, axis=1)
+
+
+def deltanet_decode_slots(
+    dims: DecodeDims,
+    proj: mx.array,
+    conv_state: mx.array,
+    ssm: mx.array,
+    conv_w: mx.array,
+    a_log: mx.array,
+    dt_bias: mx.array,
+    norm_w: mx.array,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """A decode token for each of proj's L columns in turn (a speculative verify's last
+    token and drafts), keeping what follows each: proj [B, L, P] -> y [B, L, Hv*Dv], the
+    conv tail after each column [B, L, K-1, C] and the state after each [B, L, Hv, Dv, Dk]
+    (RecurrentState.slots). CUDA: one kernel (`_CUDA_SLOTS_SOURCE`); Metal: the decode
+    kernel once a column; the CPU or switched off: `deltanet_decode_slots_ops`. Raises
+    ValueError as `deltanet_decode`."""
+    check_inputs(dims, proj, conv_state, ssm, conv_w, a_log, dt_bias, norm_w)
+    profile = current_platform()
+    weights = (conv_w, a_log, dt_bias, norm_w)
+    if not profile.fused_deltanet_decode:  # the CPU, or switched off: the reference
+        return deltanet_decode_slots_ops(dims, proj, conv_state, ssm, *weights)
+    if profile.device != "cuda":
+        return _column_by_column(deltanet_decode, dims, proj, conv_state, ssm, *weights)
+    if not supported(dims):
+        raise ValueError(f"no fused DeltaNet decode kernel for {dims}")
+    b, columns = proj.shape[:2]
+    hv, dv = dims.num_v_heads, dims.head_v_dim
+    args = (proj, conv_state.astype(proj.dtype), ssm.astype(mx.float32), *weights)
+    template = _template(dims, proj, conv_w, a_log, dt_bias, norm_w) + [("NT", columns)]
+    y, conv, state = _slots_kernel()(
+        inputs=list(args),
+        template=template,
+        grid=(b * hv * _LANES * dv, 1, 1),
+        threadgroup=(_LANES * dv, 1, 1),
+        output_shapes=[
+            (b, columns, hv * dv),
+            (b, columns, *conv_state.shape[1:]),
+            (b, columns, *ssm.shape[1:]),
+        ],  # fmt: skip
         output_dtypes=[proj.dtype, proj.dtype, mx.float32],
     )
     return y, conv, state

@@ -312,6 +312,33 @@ class GatedDeltaNet(nn.Module):
         )
         return linear_plus(self.out_proj, y, residual)
 
+    def use_fused_slots(self, mask: mx.array | None, split: int, slots: bool) -> bool:
+        """Whether a group that keeps its state after every column (a speculative verify's
+        k + 1 columns: ForwardGroup.state_slots) runs as the decode kernel's many-column
+        form (`_slots_fused`), where the decode kernel is on: one kernel a layer instead of
+        the eager core's conv views, norms, gates, scan and stacks, each a node of host
+        time on a GPU."""
+        return slots and mask is None and not split and self.use_fused_decode()
+
+    def _slots_fused(
+        self, x: mx.array, state: RecurrentState, residual: mx.array | None = None
+    ) -> mx.array:
+        """x [B, T, H] -> [B, T, H] (+ residual), column after column a decode token
+        (kernels/deltanet_decode.py `deltanet_decode_slots`); the conv tail and state after
+        each column become state.slots, as `core` keeps them, and the last column's are
+        the state. Each column is what a plain decode step computes, operation for
+        operation, so a verify's tokens are those of decoding without drafts."""
+        b = x.shape[0]
+        proj = self.project_whole(x)
+        conv_state, ssm = self._states(state, b, proj.dtype)
+        weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
+        y, convs, ssms = dn_decode.deltanet_decode_slots(
+            self._decode_dims, proj, conv_state, ssm, *weights
+        )
+        state.slots = (convs, ssms)
+        state.conv, state.ssm = convs[:, -1], ssms[:, -1]
+        return linear_plus(self.out_proj, y, residual)
+
     def _states(self, state: RecurrentState, rows: int, dtype: mx.Dtype) -> tuple:
         """(conv tail, recurrent state) of `state`, zeros for fresh rows."""
         conv = state.conv
@@ -393,6 +420,8 @@ class GatedDeltaNet(nn.Module):
         length = x.shape[1]
         if self.use_fused_chunk(length, split, slots):
             return self._chunk_fused(x, state, mask, left_pad, residual)
+        if self.use_fused_slots(mask, split, slots):
+            return self._slots_fused(x, state, residual)
         if isinstance(left_pad, mx.array) or self.eager(length, mask, split, slots):
             # pads as data: already inside a compiled forward (engine/compiled_prefill.py)
             core = self.core(self.project(x), state, mask, left_pad, split, slots)
@@ -409,6 +438,8 @@ class GatedDeltaNet(nn.Module):
         do), rather than the compiled prefill or the fused decode kernel; its projections
         may then run packed with other groups' (models/qwen35.py)."""
         fused = length == 1 and mask is None and self.use_fused_decode()
+        if self.use_fused_slots(mask, split, slots):
+            return False
         if split or slots:
             return True
         chunk = self.use_fused_chunk(length, split, slots)

@@ -31,6 +31,7 @@ from deltaserve.engine.speculative import Drafter, DraftRound, VerifyStep
 from deltaserve.engine.structured.spec import Constraint
 from deltaserve.engine.types import GenerationRequest, SamplingParams, TokenLogprob
 from deltaserve.models.build import LoadedModel, load_model
+from deltaserve.models.deltanet import GatedDeltaNet
 from deltaserve.models.testing import cached_checkpoint
 
 SMALL = EngineConfig(max_num_seqs=16, max_num_batched_tokens=64, max_prefill_chunk=24)
@@ -270,6 +271,39 @@ def test_compiled_verify_keeps_tokens(loaded: LoadedModel, kv: KVCacheConfig) ->
     assert {rows for rows, _, _ in calls} <= {1, 2, 4, 8, 12, 16}
     assert any(rows > live for rows, _, live in calls)
     assert not engine.scheduler.rows and engine.states.verify.num_rows == 0
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_verify_through_the_decode_kernel_keeps_tokens(
+    loaded: LoadedModel, compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the DeltaNet decode kernel on (kernels/deltanet_decode.py; on the CPU its ops
+    path), a verify's DeltaNet layers run its many-column form (GatedDeltaNet._slots_fused)
+    and keep each column's state for the rollback: every accepted count 0..k, joins and an
+    abort give the tokens of the engine without speculation, eager and compiled."""
+    mixers = [m for _, m in loaded.model.named_modules() if isinstance(m, GatedDeltaNet)]
+    for m in mixers:
+        monkeypatch.setattr(m, "fused_decode", True)
+    columns: list[int] = []
+    slots_fused = GatedDeltaNet._slots_fused
+
+    def counting(self: GatedDeltaNet, x: mx.array, *args: object) -> mx.array:
+        columns.append(x.shape[1])
+        return slots_fused(self, x, *args)
+
+    monkeypatch.setattr(GatedDeltaNet, "_slots_fused", counting)
+    config = dataclasses.replace(SMALL, compile_decode=compiled)
+    joins = _joins(_prompts(6, seed=4), _greedy(max_tokens=16))
+    aborts = {6: ["r3"]}
+    plain = _drive(LLMEngine(loaded, config), joins, aborts)
+    engine = LLMEngine(loaded, _spec(config))
+    seen = force_drafts(engine, _oracle(loaded, joins, config=config), _cycle)
+    got = _drive(engine, joins, aborts)
+    assert {r: t for r, t in got.items() if r[0] != "r3"} == {
+        r: t for r, t in plain.items() if r[0] != "r3"
+    }
+    assert seen == set(range(K + 1))
+    assert columns and set(columns) == {K + 1}  # every verify layer, k + 1 columns
 
 
 def _greedy_case(

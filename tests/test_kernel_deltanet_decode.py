@@ -15,6 +15,8 @@ from deltaserve.kernels.deltanet_decode import (
     DecodeDims,
     deltanet_decode,
     deltanet_decode_ops,
+    deltanet_decode_slots,
+    deltanet_decode_slots_ops,
     supported,
 )
 from deltaserve.models.deltanet import CoreDims, deltanet_core
@@ -118,6 +120,73 @@ def test_kernel_matches_ops(shape: tuple[int, int, int, int], b: int, dtype: mx.
             continue
         scale = max(1.0, mx.abs(r.astype(mx.float32)).max().item())
         err = mx.abs(a.astype(mx.float32) - r.astype(mx.float32)).max().item()
+        assert err <= TOL[dtype] * scale, f"{name}: max abs err {err:.3g} (scale {scale:.3g})"
+
+
+def make_columns(dims: DecodeDims, b: int, columns: int, dtype: mx.Dtype, seed: int = 0) -> Inputs:
+    """make_inputs with proj [B, columns, P] (a verify's last token and drafts)."""
+    proj, *rest = make_inputs(dims, b * columns, dtype, seed)
+    conv, ssm = rest[0][:b], rest[1][:b]
+    return (proj.reshape(b, columns, -1), conv, ssm, *rest[2:])
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_slots_ops_path_is_the_model_core_every_state(
+    shape: tuple[int, int, int, int], dtype: mx.Dtype
+) -> None:
+    """`deltanet_decode_slots`' reference, a decode token a column, is the model's
+    `deltanet_core(every_state=True)` (what a verify ran before): y, and the conv tail
+    and state after every column."""
+    dims = dims_of(*shape)
+    proj, conv, ssm, *weights = make_columns(dims, 2, 3, dtype)
+    c, vd, hv = dims.conv_dim, dims.num_v_heads * dims.head_v_dim, dims.num_v_heads
+    parts = (proj[..., :c], proj[..., c : c + vd], proj[..., c + vd : c + vd + hv],
+             proj[..., c + vd + hv :])  # fmt: skip
+    core_dims = CoreDims(dims.num_k_heads, dims.head_k_dim, hv, dims.head_v_dim, dims.norm_eps)
+    with mx.stream(mx.cpu):
+        got = deltanet_decode_slots_ops(dims, proj, conv, ssm, *weights)
+        ref = deltanet_core(core_dims, *parts, conv, ssm, *weights, every_state=True)
+        for name, a, r in zip(("y", "conv", "ssm"), got, ref, strict=True):
+            assert (a.shape, a.dtype) == (r.shape, r.dtype), name
+            err = mx.abs(a.astype(mx.float32) - r.astype(mx.float32)).max().item()
+            assert err <= TOL[dtype] * max(1.0, mx.abs(r).max().item()), (name, err)
+
+
+def test_slots_of_other_sizes_raise() -> None:
+    dims = dims_of(16, 128, 32, 128)
+    proj, conv, ssm, *weights = make_columns(dims, 4, 3, mx.float32)
+    with pytest.raises(ValueError, match="ssm"):
+        deltanet_decode_slots(dims, proj, conv, ssm[:3], *weights)
+    with pytest.raises(ValueError, match="do not fit"):
+        deltanet_decode_slots(dims, proj[..., :-1], conv, ssm, *weights)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("columns", [1, 3])
+@pytest.mark.parametrize("b", [1, 64])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_slots_kernel_is_the_decode_kernel_column_by_column(
+    shape: tuple[int, int, int, int], b: int, columns: int, dtype: mx.Dtype
+) -> None:
+    """The many-column kernel equals the decode kernel run once a column bit for bit (y,
+    every column's conv tail and state), and its reference within the kernel's
+    tolerance."""
+    dims = dims_of(*shape)
+    proj, conv, ssm, *weights = make_columns(dims, b, columns, dtype, seed=b + columns)
+    got = deltanet_decode_slots(dims, proj, conv, ssm, *weights)
+    stepped, c, s = [], conv, ssm
+    for t in range(columns):
+        y, c, s = deltanet_decode(dims, proj[:, t], c, s, *weights)
+        stepped.append((y, c, s))
+    ref = deltanet_decode_slots_ops(dims, proj, conv, ssm, *weights)
+    for i, name in enumerate(("y", "conv", "ssm")):
+        one_by_one = mx.stack([step[i] for step in stepped], axis=1)
+        assert (got[i].shape, got[i].dtype) == (one_by_one.shape, one_by_one.dtype), name
+        assert mx.array_equal(got[i], one_by_one).item(), name
+        scale = max(1.0, mx.abs(ref[i].astype(mx.float32)).max().item())
+        err = mx.abs(got[i].astype(mx.float32) - ref[i].astype(mx.float32)).max().item()
         assert err <= TOL[dtype] * scale, f"{name}: max abs err {err:.3g} (scale {scale:.3g})"
 
 
