@@ -39,13 +39,20 @@ decode kernel once a column).
 from __future__ import annotations
 
 import functools
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from deltaserve.kernels import fastmath
-from deltaserve.kernels.deltanet_decode_metal import METAL_HEADER, METAL_SOURCE, conv_stage
+from deltaserve.kernels.deltanet_decode_metal import (
+    CONV_STORE,
+    METAL_HEADER,
+    METAL_SOURCE,
+    conv_channel,
+    conv_stage,
+)
 from deltaserve.kernels.gated_delta_reference import gated_delta_step
 from deltaserve.kernels.jit import kernel_name
 from deltaserve.kernels.platform import current_platform
@@ -174,10 +181,10 @@ __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 }  // namespace deltaserve_dn
 """
 
+# The kernel's text in parts, shared by the decode kernel and its many-column form below.
 # Template constants: Dk, Dv, Hk, Hv, K, LANES; T (proj dtype), Tw (conv_w), Tn (norm_w),
 # EPS_BITS (norm eps as float bits: template arguments are integers).
-_CUDA_SOURCE = (
-    """
+_PREAMBLE = """
   using namespace deltaserve_dn;
   constexpr int BLOCK = LANES * Dv;
   constexpr int NW = BLOCK / 32;
@@ -198,14 +205,10 @@ _CUDA_SOURCE = (
   const int b = n / Hv;
   const int h = n % Hv;
   const int hk = h / (Hv / Hk);
-  const T* pr = proj + size_t(b) * P;
-  const T* cs = conv_state + size_t(b) * (K - 1) * C;
-  T* co = conv_out + size_t(b) * (K - 1) * C;
-
-  // 1. conv + SiLU of this head's channels; the new conv tail of those channels
 """
-    + conv_stage("silu", "#pragma unroll\n")
-    + """
+
+# 2. q and k scaled by their L2 norms, the gates (reads pr: the token's projection)
+_GATES = """
   // 2. L2 norms of q and k (block sums), gates
   const float q_scale = rsqrtf(block_sum<NW>(x2q, scratch) + 1e-6f) * rsqrtf(float(Dk));
   const float k_scale = rsqrtf(block_sum<NW>(x2k, scratch) + 1e-6f);
@@ -219,13 +222,10 @@ _CUDA_SOURCE = (
   const float softplus = fmaxf(ain, 0.f) + log1pf(expf(-fabsf(ain)));
   const float a = expf(-expf(a_log[h]) * softplus);
   __syncthreads();
+"""
 
-  // 3. the state update: LANES lanes per state row, one read and one write of the row
-  const int lane = tid % LANES;
-  const int row = tid / LANES;
-  const size_t s_off = (size_t(n) * Dv + row) * Dk;
-  const float* src = ssm + s_off;
-  float4* dst = reinterpret_cast<float4*>(ssm_out + s_off);
+# the thread's part of its state row (from src) into registers
+_LOAD_STATE = """\
   const bool vec = (reinterpret_cast<size_t>(ssm) & 15) == 0;
   float4 s[NV4];
 #pragma unroll
@@ -234,6 +234,10 @@ _CUDA_SOURCE = (
     s[i] = vec ? *reinterpret_cast<const float4*>(src + c)
                : make_float4(src[c], src[c + 1], src[c + 2], src[c + 3]);
   }
+"""
+
+# the row's dot products with k and q, and the delta rule's correction
+_DOTS = """\
   float sk = 0.f, sq = 0.f, kq = 0.f;
 #pragma unroll
   for (int i = 0; i < NV4; ++i) {
@@ -247,6 +251,43 @@ _CUDA_SOURCE = (
   sq = row_sum<LANES>(sq);
   kq = row_sum<LANES>(kq);
   const float delta = beta * (vs[row] - a * sk);
+"""
+
+# 4. the gated norm, written to y at @Y@ (the token's row of y)
+_GATED_NORM = """
+  // 4. gated RMSNorm over the head's Dv outputs
+  const float ss = block_sum<NW>(lane == 0 ? yr * yr : 0.f, scratch);
+  if (lane == 0) {
+    const float eps = __int_as_float(EPS_BITS);
+    const float normed = yr * rsqrtf(ss / float(Dv) + eps);
+    const float z = static_cast<float>(pr[C + h * Dv + row]);
+    const float out = static_cast<float>(norm_w[row]) * normed * silu(z);
+    y[@Y@ * VD + h * Dv + row] = static_cast<T>(out);
+  }
+"""
+
+_CUDA_SOURCE = (
+    _PREAMBLE
+    + """\
+  const T* pr = proj + size_t(b) * P;
+  const T* cs = conv_state + size_t(b) * (K - 1) * C;
+  T* co = conv_out + size_t(b) * (K - 1) * C;
+
+  // 1. conv + SiLU of this head's channels; the new conv tail of those channels
+"""
+    + conv_stage("silu", "#pragma unroll\n")
+    + _GATES
+    + """
+  // 3. the state update: LANES lanes per state row, one read and one write of the row
+  const int lane = tid % LANES;
+  const int row = tid / LANES;
+  const size_t s_off = (size_t(n) * Dv + row) * Dk;
+  const float* src = ssm + s_off;
+  float4* dst = reinterpret_cast<float4*>(ssm_out + s_off);
+"""
+    + _LOAD_STATE
+    + _DOTS
+    + """\
 #pragma unroll
   for (int i = 0; i < NV4; ++i) {
     const float4 kk = k4[lane + i * LANES];
@@ -255,17 +296,8 @@ _CUDA_SOURCE = (
   }
   // y rounded to T as the reference's state step returns it
   const float yr = static_cast<float>(static_cast<T>(a * sq + delta * kq));
-
-  // 4. gated RMSNorm over the head's Dv outputs
-  const float ss = block_sum<NW>(lane == 0 ? yr * yr : 0.f, scratch);
-  if (lane == 0) {
-    const float eps = __int_as_float(EPS_BITS);
-    const float normed = yr * rsqrtf(ss / float(Dv) + eps);
-    const float z = static_cast<float>(pr[C + h * Dv + row]);
-    const float out = static_cast<float>(norm_w[row]) * normed * silu(z);
-    y[size_t(b) * VD + h * Dv + row] = static_cast<T>(out);
-  }
 """
+    + _GATED_NORM.replace("@Y@", "size_t(b)")
 )
 
 _INPUTS = ["proj", "conv_state", "ssm", "conv_w", "a_log", "dt_bias", "norm_w"]
@@ -275,63 +307,29 @@ _OUTPUTS = ["y", "conv_out", "ssm_out"]
 # drafts), each column's conv tail and state written to its own slot. The state row stays
 # in registers between columns (one read of the state, NT writes); column t's conv window
 # is positions t .. t+K-1 of [conv tail | the row's columns]. Per column it is the decode
-# kernel above, operation for operation, so a verify's columns equal NT decode steps bit
-# for bit. Template constants: the decode kernel's and NT. CUDA only (Metal runs the
-# decode kernel once a column: `deltanet_decode_slots`).
-_CUDA_SLOTS_SOURCE = """
-  using namespace deltaserve_dn;
-  constexpr int BLOCK = LANES * Dv;
-  constexpr int NW = BLOCK / 32;
-  constexpr int NV4 = Dk / (4 * LANES);
-  constexpr int QK = Hk * Dk;
-  constexpr int C = 2 * QK + Hv * Dv;
-  constexpr int VD = Hv * Dv;
-  constexpr int P = C + VD + 2 * Hv;
-  __shared__ float4 q4[Dk / 4];
-  __shared__ float4 k4[Dk / 4];
-  __shared__ float vs[Dv];
-  __shared__ float scratch[NW];
-  float* qf = reinterpret_cast<float*>(q4);
-  float* kf = reinterpret_cast<float*>(k4);
-
-  const int tid = threadIdx.x;
-  const int n = blockIdx.x;  // b * Hv + h
-  const int b = n / Hv;
-  const int h = n % Hv;
-  const int hk = h / (Hv / Hk);
+# kernel above, operation for operation (the same parts), so a verify's columns equal NT
+# decode steps bit for bit. The gated norm's block sums also end every thread's reads of
+# q4, k4 and vs before the next column writes them. Template constants: the decode
+# kernel's and NT. CUDA only (Metal runs the decode kernel once a column:
+# `deltanet_decode_slots`).
+_CUDA_SLOTS_SOURCE = (
+    _PREAMBLE
+    + """\
   const T* pb = proj + size_t(b) * NT * P;  // the row's NT columns
   const T* cs = conv_state + size_t(b) * (K - 1) * C;
-
-  // this thread's conv channel: q, k or v of the head (as the decode kernel's stage 1)
-  int ch = -1;
-  bool write_tail = true;
-  if (tid < Dk) {
-    ch = hk * Dk + tid;
-    write_tail = (h % (Hv / Hk)) == 0;
-  } else if (tid < 2 * Dk) {
-    ch = QK + hk * Dk + (tid - Dk);
-    write_tail = (h % (Hv / Hk)) == 0;
-  } else if (tid < 2 * Dk + Dv) {
-    ch = 2 * QK + h * Dv + (tid - 2 * Dk);
-  }
+"""
+    + conv_channel()
+    + """\
   // position i of [conv tail (K-1) | columns]: the channel's input there
   auto x_at = [&](int i) -> T {
     return i < K - 1 ? cs[i * C + ch] : pb[size_t(i - (K - 1)) * P + ch];
   };
-
-  // the state row: LANES lanes per row, read once
   const int lane = tid % LANES;
   const int row = tid / LANES;
   const float* src = ssm + (size_t(n) * Dv + row) * Dk;
-  const bool vec = (reinterpret_cast<size_t>(ssm) & 15) == 0;
-  float4 s[NV4];
-#pragma unroll
-  for (int i = 0; i < NV4; ++i) {
-    const int c = 4 * (lane + i * LANES);
-    s[i] = vec ? *reinterpret_cast<const float4*>(src + c)
-               : make_float4(src[c], src[c + 1], src[c + 2], src[c + 3]);
-  }
-
+"""
+    + _LOAD_STATE
+    + """
   for (int t = 0; t < NT; ++t) {
     const T* pr = pb + size_t(t) * P;
     // 1. conv + SiLU over positions t .. t+K-1, rounded as the reference; the tail after it
@@ -346,15 +344,9 @@ _CUDA_SLOTS_SOURCE = """
         acc = static_cast<T>(static_cast<float>(acc) + static_cast<float>(prod));
       }
       const float val = static_cast<float>(static_cast<T>(silu(static_cast<float>(acc))));
-      if (tid < Dk) {
-        qf[tid] = val;
-        x2q = val * val;
-      } else if (tid < 2 * Dk) {
-        kf[tid - Dk] = val;
-        x2k = val * val;
-      } else {
-        vs[tid - 2 * Dk] = val;
-      }
+"""
+    + textwrap.indent(CONV_STORE, "  ")
+    + """\
       if (write_tail) {
         T* co = conv_out + (size_t(b) * NT + t) * (K - 1) * C;
 #pragma unroll
@@ -363,37 +355,15 @@ _CUDA_SLOTS_SOURCE = """
         }
       }
     }
-
-    // 2. L2 norms of q and k (block sums), gates
-    const float q_scale = rsqrtf(block_sum<NW>(x2q, scratch) + 1e-6f) * rsqrtf(float(Dk));
-    const float k_scale = rsqrtf(block_sum<NW>(x2k, scratch) + 1e-6f);
-    if (tid < Dk) {
-      qf[tid] *= q_scale;
-    } else if (tid < 2 * Dk) {
-      kf[tid - Dk] *= k_scale;
-    }
-    const float beta = 1.f / (1.f + expf(-static_cast<float>(pr[C + VD + h])));
-    const float ain = static_cast<float>(pr[C + VD + Hv + h]) + dt_bias[h];
-    const float softplus = fmaxf(ain, 0.f) + log1pf(expf(-fabsf(ain)));
-    const float a = expf(-expf(a_log[h]) * softplus);
-    __syncthreads();
-
+"""
+    + textwrap.indent(_GATES, "  ")
+    + """
     // 3. the state update in registers, written to column t's slot
     float4* dst = reinterpret_cast<float4*>(
         ssm_out + (((size_t(b) * NT + t) * Hv + h) * Dv + row) * Dk);
-    float sk = 0.f, sq = 0.f, kq = 0.f;
-#pragma unroll
-    for (int i = 0; i < NV4; ++i) {
-      const float4 kk = k4[lane + i * LANES];
-      const float4 qq = q4[lane + i * LANES];
-      sk += s[i].x * kk.x + s[i].y * kk.y + s[i].z * kk.z + s[i].w * kk.w;
-      sq += s[i].x * qq.x + s[i].y * qq.y + s[i].z * qq.z + s[i].w * qq.w;
-      kq += kk.x * qq.x + kk.y * qq.y + kk.z * qq.z + kk.w * qq.w;
-    }
-    sk = row_sum<LANES>(sk);
-    sq = row_sum<LANES>(sq);
-    kq = row_sum<LANES>(kq);
-    const float delta = beta * (vs[row] - a * sk);
+"""
+    + textwrap.indent(_DOTS, "  ")
+    + """\
 #pragma unroll
     for (int i = 0; i < NV4; ++i) {
       const float4 kk = k4[lane + i * LANES];
@@ -402,19 +372,10 @@ _CUDA_SLOTS_SOURCE = """
       dst[lane + i * LANES] = s[i];
     }
     const float yr = static_cast<float>(static_cast<T>(a * sq + delta * kq));
-
-    // 4. gated RMSNorm over the head's Dv outputs (its block sums also end every
-    // thread's reads of q4, k4 and vs before the next column writes them)
-    const float ss = block_sum<NW>(lane == 0 ? yr * yr : 0.f, scratch);
-    if (lane == 0) {
-      const float eps = __int_as_float(EPS_BITS);
-      const float normed = yr * rsqrtf(ss / float(Dv) + eps);
-      const float z = static_cast<float>(pr[C + h * Dv + row]);
-      const float out = static_cast<float>(norm_w[row]) * normed * silu(z);
-      y[(size_t(b) * NT + t) * VD + h * Dv + row] = static_cast<T>(out);
-    }
-  }
 """
+    + textwrap.indent(_GATED_NORM.replace("@Y@", "(size_t(b) * NT + t)"), "  ")
+    + "  }\n"
+)
 
 
 @functools.cache

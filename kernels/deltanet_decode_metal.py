@@ -41,10 +41,16 @@ def conv_stage(silu: str, unroll: str) -> str:
     (q, k or v of its head), conv + SiLU rounded as the reference rounds, q/k squares for
     the L2 norms, and the new conv tail. `silu`: the source's SiLU function; `unroll`:
     its loop-unroll pragma line (empty: none)."""
-    return _CONV_STAGE.replace("@SILU@", silu).replace("@UNROLL@", unroll)
+    return _CONV_CHANNEL + _CONV_STAGE.replace("@SILU@", silu).replace("@UNROLL@", unroll)
 
 
-_CONV_STAGE = """\
+def conv_channel() -> str:
+    """The start of stage 1: the thread's conv channel `ch` (q, k or v of its head; -1:
+    none) and whether it writes that channel's conv tail (`write_tail`)."""
+    return _CONV_CHANNEL
+
+
+_CONV_CHANNEL = """\
   int ch = -1;
   bool write_tail = true;
   if (tid < Dk) {
@@ -56,6 +62,24 @@ _CONV_STAGE = """\
   } else if (tid < 2 * Dk + Dv) {
     ch = 2 * QK + h * Dv + (tid - 2 * Dk);
   }
+"""
+
+# The channel's conv output `val` into q, k or v (shared memory) and its square into the
+# q/k L2 norm's partial sum (the conv stage's, and the many-column CUDA kernel's)
+CONV_STORE = """\
+    if (tid < Dk) {
+      qf[tid] = val;
+      x2q = val * val;
+    } else if (tid < 2 * Dk) {
+      kf[tid - Dk] = val;
+      x2k = val * val;
+    } else {
+      vs[tid - 2 * Dk] = val;
+    }
+"""
+
+_CONV_STAGE = (
+    """\
   float x2q = 0.f, x2k = 0.f;
   if (ch >= 0) {
     // as the reference: each product and partial sum rounded to T
@@ -67,15 +91,9 @@ _CONV_STAGE = """\
       acc = static_cast<T>(static_cast<float>(acc) + static_cast<float>(prod));
     }
     const float val = static_cast<float>(static_cast<T>(@SILU@(static_cast<float>(acc))));
-    if (tid < Dk) {
-      qf[tid] = val;
-      x2q = val * val;
-    } else if (tid < 2 * Dk) {
-      kf[tid - Dk] = val;
-      x2k = val * val;
-    } else {
-      vs[tid - 2 * Dk] = val;
-    }
+"""
+    + CONV_STORE
+    + """\
     if (write_tail) {
 @UNROLL@      for (int j = 0; j < K - 2; ++j) {
         co[j * C + ch] = cs[(j + 1) * C + ch];
@@ -84,6 +102,7 @@ _CONV_STAGE = """\
     }
   }
 """
+)
 
 
 # Same algorithm as deltanet_decode._CUDA_SOURCE (untested here: no Metal device); threadgroups of
