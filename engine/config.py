@@ -97,7 +97,8 @@ class EngineConfig:
     # A DeltaNet layer's prompt chunk as three kernels around that scan (CUDA only:
     # kernels/deltanet_chunk.py) instead of ~45 compiled ops, each a node MLX encodes
     fused_deltanet_chunk: bool | None = None
-    # A DeltaNet layer's decode token as one kernel (CUDA/Metal: kernels/deltanet_decode.py)
+    # A DeltaNet layer's decode token as one kernel (CUDA/Metal: kernels/deltanet_decode.py),
+    # and a speculative verify's k + 1 tokens as its many-column form (one kernel on CUDA)
     fused_deltanet_decode: bool | None = None
     # RMSNorm of half-precision activations as one kernel (CUDA/Metal: kernels/rms_norm.py)
     fused_rms_norm: bool | None = None
