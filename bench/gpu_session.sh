@@ -208,6 +208,20 @@ nodecost() {  # what one graph node costs MLX's host by kind (views, launches, m
     grep '^|' "$OUT/node_cost.log"
 }
 
+gil08() {  # the engine thread and the server's event loop share the GIL; Python hands it
+    # over every 5 ms by default (sys.getswitchinterval). 0.8B, ours alone at 16 and 64
+    # clients, as is and with 0.5 ms (a sitecustomize on PYTHONPATH), one after the other
+    mkdir -p /tmp/swi && echo 'import sys; sys.setswitchinterval(0.0005)' >/tmp/swi/sitecustomize.py
+    local run
+    for run in a b; do
+        local path=$PYTHONPATH
+        [ "$run" = b ] && path=/tmp/swi:$PYTHONPATH
+        PYTHONPATH=$path timeout 200 python3 -m bench.serve --checkpoint 0.8B --clients 16 64 \
+            --only deltaserve >"$OUT/gil08_$run.log" 2>&1
+        grep -E '^\| (16|64) \| deltaserve' "$OUT/gil08_$run.log" | sed "s/^/$run /"
+    done
+}
+
 inproc08() {  # issue 30's in-process reference: the engine alone at B = 64 (bench.gpu), so
     # the server's 64-client tok/s can be put against it (target: >= 80%)
     timeout 240 python3 -m bench.gpu --shape 0.8B --batches 64 --only deltaserve \
