@@ -47,10 +47,10 @@ import mlx.core as mx
 
 from deltaserve.kernels import fastmath
 from deltaserve.kernels.deltanet_decode_metal import (
+    CONV_CHANNEL,
     CONV_STORE,
     METAL_HEADER,
     METAL_SOURCE,
-    conv_channel,
     conv_stage,
 )
 from deltaserve.kernels.gated_delta_reference import gated_delta_step
@@ -318,7 +318,7 @@ _CUDA_SLOTS_SOURCE = (
   const T* pb = proj + size_t(b) * NT * P;  // the row's NT columns
   const T* cs = conv_state + size_t(b) * (K - 1) * C;
 """
-    + conv_channel()
+    + CONV_CHANNEL
     + """\
   // position i of [conv tail (K-1) | columns]: the channel's input there
   auto x_at = [&](int i) -> T {
@@ -563,7 +563,7 @@ def deltanet_decode_slots(
             (b, columns, hv * dv),
             (b, columns, *conv_state.shape[1:]),
             (b, columns, *ssm.shape[1:]),
-        ],  # fmt: skip
+        ],
         output_dtypes=[proj.dtype, proj.dtype, mx.float32],
     )
     return y, conv, state

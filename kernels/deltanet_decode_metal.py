@@ -41,16 +41,13 @@ def conv_stage(silu: str, unroll: str) -> str:
     (q, k or v of its head), conv + SiLU rounded as the reference rounds, q/k squares for
     the L2 norms, and the new conv tail. `silu`: the source's SiLU function; `unroll`:
     its loop-unroll pragma line (empty: none)."""
-    return _CONV_CHANNEL + _CONV_STAGE.replace("@SILU@", silu).replace("@UNROLL@", unroll)
+    return CONV_CHANNEL + _CONV_STAGE.replace("@SILU@", silu).replace("@UNROLL@", unroll)
 
 
-def conv_channel() -> str:
-    """The start of stage 1: the thread's conv channel `ch` (q, k or v of its head; -1:
-    none) and whether it writes that channel's conv tail (`write_tail`)."""
-    return _CONV_CHANNEL
-
-
-_CONV_CHANNEL = """\
+# The start of stage 1: the thread's conv channel `ch` (q, k or v of its head; -1: none)
+# and whether it writes that channel's conv tail (`write_tail`); the many-column CUDA
+# kernel's too
+CONV_CHANNEL = """\
   int ch = -1;
   bool write_tail = true;
   if (tid < Dk) {
