@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from bench.engine_throughput import Ours
 from bench.speculative import compare, table
+from deltaserve.engine.scheduling.speculation import Speculation
 from deltaserve.models.testing import cached_checkpoint
 
 
-def test_forced_drafts_keep_output_and_set_acceptance() -> None:
+def test_forced_drafts_keep_output_and_set_acceptance(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rows keep the acceptance floor, not the break-even measured from this run's step
+    # times: on a busy CPU a verify can measure as not paying for any draft, and the 50%
+    # run's rows then pause and draft nothing (a CI run at 73e55a5: 0 accepted of 0)
+    monkeypatch.setattr(Speculation, "break_even", lambda self: None)
     ours = Ours(str(cached_checkpoint("tiny")), 256, 128)
     args = argparse.Namespace(gen=24, prompt=16, k=2, accept=["real", "1.0", "0.5"], seed=0)
     plain, real, perfect, half = compare(ours.loaded, ours.config, 2, args, random_weights=True)
