@@ -222,6 +222,25 @@ gil08() {  # the engine thread and the server's event loop share the GIL; Python
     done
 }
 
+graphs08() {  # MLX's CUDA graphs: a step's ops are cut into graphs of MLX_MAX_OPS_PER_BUFFER
+    # (20) and each graph is looked up by its topology in a cache of MLX_CUDA_GRAPH_CACHE_SIZE
+    # (400) entries; a miss instantiates a new one. A mixed step's op count shifts every cut
+    # after its first prompt forward, so steps of a new make-up miss throughout. 0.8B, ours
+    # alone at 16 and 64 clients: as is, a larger cache, larger graphs, no graphs
+    local run env
+    for run in default cache4000 ops100 nographs; do
+        case $run in
+            default) env="" ;;
+            cache4000) env="MLX_CUDA_GRAPH_CACHE_SIZE=4000" ;;
+            ops100) env="MLX_CUDA_GRAPH_CACHE_SIZE=4000 MLX_MAX_OPS_PER_BUFFER=100" ;;
+            nographs) env="MLX_USE_CUDA_GRAPHS=0" ;;
+        esac
+        env $env timeout 200 python3 -m bench.serve --checkpoint 0.8B --clients 16 64 \
+            --only deltaserve >"$OUT/graphs08_$run.log" 2>&1
+        grep -E '^\| (16|64) \|' "$OUT/graphs08_$run.log" | sed "s/^/$run /"
+    done
+}
+
 inproc08() {  # issue 30's in-process reference: the engine alone at B = 64 (bench.gpu), so
     # the server's 64-client tok/s can be put against it (target: >= 80%)
     timeout 240 python3 -m bench.gpu --shape 0.8B --batches 64 --only deltaserve \

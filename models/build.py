@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from deltaserve.kernels.platform import current_platform
+from deltaserve.kernels.platform import current_platform, prepare_device
 from deltaserve.models.config import TextConfig
 from deltaserve.models.hub import resolve_checkpoint
 from deltaserve.models.layers import EXPERT_PROJECTIONS, SparseMoE
@@ -69,6 +69,8 @@ def load_model(
     dtype and MLX quantized matmuls. `parallel`: keep only this rank's slices
     (models/parallel.py); quantized weights are cut in their packed form.
     """
+    prepare_device(None)  # loading is MLX's first GPU evaluation (the engine's config, if
+    # any, was applied before: deltaserve.engine.parallel.tensor_parallel.start_engine)
     cpu = on_cpu()
     compute_dtype = dtype or (mx.float32 if cpu else None)
     transform = None

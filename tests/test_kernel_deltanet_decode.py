@@ -102,6 +102,8 @@ def test_state_and_weights_of_other_sizes_raise() -> None:
 # Kernel vs ops: sums run in another order and the kernel rounds the conv once less;
 # y is T after a norm, so one T ulp of its O(1) values (bf16 2^-8), state in float32.
 TOL = {mx.float32: 2e-4, mx.bfloat16: 3e-2}
+# two kernels doing the same arithmetic, compiled apart: FMA contraction may differ
+SAME_TOL = {mx.float32: 1e-5, mx.bfloat16: 1e-2}
 
 
 @gpu
@@ -170,9 +172,11 @@ def test_slots_of_other_sizes_raise() -> None:
 def test_slots_kernel_is_the_decode_kernel_column_by_column(
     shape: tuple[int, int, int, int], b: int, columns: int, dtype: mx.Dtype
 ) -> None:
-    """The many-column kernel equals the decode kernel run once a column bit for bit (y,
-    every column's conv tail and state), and its reference within the kernel's
-    tolerance."""
+    """The many-column kernel is the decode kernel run once a column: every column's conv
+    tail bit for bit (copies), y and the state within a few float32 roundings (the two
+    kernels are compiled separately and NVRTC contracts their multiply-adds into FMAs
+    where each one's code allows: on an H100 a float32 y differed from the third column
+    on, bf16 did not), and its reference within the kernel's tolerance."""
     dims = dims_of(*shape)
     proj, conv, ssm, *weights = make_columns(dims, b, columns, dtype, seed=b + columns)
     got = deltanet_decode_slots(dims, proj, conv, ssm, *weights)
@@ -184,7 +188,12 @@ def test_slots_kernel_is_the_decode_kernel_column_by_column(
     for i, name in enumerate(("y", "conv", "ssm")):
         one_by_one = mx.stack([step[i] for step in stepped], axis=1)
         assert (got[i].shape, got[i].dtype) == (one_by_one.shape, one_by_one.dtype), name
-        assert mx.array_equal(got[i], one_by_one).item(), name
+        if name == "conv":
+            assert mx.array_equal(got[i], one_by_one).item(), name
+        else:
+            scale = max(1.0, mx.abs(one_by_one.astype(mx.float32)).max().item())
+            diff = mx.abs(got[i].astype(mx.float32) - one_by_one.astype(mx.float32))
+            assert diff.max().item() <= SAME_TOL[got[i].dtype] * scale, (name, diff.max().item())
         scale = max(1.0, mx.abs(ref[i].astype(mx.float32)).max().item())
         err = mx.abs(got[i].astype(mx.float32) - ref[i].astype(mx.float32)).max().item()
         assert err <= TOL[dtype] * scale, f"{name}: max abs err {err:.3g} (scale {scale:.3g})"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 
 import mlx.core as mx
@@ -19,9 +20,12 @@ from deltaserve.kernels import cpu, deltanet_decode, gated_delta_fused, rms_norm
 from deltaserve.kernels.cpu import blas, host_memory
 from deltaserve.kernels.platform import (
     CUDA_BUFFER_CACHE_BYTES,
+    CUDA_GRAPHS_VARIABLE,
     FUSED_KERNEL_DEVICES,
     Platform,
     current_platform,
+    mlx_cuda_graphs,
+    prepare_device,
     resolve_platform,
     start_platform,
     use_platform,
@@ -251,3 +255,49 @@ def test_gpu_start_sets_the_buffer_cache_cap(monkeypatch: pytest.MonkeyPatch) ->
     start_platform(Platform("metal"))
     start_platform(Platform("cpu"))
     assert limits == [3 << 30, -1]
+
+
+def test_cuda_graphs_are_off_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`prepare_device` sets MLX_USE_CUDA_GRAPHS before MLX reads it: unset config, off
+    unless the variable is already there (kept); an explicit config value wins. The CUDA
+    profile reports the variable as MLX reads it (atoi: "false" is 0); other devices have
+    no CUDA graphs."""
+    monkeypatch.delenv(CUDA_GRAPHS_VARIABLE, raising=False)
+    assert mlx_cuda_graphs()  # MLX's own default
+    prepare_device(EngineConfig())
+    assert os.environ[CUDA_GRAPHS_VARIABLE] == "0"
+    cuda = resolve_platform(EngineConfig(), device="cuda")
+    assert not cuda.cuda_graphs and "CUDA graphs off" in cuda.describe()
+    monkeypatch.setenv(CUDA_GRAPHS_VARIABLE, "1")
+    prepare_device(EngineConfig())
+    assert os.environ[CUDA_GRAPHS_VARIABLE] == "1"
+    assert resolve_platform(EngineConfig(), device="cuda").cuda_graphs
+    assert not resolve_platform(EngineConfig(), device="metal").cuda_graphs
+    assert "CUDA graphs" not in resolve_platform(EngineConfig(), device="cpu").describe()
+    prepare_device(EngineConfig(cuda_graphs=False))
+    assert os.environ[CUDA_GRAPHS_VARIABLE] == "0"
+    prepare_device(EngineConfig(cuda_graphs=True))
+    assert resolve_platform(EngineConfig(), device="cuda").describe().count("CUDA graphs on")
+    for value, on in (("false", False), (" 2", True), ("", False), ("-0", False)):
+        monkeypatch.setenv(CUDA_GRAPHS_VARIABLE, value)
+        assert mlx_cuda_graphs() is on, value
+
+
+def test_the_engine_start_prepares_the_device_before_loading(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`start_engine` (the server's and AsyncEngine's path) sets MLX's once-read settings
+    before the weights load: loading is MLX's first evaluation on a GPU."""
+    from deltaserve.engine.parallel import tensor_parallel
+
+    seen: list[str | None] = []
+
+    def load(*args: object, **kwargs: object) -> None:
+        seen.append(os.environ.get(CUDA_GRAPHS_VARIABLE))
+        raise RuntimeError("stop here")
+
+    monkeypatch.delenv(CUDA_GRAPHS_VARIABLE, raising=False)
+    monkeypatch.setattr(tensor_parallel, "load_model", load)
+    with pytest.raises(RuntimeError, match="stop here"):
+        tensor_parallel.start_engine("unused", EngineConfig())
+    assert seen == ["0"]

@@ -41,6 +41,7 @@ import numpy as np
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.plan import StepPlan
+from deltaserve.kernels.platform import prepare_device
 from deltaserve.models.build import load_model
 from deltaserve.models.hub import resolve_checkpoint
 from deltaserve.models.parallel import TensorParallel
@@ -236,6 +237,7 @@ def start_engine(
     """Load `model` (in `dtype`, None: deltaserve.models.build's default) and build its engine. In a
     group, every rank calls this at once: it checks that all start alike, loads this
     rank's slices, and gives rank 0 its Leader."""
+    prepare_device(config)  # before MLX's first GPU evaluation: loading the weights
     if parallel is None:
         return LLMEngine(load_model(model, dtype), config)
     check_same_setup(parallel, [*setup_parts(model, config), str(dtype).encode()])
