@@ -241,6 +241,20 @@ graphs08() {  # MLX's CUDA graphs: a step's ops are cut into graphs of MLX_MAX_O
     done
 }
 
+budget08() {  # 0.8B, ours alone at 64 clients, the step token budget as measured at start
+    # (up to 1,792 tokens on an H100 with CUDA graphs off) and capped lower: whether the
+    # streams' p99 gap comes from the ramp's full-budget steps (a burst of arrivals lifts the
+    # stall factor to 1 + queued / decoding rows) and what a smaller budget costs in tok/s
+    local b
+    for b in ${BUDGETS:-measured 1024 512}; do
+        local extra=""
+        [ "$b" != measured ] && extra="--max-num-batched-tokens $b"
+        timeout 150 python3 -m bench.serve --checkpoint 0.8B --clients 64 --only deltaserve \
+            --extra-args="$extra" >"$OUT/budget08_$b.log" 2>&1
+        grep -E '^\| 64 \|' "$OUT/budget08_$b.log" | sed "s/^/$b /"
+    done
+}
+
 inproc08() {  # issue 30's in-process reference: the engine alone at B = 64 (bench.gpu), so
     # the server's 64-client tok/s can be put against it (target: >= 80%)
     timeout 240 python3 -m bench.gpu --shape 0.8B --batches 64 --only deltaserve \

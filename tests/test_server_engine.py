@@ -340,3 +340,46 @@ def test_response_format_and_forced_tool_calls_are_enforced(server: LiveServer) 
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(response_format=bad, **kwargs)
     assert error.value.body["param"] == "response_format"
+
+
+def test_a_steps_deltas_reach_each_event_loop_in_one_call() -> None:
+    """The engine thread hands a step's deltas to an event loop in one
+    call_soon_threadsafe (each one is a wake-up syscall and a GIL hand-over), and the loop
+    side puts every delta into its own stream's queue in step order; a stream whose last
+    choice finished is forgotten."""
+    from types import SimpleNamespace
+
+    from deltaserve.engine.async_engine import _Counters, _Stream
+    from deltaserve.engine.types import RequestOutput
+
+    class Loop:
+        def __init__(self) -> None:
+            self.calls: list[tuple] = []
+
+        def call_soon_threadsafe(self, fn: object, *args: object) -> None:
+            self.calls.append((fn, args))
+
+    loops = [Loop(), Loop()]
+    queues = [asyncio.Queue() for _ in range(3)]
+    streams = {
+        f"r{i}": _Stream(loops[min(i, 1)], queues[i], 1)  # type: ignore[arg-type]
+        for i in range(3)
+    }
+    stub = SimpleNamespace(
+        _streams=dict(streams), _open={k: 1 for k in streams}, _counters=_Counters()
+    )
+    deltas = [
+        RequestOutput("r1", 0, (5,)),
+        RequestOutput("r0", 0, (7,)),
+        RequestOutput("r2", 0, (8,), finish_reason="stop"),
+        RequestOutput("r1", 0, (6,)),
+        RequestOutput("gone", 0, (9,)),
+    ]
+    AsyncEngine._dispatch(stub, deltas)  # type: ignore[arg-type]
+    assert [len(loop.calls) for loop in loops] == [1, 1]
+    for loop in loops:
+        fn, args = loop.calls[0]
+        fn(*args)
+    got = [[q.get_nowait().token_ids for _ in range(q.qsize())] for q in queues]
+    assert got == [[(7,)], [(5,), (6,)], [(8,)]]
+    assert "r2" not in stub._streams and stub._counters.generated_tokens == 5
