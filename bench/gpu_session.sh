@@ -278,6 +278,9 @@ forwards64() {  # 0.8B, deltaserve alone at 64 clients with --log-level debug: h
         | tr ',' '\n' | sed 's/^ //; s/[0-9]*x[0-9]*/PxL/; s/[0-9]* rows/N rows/; s/decode [0-9]*/decode B/' \
         | sort | uniq -c
     grep -E 'step [0-9]+: [0-9]+ decode rows, [1-9]' "$log" | tail -5 | cut -c1-250
+    # the slow steps (what sets the streams' p99 gap), each with what it held
+    python3 -m bench.step_log "$log" >"$OUT/forwards64_steps.md" 2>&1
+    head -40 "$OUT/forwards64_steps.md"
 }
 
 serve08() {  # the headline: deltaserve serve (default config) vs mlx_lm.server, 0.8B

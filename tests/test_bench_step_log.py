@@ -1,0 +1,34 @@
+"""bench.step_log joins a debug log's three lines a step and names the slow steps."""
+
+from __future__ import annotations
+
+from bench.step_log import parse, report
+
+LOG = """\
+2026-12-06 08:34:00,001 DEBUG deltaserve.engine.runner: step 7 forwards: decode 4 compiled
+2026-12-06 08:34:00,002 DEBUG deltaserve.engine.scheduling.scheduler: step 7: 4 decode rows, 0 prompt tokens in 0 chunks (0 later, longest 0), 0 tower units: 0.005 s
+2026-12-06 08:34:00,003 DEBUG deltaserve.engine.engine: step 7 host 4.5 ms (schedule / build / submit / sample / update: 0.1 / 0.9 / 3.2 / 0.2 / 0.1), waited 0.1 ms; MLX active 2400 MiB, cache 4000 MiB
+2026-12-06 08:34:00,004 DEBUG deltaserve.engine.runner: step 8 forwards: decode 4 compiled, prompt run 2 rows
+2026-12-06 08:34:00,005 DEBUG deltaserve.engine.scheduling.scheduler: step 8: 4 decode rows, 300 prompt tokens in 2 chunks (0 later, longest 200), 0 tower units: 0.031 s
+2026-12-06 08:34:00,006 DEBUG deltaserve.engine.engine: step 8 host 30.0 ms (schedule / build / submit / sample / update: 0.3 / 4.0 / 25.0 / 0.5 / 0.2), waited 0.2 ms; MLX active 2500 MiB, cache 4010 MiB
+2026-12-06 08:34:00,007 DEBUG deltaserve.engine.scheduling.scheduler: step 9: 4 decode rows, 0 prompt tokens in 0 chunks (0 later, longest 0), 0 tower units: 0.006 s
+2026-12-06 08:34:00,008 INFO deltaserve.requests: request x route=chat prompt=5
+"""  # noqa: E501
+
+
+def test_steps_are_joined_and_the_slow_ones_listed() -> None:
+    steps = parse(LOG.splitlines())
+    assert [(s.number, s.kind) for s in steps] == [(7, "decode"), (8, "mixed"), (9, "decode")]
+    mixed = steps[1]
+    assert (mixed.decode_rows, mixed.prompt_tokens, mixed.chunks) == (4, 300, 2)
+    assert (mixed.wall_ms, mixed.host_ms, mixed.submit_ms, mixed.cache_mib) == (31, 30, 25, 4010)
+    assert mixed.forwards == "decode 4 compiled, prompt run 2 rows"
+    assert steps[2].host_ms is None  # no engine line for it
+    lines = report(steps, over=3.0)
+    assert "| decode | 2 | 6.0 | 6.0 | 6.0 | 6.0 |" in lines  # the upper median of 5 and 6
+    slow = [line for line in lines if line.startswith("| 8 |")]
+    assert slow == [
+        "| 8 | 31.0 | 4 | 300 | 2 | 30.0 | 4.0 / 25.0 | 0.2 | 4010 | "
+        "decode 4 compiled, prompt run 2 rows |"
+    ]
+    assert "1 of 3 steps over 3x the median decode step (16.5 ms):" in lines
