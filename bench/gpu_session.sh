@@ -112,8 +112,10 @@ mixed() {  # issue 30's mixed-step target: 64 decode rows + 256 prompt tokens <=
 tune() {  # MLX's CUDA graph batching (MLX_MAX_OPS_PER_BUFFER: ops per CUDA graph before
     # MLX launches it; its default is small, and a 64-row decode step is ~520 ops): the
     # mixed-step target's decode and mixed steps at each setting (a setting that helps is
-    # then a `serve08` run with it exported, before it becomes a default)
+    # then a `serve08` run with it exported, before it becomes a default). CUDA graphs are
+    # off by default since 275e1cd (graphs08), so this turns them on for its runs
     local ops
+    export MLX_USE_CUDA_GRAPHS=1
     for ops in ${TUNE_OPS:-default 100 250}; do
         if [ "$ops" = default ]; then unset MLX_MAX_OPS_PER_BUFFER; else
             export MLX_MAX_OPS_PER_BUFFER=$ops; fi
@@ -121,20 +123,21 @@ tune() {  # MLX's CUDA graph batching (MLX_MAX_OPS_PER_BUFFER: ops per CUDA grap
             --prompt 2048 --reps 3 --skip-model >"$OUT/tune_mixed_$ops.log" 2>&1
         echo "ops $ops: $(grep '"engine_step"' "$OUT/tune_mixed_$ops.log" | tr '\n' ' ' | cut -c1-300)"
     done
-    unset MLX_MAX_OPS_PER_BUFFER
+    unset MLX_MAX_OPS_PER_BUFFER MLX_USE_CUDA_GRAPHS
 }
 
 hostcost() {  # where a mixed step's host time goes: mx.async_eval's share and the
     # primitives a chunk adds to the decode rows' graph (bench.mixed_step --graph), then
-    # the same steps with MLX's CUDA graph cache enlarged and with graphs off, and a
-    # sampled native profile (py-spy, when carried in .wb) of the default run
+    # the same steps with MLX's CUDA graphs on and their cache enlarged (off is the default
+    # since 275e1cd), and a sampled native profile (py-spy, when carried in .wb) of the
+    # default run
     local base="python3 -m bench.mixed_step --shape 0.8B --rows 64 --sizes 16 256 --prompt 2048 --reps 3 --skip-model"
     timeout 150 $base --graph >"$OUT/hostcost_graph.log" 2>&1
     timeout 150 $base --graph --fresh >>"$OUT/hostcost_graph.log" 2>&1
     grep -E '"(engine_step|primitives_added)"' "$OUT/hostcost_graph.log" | cut -c1-700
     local env
-    for env in MLX_CUDA_GRAPH_CACHE_SIZE=4000 MLX_USE_CUDA_GRAPHS=0; do
-        env "$env" timeout 150 $base >"$OUT/hostcost_$env.log" 2>&1
+    for env in MLX_USE_CUDA_GRAPHS=1 MLX_CUDA_GRAPH_CACHE_SIZE=4000; do
+        env MLX_USE_CUDA_GRAPHS=1 "$env" timeout 150 $base >"$OUT/hostcost_$env.log" 2>&1
         echo "$env: $(grep '"engine_step"' "$OUT/hostcost_$env.log" | cut -c1-220 | tr '\n' ' ')"
     done
     if [ -f .wb/py_spy.whl ]; then
@@ -226,13 +229,14 @@ graphs08() {  # MLX's CUDA graphs: a step's ops are cut into graphs of MLX_MAX_O
     # (20) and each graph is looked up by its topology in a cache of MLX_CUDA_GRAPH_CACHE_SIZE
     # (400) entries; a miss instantiates a new one. A mixed step's op count shifts every cut
     # after its first prompt forward, so steps of a new make-up miss throughout. 0.8B, ours
-    # alone at 16 and 64 clients: as is, a larger cache, larger graphs, no graphs
+    # alone at 16 and 64 clients: graphs as MLX has them, a larger cache, larger graphs, no
+    # graphs (deltaserve's default since 275e1cd: the variable is set explicitly each run)
     local run env
     for run in default cache4000 ops100 nographs; do
         case $run in
-            default) env="" ;;
-            cache4000) env="MLX_CUDA_GRAPH_CACHE_SIZE=4000" ;;
-            ops100) env="MLX_CUDA_GRAPH_CACHE_SIZE=4000 MLX_MAX_OPS_PER_BUFFER=100" ;;
+            default) env="MLX_USE_CUDA_GRAPHS=1" ;;
+            cache4000) env="MLX_USE_CUDA_GRAPHS=1 MLX_CUDA_GRAPH_CACHE_SIZE=4000" ;;
+            ops100) env="MLX_USE_CUDA_GRAPHS=1 MLX_CUDA_GRAPH_CACHE_SIZE=4000 MLX_MAX_OPS_PER_BUFFER=100" ;;
             nographs) env="MLX_USE_CUDA_GRAPHS=0" ;;
         esac
         env $env timeout 200 python3 -m bench.serve --checkpoint 0.8B --clients 16 64 \

@@ -126,11 +126,12 @@ class Platform:
         blas = f"; BLAS: {self.blas}" if self.blas else ""
         cache = self.buffer_cache_bytes
         kept = f"; freed buffers kept: up to {cache / 2**30:.1f} GiB" if cache else ""
+        graphs = ""
         if self.device == "cuda":
-            kept += f"; CUDA graphs {'on' if self.cuda_graphs else 'off'}"
+            graphs = f"; CUDA graphs {'on' if self.cuda_graphs else 'off'}"
         on = [name for name, enabled in self.switches().items() if enabled] or ["none"]
         off = [name for name, enabled in self.switches().items() if not enabled] or ["none"]
-        return f"{head}{blas}{kept}; on: {', '.join(on)}; off: {', '.join(off)}"
+        return f"{head}{blas}{kept}{graphs}; on: {', '.join(on)}; off: {', '.join(off)}"
 
 
 def resolve_platform(
