@@ -25,37 +25,9 @@ from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.kv import KVStore, with_headroom
 from deltaserve.engine.cache.ssm import SSMState
 from deltaserve.engine.decode import SSMView
-from deltaserve.engine.shapes import chunk_bucket
+from deltaserve.engine.shapes import MAX_ROWS, prompt_bucket
 from deltaserve.models.qwen35 import Qwen35Model
 from deltaserve.models.state import ForwardGroup
-
-# Rows up to a power of two (lengths: engine/shapes.py's chunk_bucket)
-MAX_ROWS = 16
-
-
-def prompt_bucket(rows: int, length: int) -> tuple[int, int]:
-    """The traced [rows, length] shape a group of `rows` first chunks (the longest
-    `length` tokens) runs at."""
-    return 1 << max(rows - 1, 0).bit_length(), chunk_bucket(length)
-
-
-def cohort_splits(lengths: Sequence[int], max_area: int) -> list[list[int]]:
-    """Indices of a cohort's fresh prompts (of these lengths) in groups of at most
-    MAX_ROWS whose bucket holds at most `max_area` padded tokens (a lone prompt always
-    forms a group), each in the given order. Longest first, so rows of like lengths share
-    a bucket: less padding for the DeltaNet scan, and only the buckets within the area
-    run, which are those warm-up traces (engine/warmup.py; H200, 0.8B: a bucket first met
-    under load cost ~0.4 s of tracing, a stall of every decoding row)."""
-    groups: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        group = groups[-1] if groups else None
-        if group and len(group) < MAX_ROWS:
-            rows_b, length_b = prompt_bucket(len(group) + 1, lengths[group[0]])
-            if rows_b * length_b <= max_area:
-                group.append(i)
-                continue
-        groups.append([i])
-    return [sorted(group) for group in groups]
 
 
 class _FreshKV:

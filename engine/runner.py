@@ -20,10 +20,11 @@ import numpy as np
 
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.rows import RowStates
-from deltaserve.engine.compiled_prefill import CompiledPrefill, cohort_splits, prompt_bucket
+from deltaserve.engine.compiled_prefill import CompiledPrefill
 from deltaserve.engine.decode import CompiledDecode
 from deltaserve.engine.plan import NewRow, PrefillChunk, StepPlan, StepResult, VerifiedRun
 from deltaserve.engine.sampling.sampler import SampledBatch, Sampler, SamplingRow
+from deltaserve.engine.shapes import cohort_splits, prompt_bucket
 from deltaserve.engine.speculative import (
     Drafter,
     DraftRound,

@@ -25,10 +25,10 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 
 from deltaserve.engine.cache.batch import BatchState
-from deltaserve.engine.compiled_prefill import MAX_ROWS, CompiledPrefill, prompt_bucket
+from deltaserve.engine.compiled_prefill import CompiledPrefill
 from deltaserve.engine.decode import CompiledDecode
 from deltaserve.engine.sampling.sampler import Sampler, SamplingRow
-from deltaserve.engine.shapes import decode_bucket
+from deltaserve.engine.shapes import MAX_ROWS, decode_bucket, prompt_bucket
 from deltaserve.engine.types import SamplingParams
 from deltaserve.models.state import ForwardGroup, text_positions
 
@@ -155,7 +155,7 @@ def _shapes(
 def cohort_shapes(max_chunk: int, max_rows: int) -> list[tuple[int, int]]:
     """The [rows, length] buckets of cohorts of 2 or more fresh prompts, the smaller
     first: those of at most `max_chunk` padded tokens, the only ones the runner runs
-    (compiled_prefill.cohort_splits splits a larger cohort)."""
+    (shapes.cohort_splits splits a larger cohort)."""
     shapes, rows = set(), 2
     while rows <= min(MAX_ROWS, max_rows):
         for length in prompt_lengths(max_chunk):

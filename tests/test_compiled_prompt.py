@@ -17,17 +17,12 @@ from test_engine_batching import _drive as drive
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.factory import kv_store_factory
 from deltaserve.engine.cache.kv import KVStore
-from deltaserve.engine.compiled_prefill import (
-    MAX_ROWS,
-    CompiledPrefill,
-    cohort_splits,
-    prompt_bucket,
-)
+from deltaserve.engine.compiled_prefill import CompiledPrefill
 from deltaserve.engine.config import EngineConfig, KVCacheConfig
 from deltaserve.engine.decode import CompiledDecode
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.sampling.sampler import SampledBatch, Sampler, SamplingRow
-from deltaserve.engine.shapes import chunk_capacity
+from deltaserve.engine.shapes import MAX_ROWS, chunk_capacity, cohort_splits, prompt_bucket
 from deltaserve.engine.types import GenerationRequest, SamplingParams
 from deltaserve.engine.warmup import (
     WARM_DRAWS,

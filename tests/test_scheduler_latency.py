@@ -634,3 +634,24 @@ def test_a_chunk_group_of_its_own_pays_its_fixed_part_out_of_the_step() -> None:
     # starts with what is left
     uncharged = plans(None)
     assert uncharged[0] == [("long/0", 512, 256), ("a/0", 0, 100), ("b/0", 0, 100), ("c/0", 0, 56)]
+
+
+def test_a_fresh_prompt_that_would_split_the_fresh_call_pays_a_fixed_part() -> None:
+    """Fresh prompts' first chunks run as one compiled call only while their padded
+    bucket fits the chunk size (engine/shapes.py cohort_splits); a prompt that would
+    split the call in two is charged a fixed part (100 tokens' worth here) like any group
+    of its own, so it waits for the next step where its tokens fit but the charge does
+    not. Prompts of 200 and 150 tokens share a [2, 256] bucket (512 padded tokens, the
+    chunk size); a third of 100 would make it [4, 256] and a second call."""
+    cost = FakeCost()
+    s = _scheduler(cost, chunk_cost=ChunkCost(fixed_seconds=0.005, token_seconds=5e-5))
+    for name, length in (("a", 200), ("b", 150), ("c", 100)):
+        s.add(_req(name, length), EOS)
+    first = [(c.row_id, c.length) for c in _step(s, cost).prefill]
+    assert first == [("a/0", 200), ("b/0", 150)]  # 162 tokens left: c's 100 + 100 charged
+    assert [(c.row_id, c.length) for c in _step(s, cost).prefill] == [("c/0", 100)]
+    # without a measurement (the CPU, no compiled call) nothing is charged
+    s = _scheduler(cost)
+    for name, length in (("a", 200), ("b", 150), ("c", 100)):
+        s.add(_req(name, length), EOS)
+    assert [c.row_id for c in _step(s, cost).prefill] == ["a/0", "b/0", "c/0"]
