@@ -128,8 +128,8 @@ class Chunking:
         split the fresh prompts' compiled call in two, engine/shapes.py cohort_splits),
         0 for the plan's first chunk and for a fresh prompt that joins the fresh
         prompts' call. Uncharged, such a split gave a step two fixed parts where the
-        allowance priced one (H100, 0.8B, 64 clients: 12 of 93 mixed steps, all among
-        the slowest)."""
+        allowance priced one (H100, 0.8B, 64 clients: 12 of 93 mixed steps, each slower
+        than the median mixed step)."""
         if not self.group_tokens or not plan:
             return 0
         fresh = [share for r, share in plan if _fresh(r)]
