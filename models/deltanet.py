@@ -272,12 +272,9 @@ class GatedDeltaNet(nn.Module):
         self, x: mx.array, state: RecurrentState, residual: mx.array | None = None
     ) -> mx.array:
         """x [B, 1, H] -> [B, 1, H] (+ residual) through kernels/deltanet_decode.py."""
-        b = x.shape[0]
-        proj = self.project_whole(x)
-        conv_state, ssm = self._states(state, b, proj.dtype)
-        weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
+        proj, inputs = self._kernel_inputs(x, state)
         y, state.conv, state.ssm = dn_decode.deltanet_decode(
-            self._decode_dims, proj.reshape(b, -1), conv_state, ssm, *weights
+            self._decode_dims, proj.reshape(x.shape[0], -1), *inputs
         )
         return linear_plus(self.out_proj, y[:, None], residual)
 
@@ -300,16 +297,11 @@ class GatedDeltaNet(nn.Module):
     ) -> mx.array:
         """x [B, L, H] -> [B, L, H] (+ residual) through kernels/deltanet_chunk.py; mask
         and left_pad (pads as data or a tuple) describe the same padding."""
-        b = x.shape[0]
-        proj = self.project_whole(x)
-        conv_state, ssm = self._states(state, b, proj.dtype)
+        proj, inputs = self._kernel_inputs(x, state)
         pads = None
         if mask is not None:
             pads = left_pad if isinstance(left_pad, mx.array) else mx.array(left_pad, mx.int32)
-        weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
-        y, state.conv, state.ssm = deltanet_chunk(
-            self._decode_dims, proj, conv_state, ssm, *weights, pads, mask
-        )
+        y, state.conv, state.ssm = deltanet_chunk(self._decode_dims, proj, *inputs, pads, mask)
         return linear_plus(self.out_proj, y, residual)
 
     def use_fused_slots(self, mask: mx.array | None, split: int, slots: bool) -> bool:
@@ -328,16 +320,26 @@ class GatedDeltaNet(nn.Module):
         each column become state.slots, as `core` keeps them, and the last column's are
         the state. Each column is what a plain decode step computes, operation for
         operation, so a verify's tokens are those of decoding without drafts."""
-        b = x.shape[0]
-        proj = self.project_whole(x)
-        conv_state, ssm = self._states(state, b, proj.dtype)
-        weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
-        y, convs, ssms = dn_decode.deltanet_decode_slots(
-            self._decode_dims, proj, conv_state, ssm, *weights
-        )
+        proj, inputs = self._kernel_inputs(x, state)
+        y, convs, ssms = dn_decode.deltanet_decode_slots(self._decode_dims, proj, *inputs)
         state.slots = (convs, ssms)
         state.conv, state.ssm = convs[:, -1], ssms[:, -1]
         return linear_plus(self.out_proj, y, residual)
+
+    def _kernel_inputs(self, x: mx.array, state: RecurrentState) -> tuple[mx.array, tuple]:
+        """What every DeltaNet kernel (decode, its many-column form, the chunk) takes after
+        the layer's dims: x's whole projection, then (conv tail, recurrent state, conv
+        weight, A_log, dt_bias, norm weight)."""
+        proj = self.project_whole(x)
+        conv_state, ssm = self._states(state, x.shape[0], proj.dtype)
+        return proj, (
+            conv_state,
+            ssm,
+            self.conv1d.weight,
+            self.A_log,
+            self.dt_bias,
+            self.norm.weight,
+        )
 
     def _states(self, state: RecurrentState, rows: int, dtype: mx.Dtype) -> tuple:
         """(conv tail, recurrent state) of `state`, zeros for fresh rows."""
