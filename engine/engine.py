@@ -365,6 +365,7 @@ class LLMEngine:
     def _execute(self, plan: StepPlan) -> ModelOutput:
         """The runner's execute, its graph building and submission counted apart."""
         output = self.runner.execute(plan)
+        self.scheduler.submitted(plan)
         build, submit = output.host_split
         self._parts["build"] += build
         self._parts["submit"] += submit
@@ -400,17 +401,18 @@ class LLMEngine:
 
     def _overlaps(self, plan: StepPlan) -> bool:
         """Whether `plan` runs pipelined (config.pipeline_steps). A step with prompt work
-        next to decoding rows runs in lockstep: the scheduler sizes that work from measured
-        step times, and a pipelined step's measured time held part of the next step's
-        prefill, so prompt tokens were priced low and such steps overshot the stall bound.
-        So does one that samples a prompt's first token: read back now, not after the next
-        step's graph is built (and a max_tokens=1 row then plans no wasted step)."""
+        next to decoding rows does: in lockstep it paid its graph building (a prompt
+        chunk's is the largest of any step's) and its device time in series, and every
+        stream waited through both; its building is priced to it (StepTimer.submitted).
+        A step that samples a prompt's first token with no row decoding runs in lockstep:
+        nothing waits behind it, its token comes back now rather than after the next
+        step's building, and a max_tokens=1 row then plans no wasted step."""
         first = any(c.sample_row_ids for c in plan.prefill)
         # a speculating row's next step needs its acceptance (and a fresh row's drafts),
         # and a row that may draft next needs its token (plan.read_back)
         if plan.verify_row_ids or plan.read_back:
             return False
-        return self.pipeline and not (plan.prefill and (plan.decode_row_ids or first))
+        return self.pipeline and not (first and not plan.decode_row_ids)
 
     def _pipelined(self, plan: StepPlan) -> list[RequestOutput]:
         """Step N's forward is queued (mx.async_eval) before step N-1's tokens are read

@@ -31,6 +31,29 @@ def test_step_timer_drops_the_first_pipelined_steps_after_lockstep() -> None:
     assert timer.completed(4, 2.5) == pytest.approx((0.2, True))
 
 
+def test_step_timer_prices_a_pipelined_steps_building_to_it() -> None:
+    """A pipelined step's building runs in the gap that ends with its predecessor's
+    completion: each gap gives the next step's building to it and takes its own step's,
+    so a heavy build (a prompt chunk's) is priced to its step and the total stays the
+    wall time."""
+    timer = StepTimer()
+    builds = {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.6, 4: 0.1}  # step 3 builds a prompt chunk
+    at, done = 0.0, []
+    for step in range(5):
+        timer.planned(step, at)
+        timer.submitted(step, at + builds[step])
+        at += builds[step]
+        if step:  # the step before completes after this one is submitted
+            done.append(timer.completed(step - 1, at + 0.2))
+            at += 0.2
+    done.append(timer.completed(4, at + 0.3))
+    seconds = [s for s, _ in done]
+    assert seconds[2] == pytest.approx(0.2 + 0.1)  # its gap held step 3's 0.6 s build
+    assert seconds[3] == pytest.approx(0.2 + 0.6)
+    assert sum(seconds) == pytest.approx(at + 0.3)
+    assert [settled for _, settled in done] == [False, False, True, True, True]
+
+
 def test_cost_model_ignores_outliers() -> None:
     """One very slow decode step (a pause, a compile) barely moves the estimates."""
     model = StepCostModel()

@@ -274,6 +274,11 @@ class Scheduler:
         self._num_steps += 1
 
     # -- after the forward ----------------------------------------------------------------
+    def submitted(self, out: StepPlan) -> None:
+        """The step's forward is queued (graph built and submitted): the step timer
+        prices its building to it, not to the step whose gap it ran in (StepTimer)."""
+        self._timer.submitted(out.step, self._clock())
+
     def update(self, out: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Append the step's sampled tokens and finish rows; returns the deltas."""
         self._observe_step_time(out, result.traced)
