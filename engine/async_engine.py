@@ -2,8 +2,9 @@
 
 Commands (add, abort) reach the engine thread through a thread-safe inbox and are applied
 at a step boundary; each request's deltas come back through its own asyncio.Queue on the
-caller's event loop. A step that raises ends the affected requests with an error and the
-loop keeps running.
+caller's event loop, or, in an engine process of its own (engine/engine_process.py), all
+of a step's deltas to one `deliver` callback. A step that raises ends the affected requests
+with an error and the loop keeps running.
 """
 
 from __future__ import annotations
@@ -65,8 +66,17 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
 class AsyncEngine:
     """EngineClient over an LLMEngine running in a background thread."""
 
-    def __init__(self, engine: LLMEngine, model_name: str, model_path: Path) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        model_name: str,
+        model_path: Path,
+        deliver: Callable[[list[RequestOutput]], None] | None = None,
+    ) -> None:
+        """deliver: given, each step's deltas go to it (on the engine thread) instead of
+        to asyncio streams, and requests come in by `submit` (an engine process's loop)."""
         self.engine = engine
+        self._deliver = deliver
         self.model_name = model_name
         self.model_path = model_path
         self.max_context = engine.max_context
@@ -76,7 +86,7 @@ class AsyncEngine:
         self._inbox_lock = threading.Lock()
         self._closed = False  # the loop has ended: `_send` answers adds itself
         self._wakeup = threading.Event()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream] = {}  # the asyncio streams (no `deliver`)
         self._open: dict[str, int] = {}  # engine-thread count of unfinished choices
         self._counters = _Counters()
         self._stopping = False
@@ -98,6 +108,7 @@ class AsyncEngine:
         config: EngineConfig,
         name: str | None = None,
         parallel: TensorParallel | None = None,
+        deliver: Callable[[list[RequestOutput]], None] | None = None,
     ) -> AsyncEngine:
         """Load `model` (local dir or hub id) and start the engine thread. `parallel`:
         this is rank 0 of a tensor-parallel group (the others run tensor_parallel.follow)."""
@@ -105,7 +116,7 @@ class AsyncEngine:
         # The grammar engine's tokenizer (~4 s for 248k tokens) loads in the background
         # now, not in the first constrained request.
         engine.grammar_compiler().warm_up()
-        return cls(engine, name or model, engine.loaded.path)
+        return cls(engine, name or model, engine.loaded.path, deliver)
 
     # -- asyncio side ---------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
@@ -124,6 +135,14 @@ class AsyncEngine:
         finally:
             if stream.num_open:
                 self.abort(request.request_id)
+
+    def submit(self, request: GenerationRequest) -> Future:
+        """With `deliver`: queue `request`; the future says whether it was accepted (or
+        raises as generate would), and its deltas go to `deliver`."""
+        assert self._deliver is not None, "submit() is the deliver mode's; use generate()"
+        accepted: Future = Future()
+        self._send(("add", request, None, accepted))
+        return accepted
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
@@ -267,7 +286,7 @@ class AsyncEngine:
             elif kind == "shutdown":
                 self._stopping = True
 
-    def _add(self, request: GenerationRequest, stream: _Stream, accepted: Future) -> None:
+    def _add(self, request: GenerationRequest, stream: _Stream | None, accepted: Future) -> None:
         if self._stopping:
             self._refuse(accepted)
             return
@@ -276,7 +295,8 @@ class AsyncEngine:
         except Exception as exc:
             accepted.set_exception(exc)
             return
-        self._streams[request.request_id] = stream
+        if stream is not None:
+            self._streams[request.request_id] = stream
         self._open[request.request_id] = request.n
         num_prompt = len(request.prompt_ids)
         log.debug("request %s queued: %d prompt tokens", request.request_id, num_prompt)
@@ -285,31 +305,53 @@ class AsyncEngine:
 
     def _abort_all(self) -> list[RequestOutput]:
         deltas = []
-        for request_id in list(self._streams):
+        for request_id in list(self._open):
             deltas.extend(self.engine.abort(request_id))
         return deltas
 
     def _dispatch(self, deltas: list[RequestOutput]) -> None:
         """Hand a step's deltas to their streams: one call into each event loop for the
-        whole step, not one a delta. Each call_soon_threadsafe writes to the loop's
-        wake-up socket, a syscall that lets the event loop take the GIL, and the engine
-        thread then waits for it back; on a GPU, where a step is the engine thread's host
-        time, 64 streams meant 64 hand-overs a step."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        whole step, not one a delta (or all of them to `deliver`). Each
+        call_soon_threadsafe writes to the loop's wake-up socket, a syscall that lets the
+        event loop take the GIL, and the engine thread then waits for it back; on a GPU,
+        where a step is the engine thread's host time, 64 streams meant 64 hand-overs a
+        step."""
+        counters = self._counters
         for delta in deltas:
-            self._counters.generated_tokens += len(delta.token_ids)
-            stream = self._streams.get(delta.request_id)
-            if stream is None:
-                continue
-            if delta.finished:
+            counters.generated_tokens += len(delta.token_ids)
+            if delta.finished and delta.request_id in self._open:
                 reason = delta.finish_reason or "unknown"
-                self._counters.finished[reason] = self._counters.finished.get(reason, 0) + 1
-                self._open[delta.request_id] -= 1
-                if self._open[delta.request_id] == 0:
-                    del self._streams[delta.request_id], self._open[delta.request_id]
-            by_loop.setdefault(stream.loop, []).append((stream.queue, delta))
-        for loop, items in by_loop.items():
+                counters.finished[reason] = counters.finished.get(reason, 0) + 1
+        if self._deliver is not None:
+            known = [d for d in deltas if d.request_id in self._open]
+            route_deltas(known, self._streams, self._open)
+            if known:
+                self._deliver(known)
+            return
+        for loop, items in route_deltas(deltas, self._streams, self._open).items():
             loop.call_soon_threadsafe(_deliver, items)
+
+
+def route_deltas(
+    deltas: list[RequestOutput], streams: dict[str, _Stream], num_open: dict[str, int]
+) -> dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]]:
+    """The deltas of requests in `num_open` (choices not finished yet, by request id),
+    grouped by their stream's event loop in order; a request whose last choice finished
+    leaves `num_open` and `streams`. Deltas of unknown requests are dropped."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+    for delta in deltas:
+        request_id = delta.request_id
+        if request_id not in num_open:
+            continue
+        stream = streams.get(request_id)
+        if delta.finished:
+            num_open[request_id] -= 1
+            if num_open[request_id] == 0:
+                del num_open[request_id]
+                streams.pop(request_id, None)
+        if stream is not None:
+            by_loop.setdefault(stream.loop, []).append((stream.queue, delta))
+    return by_loop
 
 
 def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

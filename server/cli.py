@@ -48,6 +48,7 @@ from deltaserve.server.startup import (
 
 if TYPE_CHECKING:  # imported in serve(): mlx loads only after the checks above
     from deltaserve.engine.async_engine import AsyncEngine
+    from deltaserve.engine.engine_process import EngineProcess
     from deltaserve.engine.parallel.tensor_parallel import TensorParallel
 
 GRACEFUL_SHUTDOWN_S = 1
@@ -210,16 +211,26 @@ def serve(settings: Settings, checkpoint: Path) -> int:
     return 0
 
 
-def _load(settings: Settings, checkpoint: Path, parallel: TensorParallel | None) -> AsyncEngine:
-    """Start the engine, saying what it loads and how long that took."""
+def _load(
+    settings: Settings, checkpoint: Path, parallel: TensorParallel | None
+) -> AsyncEngine | EngineProcess:
+    """Start the engine (in this process, or in its own: --engine-process), saying what it
+    loads and how long that took."""
     from deltaserve.engine.async_engine import AsyncEngine
+    from deltaserve.engine.engine_process import EngineProcess
 
     on_disk = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
     logger.info("loading %s (%s of weights on disk) ...", settings.model.path, size(on_disk))
     started = time.monotonic()
-    engine = AsyncEngine.start(
-        str(checkpoint), settings.engine, name=settings.model.name, parallel=parallel
-    )
+    name = settings.model.name
+    if settings.server.engine_process and parallel is None:
+        logger.info("  the engine runs in a process of its own (--engine-process)")
+        engine = EngineProcess.start(str(checkpoint), settings.engine, name=name)
+    else:
+        if settings.server.engine_process:
+            logger.warning("--engine-process is off under tensor parallelism: rank 0's "
+                           "engine is the group's member, in this process")  # fmt: skip
+        engine = AsyncEngine.start(str(checkpoint), settings.engine, name=name, parallel=parallel)
     logger.info("model loaded in %.1f s; loading the tokenizer ...", time.monotonic() - started)
     return engine
 

@@ -71,6 +71,9 @@ class ServerSettings:
     cors_origins: tuple[str, ...] = ()  # browser origins allowed (a,b); none = no CORS headers
     log_level: str = "info"  # uvicorn's and deltaserve's log level
     keepalive: float = 5.0  # seconds between SSE comments while no token has come
+    # the engine loop in a process of its own (engine/engine_process.py): the HTTP side's
+    # Python never holds its GIL; not with tensor parallelism
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

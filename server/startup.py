@@ -113,12 +113,14 @@ def summary_lines(
     context, and max_num_seqs says how many of them run at once."""
     auth = "on" if settings.server.api_key else "off"
     nbytes, when = resident
+    # --engine-process: the weights are the engine's process's, not this one's
+    where = "server process" if settings.server.engine_process else "process"
     configured = settings.engine.memory_budget_bytes
     source = "memory_budget_bytes" if configured else "half the memory left"
     lines = [
         f"ready: {settings.model.name} ({settings.model.path}) on {url} (api key {auth})",
         f"  {summary.platform.describe()}",
-        f"  memory: weights {size(summary.weight_bytes)}, process resident {size(nbytes)} {when}",
+        f"  memory: weights {size(summary.weight_bytes)}, {where} resident {size(nbytes)} {when}",
         f"  row state: up to {size(summary.budget_bytes)} ({source}), allocated as requests "
         f"arrive ({size(summary.reserved_bytes)} reserved now): room for "
         f"{summary.chat_rows:,} chats of {summary.chat_tokens:,} tokens or "

@@ -366,7 +366,10 @@ def test_a_steps_deltas_reach_each_event_loop_in_one_call() -> None:
         for i in range(3)
     }
     stub = SimpleNamespace(
-        _streams=dict(streams), _open={k: 1 for k in streams}, _counters=_Counters()
+        _streams=dict(streams),
+        _open={k: 1 for k in streams},
+        _counters=_Counters(),
+        _deliver=None,
     )
     deltas = [
         RequestOutput("r1", 0, (5,)),

@@ -44,6 +44,22 @@ def test_ten_stops_with_open_streams_exit_cleanly() -> None:
     assert not unclean, f"{len(unclean)} of {NUM_STOPS} stops unclean:\n{summary}\n{first}"
 
 
+def test_stops_with_the_engine_in_its_own_process_exit_cleanly() -> None:
+    """--engine-process: the terminal's signal reaches the child too (it ignores it; the
+    server stops it), and every stop with streams open exits 0 without an abort line."""
+    model = str(cached_checkpoint("tiny"))
+    flags = [*SERVE_FLAGS, "--engine-process"]
+    results = [
+        stop_once(model, signum, NUM_STREAMS, flags, startup_timeout_s=180)
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGINT, signal.SIGTERM)
+    ]
+    summary = "\n".join(str(r.summary()) for r in results)
+    assert all(r.streams_started == NUM_STREAMS for r in results), summary
+    unclean = [r for r in results if not r.clean]
+    first = unclean[0].stderr[-3000:] if unclean else ""
+    assert not unclean, f"{len(unclean)} of {len(results)} stops unclean:\n{summary}\n{first}"
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
 def test_shutdown_waits_for_the_engine_os_thread() -> None:
     """After shutdown() the engine's OS thread is gone, not only its Python thread."""
