@@ -225,6 +225,33 @@ gil08() {  # the engine thread and the server's event loop share the GIL; Python
     done
 }
 
+proc08() {  # the engine in the server's process vs a process of its own (--engine-process:
+    # the HTTP side's Python never holds the engine thread's GIL). 0.8B, ours alone at 16
+    # and 64 clients, thread / process / thread / process on one machine (its own noise)
+    local run mode extra
+    for run in 1 2; do
+        for mode in thread process; do
+            extra=""
+            [ "$mode" = process ] && extra="--engine-process"
+            timeout 200 python3 -m bench.serve --checkpoint 0.8B --clients 16 64 \
+                --only deltaserve --extra-args="$extra" >"$OUT/proc08_${mode}_$run.log" 2>&1
+            grep -E '^\| (16|64) \|' "$OUT/proc08_${mode}_$run.log" | sed "s/^/$mode $run /"
+        done
+    done
+}
+
+proc9b() {  # proc08's pair for 9B at 16 and 64 clients, once each (after start9b)
+    need9b
+    local mode extra
+    for mode in thread process; do
+        extra=""
+        [ "$mode" = process ] && extra="--engine-process"
+        timeout 280 python3 -m bench.serve --checkpoint 9B --clients 16 64 \
+            --only deltaserve --extra-args="$extra" >"$OUT/proc9b_$mode.log" 2>&1
+        grep -E '^\| (16|64) \|' "$OUT/proc9b_$mode.log" | sed "s/^/$mode /"
+    done
+}
+
 graphs08() {  # MLX's CUDA graphs: a step's ops are cut into graphs of MLX_MAX_OPS_PER_BUFFER
     # (20) and each graph is looked up by its topology in a cache of MLX_CUDA_GRAPH_CACHE_SIZE
     # (400) entries; a miss instantiates a new one. A mixed step's op count shifts every cut

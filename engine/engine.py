@@ -401,18 +401,19 @@ class LLMEngine:
 
     def _overlaps(self, plan: StepPlan) -> bool:
         """Whether `plan` runs pipelined (config.pipeline_steps). A step with prompt work
-        next to decoding rows does: in lockstep it paid its graph building (a prompt
-        chunk's is the largest of any step's) and its device time in series, and every
-        stream waited through both; its building is priced to it (StepTimer.submitted).
-        A step that samples a prompt's first token with no row decoding runs in lockstep:
-        nothing waits behind it, its token comes back now rather than after the next
-        step's building, and a max_tokens=1 row then plans no wasted step."""
+        next to decoding rows runs in lockstep: the scheduler sizes that work from measured
+        step times, and a pipelined step's measured time held part of the next step's
+        prefill, so prompt tokens were priced low and such steps overshot the stall bound.
+        So does one that samples a prompt's first token: read back now, not after the next
+        step's graph is built (and a max_tokens=1 row then plans no wasted step). Such
+        steps pipelined measured no faster on a GPU and delayed first tokens by a step's
+        building (bench/README.md, 43e410d)."""
         first = any(c.sample_row_ids for c in plan.prefill)
         # a speculating row's next step needs its acceptance (and a fresh row's drafts),
         # and a row that may draft next needs its token (plan.read_back)
         if plan.verify_row_ids or plan.read_back:
             return False
-        return self.pipeline and not (first and not plan.decode_row_ids)
+        return self.pipeline and not (plan.prefill and (plan.decode_row_ids or first))
 
     def _pipelined(self, plan: StepPlan) -> list[RequestOutput]:
         """Step N's forward is queued (mx.async_eval) before step N-1's tokens are read

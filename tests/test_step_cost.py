@@ -54,6 +54,19 @@ def test_step_timer_prices_a_pipelined_steps_building_to_it() -> None:
     assert [settled for _, settled in done] == [False, False, True, True, True]
 
 
+def test_step_timer_keeps_a_lockstep_steps_build_after_a_pipelined_one() -> None:
+    """A step planned while its predecessor ran but built only after it completed (the
+    engine drained first: lockstep) holds its building in its own gap already: neither
+    gap moves it."""
+    timer = StepTimer()
+    timer.planned(0, 0.0)
+    timer.submitted(0, 0.1)
+    timer.planned(1, 0.1)  # planned before step 0 completed ...
+    assert timer.completed(0, 0.4)[0] == pytest.approx(0.4)
+    timer.submitted(1, 0.9)  # ... built after it (0.5 s)
+    assert timer.completed(1, 1.2)[0] == pytest.approx(0.8)
+
+
 def test_cost_model_ignores_outliers() -> None:
     """One very slow decode step (a pause, a compile) barely moves the estimates."""
     model = StepCostModel()

@@ -483,15 +483,15 @@ class StepTimer:
     state a step's time is the gap between two completions; after an idle gap, or after a
     step in lockstep, it starts when it was planned.
 
-    A pipelined step's planning and graph building (planned to submitted) run inside the
-    gap before its own, the one that ends with its predecessor's completion: a heavy build
-    (a prompt chunk's) would be priced to the step before it, and the step itself would look
-    as cheap as the decode step whose building overlapped it. So each gap trades the next
-    step's building for its own step's: the sum over steps stays the wall time."""
+    A step submitted before its predecessor completed was planned and built (its graph,
+    `submitted`) inside the gap that ends with that completion: a heavy build (a prompt
+    chunk's) would be priced to the step before it, and the step itself would look as
+    cheap as the one whose building overlapped it. So such a build counts to its own
+    step and not to the gap it ran in: the sum over steps stays the wall time."""
 
     def __init__(self) -> None:
         self._started: dict[int, float] = {}  # step -> when it was planned
-        self._built: dict[int, float] = {}  # step -> seconds from planned to submitted
+        self._submitted: dict[int, tuple[float, float]] = {}  # step -> (when, seconds built)
         self._last_done = float("-inf")  # when the last step completed
         self._last_overlapped = False  # the last step was planned before its predecessor completed
 
@@ -501,7 +501,7 @@ class StepTimer:
     def submitted(self, step: int, at: float) -> None:
         """The step's forward was queued (its graph built) at `at`."""
         if step in self._started:
-            self._built[step] = max(0.0, at - self._started[step])
+            self._submitted[step] = (at, max(0.0, at - self._started[step]))
 
     def completed(self, step: int, done: float) -> tuple[float, bool]:
         """(seconds, settled). A step in lockstep (nothing planned behind it before it
@@ -510,14 +510,15 @@ class StepTimer:
         a lockstep one are not samples of what such a step costs: the second still runs
         slow, and the first is not an overlapped step's like the rest."""
         started = self._started.pop(step, done)
-        built = self._built.pop(step, 0.0)
+        at, built = self._submitted.pop(step, (done, 0.0))
         seconds = done - max(started, self._last_done)
-        overlapped = started < self._last_done
-        if overlapped:  # its building ran in the gap before: it is this step's
+        if at <= self._last_done:  # built in the gap before, which did not count it
             seconds += built
+        after_at, after_built = self._submitted.get(step + 1, (done, 0.0))
+        if after_at <= done:  # the next step was built in this gap: it counts it
+            seconds -= after_built
+        overlapped = started < self._last_done
         lockstep = self._started.get(step + 1, done) >= done
-        if not lockstep:  # the next step's building ran in this gap: it is the next's
-            seconds -= self._built.get(step + 1, 0.0)
         settled = lockstep or (overlapped and self._last_overlapped)
         self._last_done, self._last_overlapped = done, overlapped
         return max(seconds, 0.0), settled
