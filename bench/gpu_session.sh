@@ -233,9 +233,15 @@ proc08() {  # the engine in the server's process vs a process of its own (--engi
         for mode in thread process; do
             extra=""
             [ "$mode" = process ] && extra="--engine-process"
+            # which processes hold GPU memory while it serves (the server's own should not)
+            (while sleep 3; do nvidia-smi --query-compute-apps=pid,process_name,used_memory \
+                --format=csv,noheader; done) >"$OUT/proc08_gpu_${mode}_$run.log" 2>&1 &
+            local watch=$!
             timeout 200 python3 -m bench.serve --checkpoint 0.8B --clients 16 64 \
                 --only deltaserve --extra-args="$extra" >"$OUT/proc08_${mode}_$run.log" 2>&1
+            kill $watch
             grep -E '^\| (16|64) \|' "$OUT/proc08_${mode}_$run.log" | sed "s/^/$mode $run /"
+            sort "$OUT/proc08_gpu_${mode}_$run.log" | uniq -c | sort -rn | head -3 | sed "s/^/$mode $run gpu: /"
         done
     done
 }
