@@ -125,7 +125,11 @@ class AsyncEngine:
         stream = _Stream(loop, asyncio.Queue(), request.n)
         accepted: Future = Future()
         self._send(("add", request, stream, accepted))
-        await asyncio.wrap_future(accepted)  # raises InvalidRequestError / QueueFullError
+        try:
+            await asyncio.wrap_future(accepted)  # raises InvalidRequestError / QueueFullError
+        except asyncio.CancelledError:  # the client left before the engine answered
+            self.abort(request.request_id)  # queued meanwhile, or never: either way
+            raise
         try:
             while stream.num_open:
                 delta: RequestOutput = await stream.queue.get()
@@ -224,8 +228,11 @@ class AsyncEngine:
             self._refuse(command[3])
 
     def _refuse(self, accepted: Future) -> None:
+        accepted.set_exception(EngineStoppedError(self._refusal()))
+
+    def _refusal(self) -> str:
         reason = f"the device failed ({self.fault})" if self.fault else "it is shutting down"
-        accepted.set_exception(EngineStoppedError(f"the engine takes no requests: {reason}"))
+        return f"the engine takes no requests: {reason}"
 
     # -- engine thread --------------------------------------------------------------------
     def _run(self) -> None:
@@ -287,6 +294,10 @@ class AsyncEngine:
                 self._stopping = True
 
     def _add(self, request: GenerationRequest, stream: _Stream | None, accepted: Future) -> None:
+        # a caller cancelled while this waited in the inbox (its generate sends an abort
+        # after it) is gone: the request is never queued, and its future cannot be set
+        if not accepted.set_running_or_notify_cancel():
+            return
         if self._stopping:
             self._refuse(accepted)
             return

@@ -137,16 +137,18 @@ class EngineProcess:
         accepted: Future = Future()
         rid = request.request_id
         with self._lock:
-            if self._closed:
+            sent = not self._closed and self._send(("add", request))
+            if not sent:
                 raise EngineStoppedError(self._refusal())
             self._adds[rid], self._streams[rid], self._open[rid] = accepted, stream, request.n
-            self._conn.send(("add", request))
         try:
             await asyncio.wrap_future(accepted)  # raises InvalidRequestError / QueueFullError
-        except BaseException:
+        except BaseException as exc:
             with self._lock:
                 self._streams.pop(rid, None)
                 self._open.pop(rid, None)
+            if isinstance(exc, asyncio.CancelledError):  # the client left first
+                self.abort(rid)
             raise
         try:
             while stream.num_open:
@@ -192,12 +194,18 @@ class EngineProcess:
 
     def _command(self, command: tuple) -> None:
         with self._lock:
-            if self._closed:
-                return
-            try:
-                self._conn.send(command)
-            except OSError:  # the child is gone; the reader says so
-                self._closed = True
+            if not self._closed:
+                self._send(command)
+
+    def _send(self, command: tuple) -> bool:
+        """Under the lock: whether `command` went; a pipe the child closed (it is gone:
+        the reader says so) takes no more."""
+        try:
+            self._conn.send(command)
+        except OSError:
+            self._closed = True
+            return False
+        return True
 
     def _refusal(self) -> str:
         reason = f"the device failed ({self.fault})" if self.fault else "it is shutting down"
@@ -241,7 +249,8 @@ class EngineProcess:
     def _accepted(self, request_id: str, error: BaseException | None) -> None:
         with self._lock:
             accepted = self._adds.pop(request_id, None)
-        if accepted is None:
+        # None: answered already; not running: cancelled by its caller (who aborts it)
+        if accepted is None or not accepted.set_running_or_notify_cancel():
             return
         if error is None:
             accepted.set_result(True)
@@ -268,7 +277,8 @@ class EngineProcess:
                 for index in range(num_open)
             ]
         for accepted in adds.values():
-            accepted.set_exception(EngineStoppedError(error))
+            if accepted.set_running_or_notify_cancel():
+                accepted.set_exception(EngineStoppedError(error))
         self._route(ends)
 
 

@@ -6,6 +6,7 @@ child, and a child that dies ends every stream with an error and reports a fault
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -170,3 +171,31 @@ def test_a_dead_child_ends_streams_with_an_error_and_reports_a_fault() -> None:
             asyncio.run(late())
     finally:
         client.shutdown()
+
+
+def test_a_request_cancelled_before_its_answer_is_aborted(engine: EngineProcess) -> None:
+    """A client that leaves before the child answered its add: the reader does not fail
+    on the cancelled acceptance, the child aborts the request (running rows back to 0),
+    and the next request is served."""
+    endless = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+
+    async def run() -> list[int]:
+        async def consume() -> None:
+            async for _ in engine.generate(GenerationRequest("left", (5, 6, 7), endless)):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0)  # it sent the add and waits for the answer
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.5)  # the answer came back to a cancelled future
+        deadline = time.monotonic() + 10
+        while engine.stats().num_running:
+            assert time.monotonic() < deadline, "the cancelled request still runs"
+            await asyncio.sleep(0.05)
+        request = GenerationRequest("after", (1, 2, 3), SamplingParams(max_tokens=3))
+        return [t async for d in engine.generate(request) for t in d.token_ids]
+
+    assert len(asyncio.run(asyncio.wait_for(run(), 30))) == 3
+    assert engine._reader.is_alive()

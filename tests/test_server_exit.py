@@ -12,8 +12,11 @@ two times in three; the second test catches it every time. Both take ~75 s here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -116,4 +119,46 @@ def test_a_device_fault_stops_the_engine_and_a_request_error_does_not() -> None:
         with pytest.raises(EngineStoppedError, match="the device failed"):
             asyncio.run(finish_reasons("c"))
     finally:
+        engine.shutdown()
+
+
+def test_a_request_cancelled_while_it_is_added_is_aborted_and_the_loop_goes_on() -> None:
+    """A client that leaves while its request is being added (its acceptance not yet
+    answered): the engine thread neither dies setting a cancelled future's result nor
+    runs the request for nobody (generate aborts it), and serves the next request."""
+    engine = AsyncEngine.start(str(cached_checkpoint("tiny")), EngineConfig(), name="tiny")
+    entered, gate = threading.Event(), threading.Event()
+    add_request = engine.engine.add_request
+
+    def held_add(request: GenerationRequest) -> None:
+        entered.set()
+        gate.wait(10)
+        add_request(request)
+
+    engine.engine.add_request = held_add
+    endless = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+
+    async def run() -> list[int]:
+        async def consume() -> None:
+            async for _ in engine.generate(GenerationRequest("gone", (5, 6, 7), endless)):
+                pass
+
+        task = asyncio.create_task(consume())
+        assert await asyncio.to_thread(entered.wait, 10)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        gate.set()
+        engine.engine.add_request = add_request
+        deadline = time.monotonic() + 10
+        while engine.engine.scheduler.num_running or not engine._thread.is_alive():
+            assert time.monotonic() < deadline, "the cancelled request still runs"
+            await asyncio.sleep(0.02)
+        request = GenerationRequest("next", (1, 2, 3), SamplingParams(max_tokens=3))
+        return [t async for d in engine.generate(request) for t in d.token_ids]
+
+    try:
+        assert len(asyncio.run(asyncio.wait_for(run(), 30))) == 3
+    finally:
+        gate.set()
         engine.shutdown()
