@@ -192,17 +192,29 @@ slots() {  # the DeltaNet decode kernel's many-column form (a verify's k + 1 col
 }
 
 mixedc() {  # the mixed step through the compiled prompt paths (what a server runs, its
-    # shapes traced first), the fused DeltaNet chunk on and off
-    local base="python3 -m bench.mixed_step --shape 0.8B --rows 64 --sizes 16 256 --prompt 2048 --reps 3 --skip-model --graph"
-    local off
-    for off in "" "--off fused_deltanet_chunk"; do
-        timeout 150 $base $off >>"$OUT/mixedc.log" 2>&1
+    # shapes traced first): as it runs, with the decode forward queued after the prompts'
+    # building (submit_decode_first off), and with the fused DeltaNet chunk off; 0.8B and
+    # 9B (after start9b), later chunks and fresh prompts
+    local shape fresh off
+    for shape in 0.8B 9B; do
+        [ "$shape" = 9B ] && need9b
+        for fresh in "" "--fresh"; do
+            for off in "" "--off submit_decode_first" "--off fused_deltanet_chunk"; do
+                timeout 200 python3 -m bench.mixed_step --shape "$shape" --rows 64 \
+                    --sizes 16 256 --prompt 2048 --reps 3 --skip-model --graph $fresh $off \
+                    >>"$OUT/mixedc.log" 2>&1
+            done
+        done
     done
-    grep '"engine_step"' "$OUT/mixedc.log" | python3 -c '
+    grep -E '"(engine_step|shape)"' "$OUT/mixedc.log" | python3 -c '
 import json, sys
 for line in sys.stdin:
     d = json.loads(line)
-    print(d["chunk"], d["fresh"], d["off"], d["wall_ms"], d["x_decode"], d["async_eval_ms"], d["primitives"])'
+    if "what" not in d:
+        print("shape", d["shape"])
+        continue
+    print(d["rows"], d["chunk"], d["fresh"], d["switches"], d["wall_ms"], d["x_decode"],
+          d.get("async_eval_ms"), d.get("primitives"))'
 }
 
 nodecost() {  # what one graph node costs MLX's host by kind (views, launches, matmuls,

@@ -13,7 +13,7 @@ submission). With `--graph`, each kind of step also says what mx.async_eval itse
 (MLX encoding the graph for the device) and how many primitives its graph held, by kind
 (mx.export_to_dot of the step's first measured instance): where the host time of a
 step goes, per primitive. `--off` sets engine switches False (a kernel against its
-reference in one call). Prints JSON lines.
+reference in one call), `--on` True (the GPU's paths on the CPU). Prints JSON lines.
 """
 
 from __future__ import annotations
@@ -220,7 +220,8 @@ def engine_lines(
     for size in [0, *sizes]:
         line = {
             "what": "engine_step", "rows": rows, "chunk": size, "fresh": fresh,
-            "compiled_chunks": engine.runner.compile_chunks, "off": sorted(overrides or {}),
+            "compiled_chunks": engine.runner.compile_chunks,
+            "switches": dict(sorted((overrides or {}).items())),
             "wall_ms": round(statistics.median(walls[size]), 3),
             "execute_cpu_ms": round(statistics.median(builds[size]), 3),
             "x_decode": round(statistics.median(walls[size]) / decode, 2), "n": len(walls[size]),
@@ -262,6 +263,9 @@ def main() -> None:
     ap.add_argument(
         "--off", nargs="*", default=[], help="engine switches set False (e.g. fused_deltanet_chunk)"
     )
+    ap.add_argument(
+        "--on", nargs="*", default=[], help="engine switches set True (e.g. compile_decode)"
+    )
     args = ap.parse_args()
     from deltaserve.models.build import load_model
     from deltaserve.models.testing import cached_checkpoint
@@ -273,7 +277,7 @@ def main() -> None:
     for rows in args.rows:
         engine_lines(
             path, rows, args.sizes, args.prompt, args.reps, args.fresh, args.eager_chunks,
-            args.graph, {name: False for name in args.off},
+            args.graph, {name: False for name in args.off} | {name: True for name in args.on},
         )  # fmt: skip
 
 

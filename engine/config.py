@@ -73,6 +73,11 @@ class EngineConfig:
     # the CPU, where the two share the cores (small shape, 32 rows: 72 vs 74 ms a step) and
     # a request that arrives mid-step waited for the step already queued behind it
     pipeline_steps: bool | None = None  # plan step N+1 before N is read back; unset = GPU only
+    # In a step with prompt work, the compiled decode batch's forward is queued
+    # (mx.async_eval) before the prompts' graphs are built, so the device computes it
+    # while Python builds them: such a step runs in lockstep, and its prompt forwards'
+    # building and submission are the largest of any step's. Unset: on for Metal/CUDA
+    submit_decode_first: bool | None = None
     # Decode step as one mx.compile'd call (engine/decode.py); unset: on for Metal/CUDA
     # (launch-bound), off on CPU (no measured win: tiny B=16 206 vs 201 tok/s)
     compile_decode: bool | None = None

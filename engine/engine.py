@@ -174,6 +174,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             loaded.model, self.states, sampler, compiled, batch_prefill, vision,
             self.constraints, self.compiled_prompts, drafter, chunks is not None,
+            self.platform.submit_decode_first,
         )  # fmt: skip
         warm = self.config.warm_up_seconds
         warm = (WARM_UP_GPU_SECONDS if gpu else 0.0) if warm is None else warm

@@ -159,10 +159,12 @@ class ModelRunner:
         compiled_prompts: CompiledPrefill | None = None,
         drafter: Drafter | None = None,
         compile_chunks: bool = False,
+        submit_decode_first: bool = False,
     ) -> None:
         """vision: the image work of prompts with images (None: text only). masks: the
         grammar hook of constrained rows (None: none). drafter: speculative decoding's
-        (None: no row speculates)."""
+        (None: no row speculates). submit_decode_first: a step with prompt work queues
+        the compiled decode forward before building the prompts' (EngineConfig's)."""
         self.model = model
         self.states = states
         self.sampler = sampler
@@ -174,6 +176,7 @@ class ModelRunner:
         self.compiled_prompts = compiled_prompts
         self.drafter = drafter
         self.compile_chunks = compile_chunks and compiled is not None
+        self.submit_decode_first = submit_decode_first
         self._saved: list[mx.array] = []  # prefix-cache copies not yet started
         self._last_tokens: mx.array | None = None  # the last sampled step's tokens [N]
         # step -> compiled shapes it traced, until read back (a follower rank never reads
@@ -195,6 +198,10 @@ class ModelRunner:
         rows = self.rows.rows
         features = self.vision.encode(plan.prefill, rows) if self.vision is not None else []
         decode_logits = self._compiled_decode(plan)
+        if decode_logits is not None and plan.prefill and self.submit_decode_first:
+            # the device computes the decode rows while the prompts' graphs are built
+            decode = [a for layer in self.states.decode.layers for a in layer.state_arrays()]
+            mx.async_eval(decode_logits, *decode)
         groups = []
         if plan.decode_row_ids and decode_logits is None:
             groups.append(self._decode_group(plan))

@@ -50,6 +50,7 @@ GPU_DEFAULT_ON = (
     "compile_prefill",
     "batch_prefill",
     "pipeline_steps",
+    "submit_decode_first",
 )
 
 
@@ -63,6 +64,7 @@ class PlatformSwitches(Protocol):
     compile_prefill: bool | None
     batch_prefill: bool | None
     pipeline_steps: bool | None
+    submit_decode_first: bool | None
     pack_token_wise: bool | None
     deltanet_scan: bool | None
     fused_deltanet_chunk: bool | None
@@ -89,6 +91,7 @@ class Platform:
     compile_prefill: bool = False  # DeltaNet's prompt-chunk core compiled
     batch_prefill: bool = False  # prompt chunks of several requests as one padded group
     pipeline_steps: bool = False  # step N+1 queued before step N is read back
+    submit_decode_first: bool = False  # a mixed step's decode forward queued first
     pack_token_wise: bool = False  # token-wise layers over all groups' tokens at once
     # Kernels: on = the fused kernel, off = its plain-MLX reference behind the same function
     deltanet_scan: bool = False
