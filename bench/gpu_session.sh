@@ -192,18 +192,15 @@ slots() {  # the DeltaNet decode kernel's many-column form (a verify's k + 1 col
 }
 
 mixedc() {  # the mixed step through the compiled prompt paths (what a server runs, its
-    # shapes traced first): as it runs, with the decode forward queued after the prompts'
-    # building (submit_decode_first off), and with the fused DeltaNet chunk off; 0.8B and
-    # 9B (after start9b), later chunks and fresh prompts
-    local shape fresh off
+    # shapes traced first), fresh prompts (a chat arriving): as it runs, and with the
+    # decode forward queued only after the prompts' building (submit_decode_first off);
+    # 0.8B and 9B (after start9b)
+    local shape off
     for shape in 0.8B 9B; do
         [ "$shape" = 9B ] && need9b
-        for fresh in "" "--fresh"; do
-            for off in "" "--off submit_decode_first" "--off fused_deltanet_chunk"; do
-                timeout 200 python3 -m bench.mixed_step --shape "$shape" --rows 64 \
-                    --sizes 16 256 --prompt 2048 --reps 3 --skip-model --graph $fresh $off \
-                    >>"$OUT/mixedc.log" 2>&1
-            done
+        for off in "" "--off submit_decode_first" ""; do
+            timeout 200 python3 -m bench.mixed_step --shape "$shape" --rows 64 --sizes 16 256 \
+                --prompt 2048 --reps 3 --skip-model --graph --fresh $off >>"$OUT/mixedc.log" 2>&1
         done
     done
     grep -E '"(engine_step|shape)"' "$OUT/mixedc.log" | python3 -c '
