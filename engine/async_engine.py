@@ -63,7 +63,46 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
     )
 
 
-class AsyncEngine:
+class StreamingClient:
+    """generate() over a submit hook, for the EngineClients that stream through asyncio
+    queues: AsyncEngine (the engine thread in this process) and EngineProcess (a child's,
+    engine/engine_process.py)."""
+
+    def _submit(self, request: GenerationRequest, stream: _Stream) -> Future:
+        """Send `request` to the engine; the future answers whether it was accepted (or
+        raises as generate would). Raises EngineStoppedError when nothing is taken."""
+        raise NotImplementedError
+
+    def _forget(self, request_id: str) -> None:
+        """The request was refused, or its caller left before the answer: nothing of it
+        may stay on this side."""
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Submit, then yield deltas until every choice finished; closing aborts."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request.n)
+        accepted = self._submit(request, stream)
+        try:
+            await asyncio.wrap_future(accepted)  # raises InvalidRequestError / QueueFullError
+        except BaseException as exc:
+            self._forget(request.request_id)
+            if isinstance(exc, asyncio.CancelledError):  # the client left before the answer
+                self.abort(request.request_id)  # queued meanwhile, or never: either way
+            raise
+        try:
+            while stream.num_open:
+                delta: RequestOutput = await stream.queue.get()
+                if delta.finished:
+                    stream.num_open -= 1
+                yield delta
+        finally:
+            if stream.num_open:
+                self.abort(request.request_id)
+
+
+class AsyncEngine(StreamingClient):
     """EngineClient over an LLMEngine running in a background thread."""
 
     def __init__(
@@ -119,26 +158,10 @@ class AsyncEngine:
         return cls(engine, name or model, engine.loaded.path, deliver)
 
     # -- asyncio side ---------------------------------------------------------------------
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        """Submit, then yield deltas until every choice finished; closing aborts."""
-        loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), request.n)
+    def _submit(self, request: GenerationRequest, stream: _Stream) -> Future:
         accepted: Future = Future()
         self._send(("add", request, stream, accepted))
-        try:
-            await asyncio.wrap_future(accepted)  # raises InvalidRequestError / QueueFullError
-        except asyncio.CancelledError:  # the client left before the engine answered
-            self.abort(request.request_id)  # queued meanwhile, or never: either way
-            raise
-        try:
-            while stream.num_open:
-                delta: RequestOutput = await stream.queue.get()
-                if delta.finished:
-                    stream.num_open -= 1
-                yield delta
-        finally:
-            if stream.num_open:
-                self.abort(request.request_id)
+        return accepted
 
     def submit(self, request: GenerationRequest) -> Future:
         """With `deliver`: queue `request`; the future says whether it was accepted (or

@@ -20,7 +20,6 @@ process (rank 0 is the group's member, joined by mlx.launch).
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import contextlib
 import dataclasses
@@ -31,14 +30,20 @@ import operator
 import pickle
 import signal
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 from deltaserve.engine.api import EngineInfo, EngineStats, EngineStoppedError, EngineSummary
-from deltaserve.engine.async_engine import AsyncEngine, _deliver, _Stream, route_deltas
+from deltaserve.engine.async_engine import (
+    AsyncEngine,
+    StreamingClient,
+    _deliver,
+    _Stream,
+    route_deltas,
+)
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.types import GenerationRequest, RequestOutput
 
@@ -63,7 +68,7 @@ class _Ready:
     stats: EngineStats
 
 
-class EngineProcess:
+class EngineProcess(StreamingClient):
     """EngineClient over an AsyncEngine running in a child process."""
 
     def __init__(
@@ -130,35 +135,19 @@ class EngineProcess:
         return cls(process, parent, payload)
 
     # -- asyncio side ---------------------------------------------------------------------
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        """Submit, then yield deltas until every choice finished; closing aborts."""
-        loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), request.n)
+    def _submit(self, request: GenerationRequest, stream: _Stream) -> Future:
         accepted: Future = Future()
         rid = request.request_id
         with self._lock:
-            sent = not self._closed and self._send(("add", request))
-            if not sent:
+            if self._closed or not self._send(("add", request)):
                 raise EngineStoppedError(self._refusal())
             self._adds[rid], self._streams[rid], self._open[rid] = accepted, stream, request.n
-        try:
-            await asyncio.wrap_future(accepted)  # raises InvalidRequestError / QueueFullError
-        except BaseException as exc:
-            with self._lock:
-                self._streams.pop(rid, None)
-                self._open.pop(rid, None)
-            if isinstance(exc, asyncio.CancelledError):  # the client left first
-                self.abort(rid)
-            raise
-        try:
-            while stream.num_open:
-                delta: RequestOutput = await stream.queue.get()
-                if delta.finished:
-                    stream.num_open -= 1
-                yield delta
-        finally:
-            if stream.num_open:
-                self.abort(rid)
+        return accepted
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+            self._open.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         self._command(("abort", request_id))

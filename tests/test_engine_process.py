@@ -132,6 +132,17 @@ def _stream_until(client: EngineProcess, act: object) -> list[RequestOutput]:
     return asyncio.run(asyncio.wait_for(run(), 60))
 
 
+def _assert_refuses(client: EngineProcess) -> None:
+    """A new request gets EngineStoppedError (HTTP 503) before any delta."""
+
+    async def late() -> None:
+        async for _ in client.generate(GenerationRequest("late", (1, 2), SamplingParams())):
+            pytest.fail("a stopped engine streamed")
+
+    with pytest.raises(EngineStoppedError):
+        asyncio.run(late())
+
+
 def test_shutdown_ends_open_streams_and_the_child() -> None:
     """shutdown() with a stream open: the stream ends ("abort"), the child exits 0, a
     second shutdown() is a no-op, and later requests get EngineStoppedError."""
@@ -141,13 +152,7 @@ def test_shutdown_ends_open_streams_and_the_child() -> None:
     client.shutdown()
     assert client._process.exitcode == 0 and client.fault is None
     assert not client.stats().is_alive
-
-    async def late() -> None:
-        async for _ in client.generate(GenerationRequest("late", (1, 2), SamplingParams())):
-            pass
-
-    with pytest.raises(EngineStoppedError):
-        asyncio.run(late())
+    _assert_refuses(client)
 
 
 def test_a_dead_child_ends_streams_with_an_error_and_reports_a_fault() -> None:
@@ -162,13 +167,7 @@ def test_a_dead_child_ends_streams_with_an_error_and_reports_a_fault() -> None:
         assert deltas[-1].finish_reason == "error" and "takes no requests" in deltas[-1].error
         assert faults and "exited (exit code -9)" in faults[0] and client.fault == faults[0]
         assert not client.stats().is_alive
-
-        async def late() -> None:
-            async for _ in client.generate(GenerationRequest("late", (1, 2), SamplingParams())):
-                pass
-
-        with pytest.raises(EngineStoppedError):
-            asyncio.run(late())
+        _assert_refuses(client)
     finally:
         client.shutdown()
 
