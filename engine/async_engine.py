@@ -77,8 +77,15 @@ class StreamingClient:
         """The request was refused, or its caller left before the answer: nothing of it
         may stay on this side."""
 
+    fault: str | None = None  # the device's failure that ended the engine, if one did
+
     def abort(self, request_id: str) -> None:
         raise NotImplementedError
+
+    def _refusal(self) -> str:
+        """Why no request is taken any more (EngineStoppedError's text)."""
+        reason = f"the device failed ({self.fault})" if self.fault else "it is shutting down"
+        return f"the engine takes no requests: {reason}"
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Submit, then yield deltas until every choice finished; closing aborts."""
@@ -252,10 +259,6 @@ class AsyncEngine(StreamingClient):
 
     def _refuse(self, accepted: Future) -> None:
         accepted.set_exception(EngineStoppedError(self._refusal()))
-
-    def _refusal(self) -> str:
-        reason = f"the device failed ({self.fault})" if self.fault else "it is shutting down"
-        return f"the engine takes no requests: {reason}"
 
     # -- engine thread --------------------------------------------------------------------
     def _run(self) -> None:

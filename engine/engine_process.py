@@ -196,10 +196,6 @@ class EngineProcess(StreamingClient):
             return False
         return True
 
-    def _refusal(self) -> str:
-        reason = f"the device failed ({self.fault})" if self.fault else "it is shutting down"
-        return f"the engine takes no requests: {reason}"
-
     # -- the reader thread ----------------------------------------------------------------
     def _read(self) -> None:
         """The child's messages in order until it stops or its pipe closes; then every
