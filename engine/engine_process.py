@@ -252,7 +252,8 @@ class EngineProcess(StreamingClient):
 
     def _end_open_streams(self) -> None:
         """The child is gone: requests it never answered are refused, and each choice
-        still streaming ends with an error (or "abort" when the server stopped it)."""
+        still streaming ends with an error (after a shutdown none is: the child ended
+        them with "abort" first)."""
         error = self._refusal()
         with self._lock:
             adds, self._adds = self._adds, {}
