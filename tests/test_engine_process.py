@@ -11,12 +11,13 @@ import os
 import signal
 import time
 
+import httpx
 import pytest
 
 from deltaserve.engine.api import EngineStoppedError
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.engine_process import EngineProcess
+from deltaserve.engine.engine_process import STATS_EVERY_S, EngineProcess
 from deltaserve.engine.errors import InvalidRequestError
 from deltaserve.engine.types import GenerationRequest, RequestOutput, SamplingParams
 from deltaserve.models.testing import cached_checkpoint
@@ -198,3 +199,49 @@ def test_a_request_cancelled_before_its_answer_is_aborted(engine: EngineProcess)
 
     assert len(asyncio.run(asyncio.wait_for(run(), 30))) == 3
     assert engine._reader.is_alive()
+
+
+def test_the_server_over_http_through_the_engine_process() -> None:
+    """The HTTP app on an EngineProcess: /v1/completions greedy text equals the offline
+    engine's on the same checkpoint, a streamed chat ends with finish_reason, /health is
+    ok and /metrics counts the child's generated tokens."""
+    from fake_engine import LiveServer
+
+    from deltaserve.engine.engine import LLMEngine
+    from deltaserve.models.build import load_model
+    from deltaserve.server.app import create_app
+    from deltaserve.server.frontend.tokenizer import TextTokenizer
+    from deltaserve.server.settings import ModelSettings, ServerSettings, Settings
+
+    path = cached_checkpoint("tiny")
+    client = EngineProcess.start(str(path), CONFIG, name="tiny")
+    tokenizer = TextTokenizer(client.model_path, client.eos_token_ids)
+    settings = Settings(
+        model=ModelSettings(path=str(path), served_name="tiny"),
+        server=ServerSettings(keepalive=1.0, engine_process=True),
+    )
+    prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
+    with LiveServer(create_app(client, tokenizer, settings)) as live:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        got = httpx.post(f"{live.url}/v1/completions", json=body, timeout=60).json()
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 5, "stream": True}  # fmt: skip
+        with httpx.stream("POST", f"{live.url}/v1/chat/completions", json=chat) as response:
+            lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+        assert httpx.get(f"{live.url}/health").status_code == 200
+        time.sleep(2 * STATS_EVERY_S)  # the child's next snapshot
+        metrics = httpx.get(f"{live.url}/metrics").text
+    assert client._process.exitcode == 0  # the app's shutdown stopped the child
+    offline = LLMEngine(load_model(str(path)), CONFIG).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    )[0]
+    visible = [t for t in offline.token_ids if t not in tokenizer.hidden_token_ids]
+    assert got["choices"][0]["text"] == tokenizer.decode(visible)
+    assert '"finish_reason":"length"' in lines[-1].replace(" ", "")
+    generated = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("deltaserve_generat") and "_total" in line
+    ]
+    assert len(generated) == 1 and float(generated[0].split()[-1]) >= 16 + 5, generated
