@@ -402,13 +402,12 @@ class LLMEngine:
 
     def _overlaps(self, plan: StepPlan) -> bool:
         """Whether `plan` runs pipelined (config.pipeline_steps). A step with prompt work
-        next to decoding rows runs in lockstep: the scheduler sizes that work from measured
-        step times, and a pipelined step's measured time held part of the next step's
-        prefill, so prompt tokens were priced low and such steps overshot the stall bound.
-        So does one that samples a prompt's first token: read back now, not after the next
-        step's graph is built (and a max_tokens=1 row then plans no wasted step). Such
-        steps pipelined measured no faster on a GPU and delayed first tokens by a step's
-        building (bench/README.md, 43e410d)."""
+        next to decoding rows runs in lockstep, and so does one that samples a prompt's
+        first token: its tokens are read back now, not after the next step's graph is
+        built (and a max_tokens=1 row then plans no wasted step). Pipelined, such steps
+        measured no faster on a GPU and their first tokens came a step's building later
+        (bench/README.md, 43e410d); the decode rows' forward is queued first instead
+        (submit_decode_first)."""
         first = any(c.sample_row_ids for c in plan.prefill)
         # a speculating row's next step needs its acceptance (and a fresh row's drafts),
         # and a row that may draft next needs its token (plan.read_back)
