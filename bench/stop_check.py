@@ -18,6 +18,7 @@ so it runs where the server runs (e.g. the GPU machine). Arguments after `--` go
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -116,8 +117,11 @@ def stop_once(
     extra: Sequence[str] = (),
     startup_timeout_s: float = 600,
     exit_timeout_s: float = 30,
+    group: bool = False,
 ) -> StopResult:
-    """Start a server, open streams, send `signum`, and report how the process ended."""
+    """Start a server, open streams, send `signum`, and report how the process ended.
+    `group`: the server leads a process group of its own and the signal goes to all of
+    it, as a terminal's Ctrl-C does (an engine process gets it too)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -128,13 +132,17 @@ def stop_once(
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=stderr,
+            start_new_session=group,
         )
         try:
             wait_healthy(url, proc, startup_timeout_s)
             num_started = open_streams(url, num_streams, startup_timeout_s)
             time.sleep(0.2)  # a few more steps: every row is decoding
             sent = time.monotonic()
-            proc.send_signal(signum)
+            if group:
+                os.killpg(proc.pid, signum)
+            else:
+                proc.send_signal(signum)
             try:
                 status: int | None = proc.wait(exit_timeout_s)
             except subprocess.TimeoutExpired:
@@ -144,6 +152,9 @@ def stop_once(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            if group:  # whatever of the group outlived the server
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
         stderr.seek(0)
         text = stderr.read()
     return StopResult(
