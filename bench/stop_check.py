@@ -8,7 +8,9 @@ alternate; `--signal` picks one) and waits for the process to end. One JSON line
 stop: the signal, the exit status, seconds to exit, and whether stderr holds C++'s
 "terminate called" line (std::terminate: exit 134, SIGABRT) or a Python traceback. A
 stop is clean when the status is 0 and neither appears. Exits 1 unless every stop was
-clean; the stderr of the first unclean stop is printed in full.
+clean; the stderr of the first unclean stop is printed in full. `--group`: the signal goes
+to the server's whole process group, as a terminal's Ctrl-C does (with --engine-process,
+its engine's process too).
 
 Needs only what the server needs (httpx, and the repository's bench/ for a free port),
 so it runs where the server runs (e.g. the GPU machine). Arguments after `--` go to
@@ -190,6 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--signal", choices=["alternate", "int", "term"], default="alternate")
     parser.add_argument("--startup-timeout", type=float, default=600, help="seconds")
     parser.add_argument("--exit-timeout", type=float, default=30, help="seconds")
+    parser.add_argument(
+        "--group", action="store_true", help="signal the server's whole process group"
+    )
     args = parser.parse_args(argv)
     results = []
     for i, signum in enumerate(signals(args.signal, args.stops)):
@@ -200,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             extra,
             args.startup_timeout,
             args.exit_timeout,
+            args.group,
         )
         print(json.dumps({"stop": i + 1, **result.summary()}), flush=True)
         results.append(result)
