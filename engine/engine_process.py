@@ -3,11 +3,10 @@
 On a GPU an engine step is the engine thread's host time (Python building the step's
 graph, MLX submitting it: bench/README.md), and in the server's process that thread
 shares one GIL with the event loop: parsing requests, rendering chat templates and
-tokenizing (the tokenizer's encode holds the GIL: ~0.4 ms for a 400-word prompt and
-~2 ms for 2,000 words on this project's CPU box), and every streamed token's text, JSON
-and write. Whenever the event loop holds the GIL as the engine thread wants it back,
-every stream waits. In a process of its own the engine thread shares its GIL with
-nothing but the pipe.
+tokenizing (the tokenizer's encode holds the GIL throughout), and every streamed token's
+text, JSON and write. Whenever the event loop holds the GIL as the engine thread wants it
+back, every stream waits (bench/README.md: the slow steps' building on an H100). In a
+process of its own the engine thread shares its GIL with nothing but the pipe.
 
 The child runs AsyncEngine in its deliver mode: one message a step with every delta;
 the parent's reader thread hands them to the requests' asyncio queues, one
