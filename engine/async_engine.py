@@ -356,30 +356,35 @@ class AsyncEngine(StreamingClient):
         counters = self._counters
         for delta in deltas:
             counters.generated_tokens += len(delta.token_ids)
-            if delta.finished and delta.request_id in self._open:
+        known, by_loop = route_deltas(deltas, self._streams, self._open)
+        for delta in known:
+            if delta.finished:
                 reason = delta.finish_reason or "unknown"
                 counters.finished[reason] = counters.finished.get(reason, 0) + 1
         if self._deliver is not None:
-            known = [d for d in deltas if d.request_id in self._open]
-            route_deltas(known, self._streams, self._open)
             if known:
                 self._deliver(known)
             return
-        for loop, items in route_deltas(deltas, self._streams, self._open).items():
+        for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_deliver, items)
 
 
 def route_deltas(
     deltas: list[RequestOutput], streams: dict[str, _Stream], num_open: dict[str, int]
-) -> dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]]:
-    """The deltas of requests in `num_open` (choices not finished yet, by request id),
-    grouped by their stream's event loop in order; a request whose last choice finished
-    leaves `num_open` and `streams`. Deltas of unknown requests are dropped."""
+) -> tuple[
+    list[RequestOutput], dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]]
+]:
+    """The deltas of requests in `num_open` (choices not finished yet, by request id), and
+    those of them with a stream grouped by its event loop, in order; a request whose last
+    choice finished leaves `num_open` and `streams`. Deltas of unknown requests are
+    dropped."""
+    known = []
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
     for delta in deltas:
         request_id = delta.request_id
         if request_id not in num_open:
             continue
+        known.append(delta)
         stream = streams.get(request_id)
         if delta.finished:
             num_open[request_id] -= 1
@@ -388,7 +393,7 @@ def route_deltas(
                 streams.pop(request_id, None)
         if stream is not None:
             by_loop.setdefault(stream.loop, []).append((stream.queue, delta))
-    return by_loop
+    return known, by_loop
 
 
 def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

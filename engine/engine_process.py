@@ -224,7 +224,7 @@ class EngineProcess(StreamingClient):
 
     def _route(self, deltas: list[RequestOutput]) -> None:
         with self._lock:
-            by_loop = route_deltas(deltas, self._streams, self._open)
+            _, by_loop = route_deltas(deltas, self._streams, self._open)
         for loop, items in by_loop.items():
             # a closed loop (its caller returned after aborting) has nobody to read them
             with contextlib.suppress(RuntimeError):
