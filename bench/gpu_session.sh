@@ -234,6 +234,12 @@ gil08() {  # the engine thread and the server's event loop share the GIL; Python
     done
 }
 
+warm08() {  # a fresh machine builds MLX's kernels as a server first meets them (~150 s):
+    # one unmeasured server run (its warm-up phase at 64 clients) before timed A/Bs
+    timeout 420 python3 -m bench.serve --checkpoint 0.8B --clients 1 --requests-per-client 1 \
+        --max-tokens 16 --only deltaserve --warm-up-clients 64 >"$OUT/warm08.log" 2>&1
+    grep -E '^\| 1 \|' "$OUT/warm08.log"
+}
 proc08() {  # the engine in the server's process vs a process of its own (--engine-process:
     # the HTTP side's Python never holds the engine thread's GIL). 0.8B, ours alone at 16
     # and 64 clients, thread / process / thread / process on one machine (its own noise)
