@@ -9,14 +9,13 @@ with an error and the loop keeps running.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,17 +29,11 @@ from deltaserve.engine.errors import is_device_fault
 from deltaserve.engine.parallel.tensor_parallel import start_engine
 from deltaserve.engine.prefix_cache.index import PrefixCacheStats
 from deltaserve.engine.scheduling.speculation import SpeculationStats
+from deltaserve.engine.streaming import Stream, StreamingClient, deliver, route_deltas
 from deltaserve.engine.types import GenerationRequest, RequestOutput
 from deltaserve.models.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    num_open: int  # choices the caller has not seen finish yet (asyncio side only)
 
 
 @dataclass
@@ -61,52 +54,6 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
         max_num_batched_tokens=engine.config.max_num_batched_tokens,
         max_prefill_chunk=engine.config.max_prefill_chunk,
     )
-
-
-class StreamingClient:
-    """generate() over a submit hook, for the EngineClients that stream through asyncio
-    queues: AsyncEngine (the engine thread in this process) and EngineProcess (a child's,
-    engine/engine_process.py)."""
-
-    def _submit(self, request: GenerationRequest, stream: _Stream) -> Future:
-        """Send `request` to the engine; the future answers whether it was accepted (or
-        raises as generate would). Raises EngineStoppedError when nothing is taken."""
-        raise NotImplementedError
-
-    def _forget(self, request_id: str) -> None:
-        """The request was refused, or its caller left before the answer: nothing of it
-        may stay on this side."""
-
-    fault: str | None = None  # the device's failure that ended the engine, if one did
-
-    def abort(self, request_id: str) -> None:
-        raise NotImplementedError
-
-    def _refusal(self) -> str:
-        """Why no request is taken any more (EngineStoppedError's text)."""
-        reason = f"the device failed ({self.fault})" if self.fault else "it is shutting down"
-        return f"the engine takes no requests: {reason}"
-
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        """Submit, then yield deltas until every choice finished; closing aborts."""
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request.n)
-        accepted = self._submit(request, stream)
-        try:
-            await asyncio.wrap_future(accepted)  # raises InvalidRequestError / QueueFullError
-        except BaseException as exc:
-            self._forget(request.request_id)
-            if isinstance(exc, asyncio.CancelledError):  # the client left before the answer
-                self.abort(request.request_id)  # queued meanwhile, or never: either way
-            raise
-        try:
-            while stream.num_open:
-                delta: RequestOutput = await stream.queue.get()
-                if delta.finished:
-                    stream.num_open -= 1
-                yield delta
-        finally:
-            if stream.num_open:
-                self.abort(request.request_id)
 
 
 class AsyncEngine(StreamingClient):
@@ -132,7 +79,7 @@ class AsyncEngine(StreamingClient):
         self._inbox_lock = threading.Lock()
         self._closed = False  # the loop has ended: `_send` answers adds itself
         self._wakeup = threading.Event()
-        self._streams: dict[str, _Stream] = {}  # the asyncio streams (no `deliver`)
+        self._streams: dict[str, Stream] = {}  # the asyncio streams (no `deliver`)
         self._open: dict[str, int] = {}  # engine-thread count of unfinished choices
         self._counters = _Counters()
         self._stopping = False
@@ -165,7 +112,7 @@ class AsyncEngine(StreamingClient):
         return cls(engine, name or model, engine.loaded.path, deliver)
 
     # -- asyncio side ---------------------------------------------------------------------
-    def _submit(self, request: GenerationRequest, stream: _Stream) -> Future:
+    def _submit(self, request: GenerationRequest, stream: Stream) -> Future:
         accepted: Future = Future()
         self._send(("add", request, stream, accepted))
         return accepted
@@ -319,7 +266,7 @@ class AsyncEngine(StreamingClient):
             elif kind == "shutdown":
                 self._stopping = True
 
-    def _add(self, request: GenerationRequest, stream: _Stream | None, accepted: Future) -> None:
+    def _add(self, request: GenerationRequest, stream: Stream | None, accepted: Future) -> None:
         # a caller cancelled while this waited in the inbox (its generate sends an abort
         # after it) is gone: the request is never queued, and its future cannot be set
         if not accepted.set_running_or_notify_cancel():
@@ -366,40 +313,7 @@ class AsyncEngine(StreamingClient):
                 self._deliver(known)
             return
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_deliver, items)
-
-
-def route_deltas(
-    deltas: list[RequestOutput], streams: dict[str, _Stream], num_open: dict[str, int]
-) -> tuple[
-    list[RequestOutput], dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]]
-]:
-    """The deltas of requests in `num_open` (choices not finished yet, by request id), and
-    those of them with a stream grouped by its event loop, in order; a request whose last
-    choice finished leaves `num_open` and `streams`. Deltas of unknown requests are
-    dropped."""
-    known = []
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-    for delta in deltas:
-        request_id = delta.request_id
-        if request_id not in num_open:
-            continue
-        known.append(delta)
-        stream = streams.get(request_id)
-        if delta.finished:
-            num_open[request_id] -= 1
-            if num_open[request_id] == 0:
-                del num_open[request_id]
-                streams.pop(request_id, None)
-        if stream is not None:
-            by_loop.setdefault(stream.loop, []).append((stream.queue, delta))
-    return known, by_loop
-
-
-def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    """On the streams' event loop: each delta into its stream's queue, in step order."""
-    for stream_queue, delta in items:
-        stream_queue.put_nowait(delta)
+            loop.call_soon_threadsafe(deliver, items)
 
 
 def _wait_os_thread_exit(thread: threading.Thread, timeout: float) -> bool:

@@ -34,17 +34,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from deltaserve.engine.api import EngineInfo, EngineStats, EngineStoppedError, EngineSummary
-from deltaserve.engine.async_engine import (
-    AsyncEngine,
-    StreamingClient,
-    _deliver,
-    _Stream,
-    route_deltas,
-)
 from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.streaming import Stream, StreamingClient, deliver, route_deltas
 from deltaserve.engine.types import GenerationRequest, RequestOutput
+
+if TYPE_CHECKING:  # the child imports it (_serve): the server's process never loads MLX
+    from deltaserve.engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +82,7 @@ class EngineProcess(StreamingClient):
         self._lock = threading.Lock()  # the pipe's send side, and `_closed`
         self._closed = False  # the child takes no more commands
         self._adds: dict[str, Future] = {}  # request id -> its acceptance, until answered
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         self._open: dict[str, int] = {}  # request id -> choices not finished yet
         self._stopping = False
         self._joined = False
@@ -134,7 +132,7 @@ class EngineProcess(StreamingClient):
         return cls(process, parent, payload)
 
     # -- asyncio side ---------------------------------------------------------------------
-    def _submit(self, request: GenerationRequest, stream: _Stream) -> Future:
+    def _submit(self, request: GenerationRequest, stream: Stream) -> Future:
         accepted: Future = Future()
         rid = request.request_id
         with self._lock:
@@ -228,7 +226,7 @@ class EngineProcess(StreamingClient):
         for loop, items in by_loop.items():
             # a closed loop (its caller returned after aborting) has nobody to read them
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(deliver, items)
 
     def _accepted(self, request_id: str, error: BaseException | None) -> None:
         with self._lock:
@@ -308,6 +306,8 @@ def _serve(conn: Connection, model: str, config: EngineConfig, name: str, level:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=level, format=LOG_FORMAT)
+    from deltaserve.engine.async_engine import AsyncEngine
+
     link = _Link(conn)
     try:
         engine = AsyncEngine.start(model, config, name, deliver=link.deltas)

@@ -1,7 +1,9 @@
-"""The engine's error for a request it can never run.
+"""The engine's errors that callers handle: a request it can never run, a device that
+failed, ranks started differently.
 
-Its own module so that engine/types.py (SamplingParams holds a Constraint) and
-engine/structured/spec.py (which raises it) both import it without importing each other.
+Its own module, without MLX, so that engine/types.py (SamplingParams holds a Constraint)
+and engine/structured/spec.py (which raises InvalidRequestError) both import it without
+importing each other, and the server catches these without loading the engine.
 """
 
 from __future__ import annotations
@@ -40,3 +42,8 @@ def is_device_fault(exc: BaseException) -> bool:
     (not a bug in one request's input, which fails that step only)."""
     message = str(exc).lower()
     return any(fault in message for fault in _DEVICE_FAULTS)
+
+
+class SetupMismatchError(RuntimeError):
+    """The ranks of a tensor-parallel group were started on different checkpoints or
+    engine configs."""

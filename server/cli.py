@@ -148,18 +148,15 @@ def serve(settings: Settings, checkpoint: Path) -> int:
     Started by `mlx.launch` on several processes: tensor parallel. Rank 0 serves HTTP and
     schedules; the other ranks follow its steps (engine/parallel/tensor_parallel.py) and exit
     when it stops. Returns the exit status (2: the ranks were started differently)."""
-    from deltaserve.engine.parallel.tensor_parallel import (
-        SetupMismatchError,
-        follow,
-        join_group,
-        start_engine,
-    )
+    from deltaserve.engine.errors import SetupMismatchError
     from deltaserve.server.app import begin_shutdown, create_app
     from deltaserve.server.frontend.tokenizer import TextTokenizer
 
-    parallel = join_group(settings.engine.distributed_backend)
+    parallel = _join_group(settings)
     try:
         if parallel is not None:
+            from deltaserve.engine.parallel.tensor_parallel import follow, start_engine
+
             logger.info("tensor parallel: rank %d of %d", parallel.rank, parallel.size)
             if parallel.rank > 0:
                 # A signal ends a follower at once (it may be blocked in a collective,
@@ -211,25 +208,44 @@ def serve(settings: Settings, checkpoint: Path) -> int:
     return 0
 
 
+# What a distributed launch (mlx.launch's backends, mpirun) sets in each rank's environment
+GROUP_ENVIRONMENT = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def _join_group(settings: Settings) -> TensorParallel | None:
+    """This process's tensor-parallel group, None when it runs alone. With
+    --engine-process and no distributed launch in the environment it is alone without
+    asking MLX: this process then never loads MLX (the engine's process does; on CUDA a
+    process that loads MLX holds a device context, 518 MiB on an H100)."""
+    if settings.server.engine_process and not any(v in os.environ for v in GROUP_ENVIRONMENT):
+        return None
+    from deltaserve.engine.parallel.tensor_parallel import join_group
+
+    return join_group(settings.engine.distributed_backend)
+
+
 def _load(
     settings: Settings, checkpoint: Path, parallel: TensorParallel | None
 ) -> AsyncEngine | EngineProcess:
     """Start the engine (in this process, or in its own: --engine-process), saying what it
     loads and how long that took."""
-    from deltaserve.engine.async_engine import AsyncEngine
-    from deltaserve.engine.engine_process import EngineProcess
-
+    # only the branch taken is imported: with --engine-process this process never loads
+    # MLX (the engine process does)
     on_disk = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
     logger.info("loading %s (%s of weights on disk) ...", settings.model.path, size(on_disk))
     started = time.monotonic()
     name = settings.model.name
     if settings.server.engine_process and parallel is None:
+        from deltaserve.engine.engine_process import EngineProcess
+
         logger.info("  the engine runs in a process of its own (--engine-process)")
         engine = EngineProcess.start(str(checkpoint), settings.engine, name=name)
     else:
         if settings.server.engine_process:
             logger.warning("--engine-process is off under tensor parallelism: rank 0's "
                            "engine is the group's member, in this process")  # fmt: skip
+        from deltaserve.engine.async_engine import AsyncEngine
+
         engine = AsyncEngine.start(str(checkpoint), settings.engine, name=name, parallel=parallel)
     logger.info("model loaded in %.1f s; loading the tokenizer ...", time.monotonic() - started)
     return engine

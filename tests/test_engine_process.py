@@ -9,7 +9,9 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -245,3 +247,40 @@ def test_the_server_over_http_through_the_engine_process() -> None:
         if line.startswith("deltaserve_generat") and "_total" in line
     ]
     assert len(generated) == 1 and float(generated[0].split()[-1]) >= 16 + 5, generated
+
+
+def _maps_mlx(pid: int) -> bool:
+    """Whether process `pid` has MLX's library mapped (it imported mlx.core)."""
+    return "libmlx" in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs Linux's /proc")
+def test_the_servers_own_process_never_loads_mlx() -> None:
+    """`deltaserve serve --engine-process` after a chat: MLX is loaded in the engine's
+    process and not in the server's (on CUDA a process that loads MLX holds a device
+    context: 518 MiB on an H100)."""
+    from bench.server_vs_mlxlm import _free_port as free_port
+    from bench.stop_check import serve_command, wait_healthy
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    flags = ["--engine-process", "--max-num-seqs", "2"]
+    command = serve_command(str(cached_checkpoint("tiny")), port, flags)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_healthy(url, proc, 180)
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4}  # fmt: skip
+        assert httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).status_code == 200
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert any(_maps_mlx(int(pid)) for pid in children), children  # the engine's
+        assert not _maps_mlx(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            status = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert status == 0, proc.stderr.read().decode()[-2000:]

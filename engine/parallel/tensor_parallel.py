@@ -40,6 +40,7 @@ import numpy as np
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.errors import SetupMismatchError
 from deltaserve.engine.plan import StepPlan
 from deltaserve.kernels.platform import prepare_device
 from deltaserve.models.build import load_model
@@ -150,10 +151,6 @@ class Channel:
 
     def _sum(self, words: np.ndarray) -> np.ndarray:
         return np.array(self.parallel.all_sum(mx.array(words)), dtype=np.int32)
-
-
-class SetupMismatchError(RuntimeError):
-    """The ranks of a group were started on different checkpoints or engine configs."""
 
 
 def setup_parts(model: str, config: EngineConfig) -> list[bytes]:
