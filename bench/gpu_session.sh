@@ -11,22 +11,17 @@
 #           manylinux_2_31 llguidance wheel, uvloop and httptools (cp312) into .wb:
 #           ../shared/GPU.md)
 #   call 1 (carry .wa):  mkdir -p /tmp/parts && cp .wa/* /tmp/parts/
-#   call 2 (carry .wb):  bash bench/gpu_session.sh setup serve08 cap08  (~7 min: ~150 s start-up
-#                        on a fresh machine, both servers warmed up by bench.serve)
-#   call 3:              bash bench/gpu_session.sh start9b tests      (~7 min; the 9B
-#                        checkpoint is written beside the tests, not beside a timed server)
-#   call 4:              bash bench/gpu_session.sh serve9b            (~4 min)
-#   call 5, 6:           bash bench/gpu_session.sh spec; bash bench/gpu_session.sh spec35
-#                        (spec = spec08 spec9b: ~3 and ~6 min; any steps share a call)
-#   call 7:              bash bench/gpu_session.sh serve35   (after spec35 wrote its checkpoint)
-#   call 4b:             bash bench/gpu_session.sh fault9b  (~8 min; while serve9b's 64
-#                        clients fault: which kernel, ours or MLX's)
-#   if time is left:     bash bench/gpu_session.sh mixed; bash bench/gpu_session.sh servechat
-#                        (0.8B, 3-turn chats: next turns on the prefix cache under load)
-#   short of time:       TESTS_S=300 bash bench/gpu_session.sh unpack scan tests  (the
-#                        kernels' figures and tests without a checkpoint of the 0.8B)
-#   each call's end:     ... ptxsave  (MLX's kernel builds into $OUT; the next lease
-#                        carries them in .wb and `unpack` restores them)
+#   call 2 (carry .wb):  bash bench/gpu_session.sh setup warm08 serve08 start9b  (~8 min on a
+#                        fresh machine: warm08 is one unmeasured server run while MLX builds
+#                        its kernels; without a carried ptx cache a first server takes ~150 s)
+#   call 3:              bash bench/gpu_session.sh spec9b       (issue 32's 9B figures, never
+#                        run yet; waits for start9b's checkpoint)
+#   call 4:              bash bench/gpu_session.sh serve9b      (~9 min with the wait)
+#   then, as time allows: mixedc (submit_decode_first on / off, 0.8B and 9B), spec35 then
+#                        serve35, proc9b; `ptxsave` at a call's end when the next lease can
+#                        carry it (its tarball is not kept between sessions' machines)
+#   older steps:         tests, scan, tune, hostcost, chunk, slots, nodecost, graphs08,
+#                        budget08, inproc08, forwards64, cap08, policy08, fault9b, servechat
 # A session's 30 device minutes hold calls 1-4 or 1-5 (2026-12-05: calls 1, 2, tests,
 # serve9b, spec08 in 21 minutes; a later lease: call 2 296 s on a fresh H100, start9b +
 # tests 300 s, cut by TESTS_S before test_compiled_prompt's end, whose tests take ~16 s
