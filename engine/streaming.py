@@ -1,8 +1,8 @@
 """The asyncio side of an engine client: a request's stream, generate() over a submit
 hook, and a step's deltas routed to their streams' event loops. No MLX here: a server
 whose engine runs in a process of its own (engine/engine_process.py) imports this and
-not the engine, so its own process never loads MLX (on an H100 the server's process
-held a 518 MiB CUDA context beside the engine's while it did)."""
+not the engine, so its own process never loads MLX (on CUDA a process that loads it
+holds a device context of its own)."""
 
 from __future__ import annotations
 

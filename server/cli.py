@@ -216,7 +216,7 @@ def _join_group(settings: Settings) -> TensorParallel | None:
     """This process's tensor-parallel group, None when it runs alone. With
     --engine-process and no distributed launch in the environment it is alone without
     asking MLX: this process then never loads MLX (the engine's process does; on CUDA a
-    process that loads MLX holds a device context, 518 MiB on an H100)."""
+    process that loads MLX holds a device context of its own)."""
     if settings.server.engine_process and not any(v in os.environ for v in GROUP_ENVIRONMENT):
         return None
     from deltaserve.engine.parallel.tensor_parallel import join_group

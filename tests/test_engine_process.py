@@ -258,7 +258,7 @@ def _maps_mlx(pid: int) -> bool:
 def test_the_servers_own_process_never_loads_mlx() -> None:
     """`deltaserve serve --engine-process` after a chat: MLX is loaded in the engine's
     process and not in the server's (on CUDA a process that loads MLX holds a device
-    context: 518 MiB on an H100)."""
+    context of its own)."""
     from bench.server_vs_mlxlm import _free_port as free_port
     from bench.stop_check import serve_command, wait_healthy
 
