@@ -25,7 +25,8 @@ import threading
 import time
 from types import SimpleNamespace
 
-from deltaserve.engine.async_engine import AsyncEngine, _Counters, _Stream
+from deltaserve.engine.async_engine import AsyncEngine, _Counters
+from deltaserve.engine.streaming import Stream
 from deltaserve.engine.types import RequestOutput
 
 
@@ -93,7 +94,7 @@ class _Loop:
 
 def _run(name: str, loop: _Loop, steps: int, work: int) -> dict:
     ids = [f"r{i}" for i in range(len(loop.queues))]
-    streams = {rid: _Stream(loop.loop, q, 1) for rid, q in zip(ids, loop.queues, strict=True)}
+    streams = {rid: Stream(loop.loop, q, 1) for rid, q in zip(ids, loop.queues, strict=True)}
     stub = SimpleNamespace(_streams=streams, _open=dict.fromkeys(ids, 1), _counters=_Counters())
     walls, hands = [], []
     for step in range(steps):

@@ -349,7 +349,8 @@ def test_a_steps_deltas_reach_each_event_loop_in_one_call() -> None:
     choice finished is forgotten."""
     from types import SimpleNamespace
 
-    from deltaserve.engine.async_engine import _Counters, _Stream
+    from deltaserve.engine.async_engine import _Counters
+    from deltaserve.engine.streaming import Stream
     from deltaserve.engine.types import RequestOutput
 
     class Loop:
@@ -362,7 +363,7 @@ def test_a_steps_deltas_reach_each_event_loop_in_one_call() -> None:
     loops = [Loop(), Loop()]
     queues = [asyncio.Queue() for _ in range(3)]
     streams = {
-        f"r{i}": _Stream(loops[min(i, 1)], queues[i], 1)  # type: ignore[arg-type]
+        f"r{i}": Stream(loops[min(i, 1)], queues[i], 1)  # type: ignore[arg-type]
         for i in range(3)
     }
     stub = SimpleNamespace(
