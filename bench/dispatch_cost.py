@@ -95,7 +95,9 @@ class _Loop:
 def _run(name: str, loop: _Loop, steps: int, work: int) -> dict:
     ids = [f"r{i}" for i in range(len(loop.queues))]
     streams = {rid: Stream(loop.loop, q, 1) for rid, q in zip(ids, loop.queues, strict=True)}
-    stub = SimpleNamespace(_streams=streams, _open=dict.fromkeys(ids, 1), _counters=_Counters())
+    stub = SimpleNamespace(
+        _streams=streams, _open=dict.fromkeys(ids, 1), _counters=_Counters(), _deliver=None
+    )
     walls, hands = [], []
     for step in range(steps):
         start = time.perf_counter()
