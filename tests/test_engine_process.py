@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -267,20 +268,23 @@ def test_the_servers_own_process_never_loads_mlx() -> None:
     flags = ["--engine-process", "--max-num-seqs", "2"]
     command = serve_command(str(cached_checkpoint("tiny")), port, flags)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        wait_healthy(url, proc, 180)
-        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 4}  # fmt: skip
-        assert httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).status_code == 200
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        assert any(_maps_mlx(int(pid)) for pid in children), children  # the engine's
-        assert not _maps_mlx(proc.pid)
-    finally:
-        proc.send_signal(signal.SIGINT)
+    with tempfile.TemporaryFile("w+") as log:  # a pipe nobody reads could fill and block it
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log)
         try:
-            status = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    assert status == 0, proc.stderr.read().decode()[-2000:]
+            wait_healthy(url, proc, 180)
+            chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 4}  # fmt: skip
+            answer = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+            assert answer.status_code == 200
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            assert any(_maps_mlx(int(pid)) for pid in children), children  # the engine's
+            assert not _maps_mlx(proc.pid)
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                status = proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise
+        log.seek(0)
+        assert status == 0, log.read()[-2000:]
