@@ -17,7 +17,7 @@
 #   call 3:              bash bench/gpu_session.sh spec9b       (issue 32's 9B figures, never
 #                        run yet; waits for start9b's checkpoint)
 #   call 4:              bash bench/gpu_session.sh serve9b      (~9 min with the wait)
-#   then, as time allows: mixedc (submit_decode_first on / off, 0.8B and 9B), spec35 then
+#   then, as time allows: policy9b (the p99 gap against smaller prompt chunks), mixedc (submit_decode_first on / off, 0.8B and 9B), spec35 then
 #                        serve35, proc9b; `ptxsave` at a call's end when the next lease can
 #                        carry it (its tarball is not kept between sessions' machines)
 #   older steps:         tests, scan, tune, hostcost, chunk, slots, nodecost, graphs08,
@@ -359,6 +359,26 @@ policy08() {  # 0.8B, deltaserve alone at 16 and 64 clients under other step pol
     done
 }
 
+policy9b() {  # 9B, deltaserve alone at 16 and 64 clients: the default step (a prompt chunk is
+    # never below the one whose tokens cost its fixed part: 467 tokens on an H100, mixed
+    # steps ~3.3x a decode step) against prompt tokens per step capped at 128 / 256 (the
+    # token budget = clients + cap: the stall policy's floor does not go below the
+    # amortizing chunk, the budget does), shorter mixed steps (the p99 gap) that pay the
+    # fixed part more often (prefill, tok/s); after start9b
+    need9b
+    timeout 200 python3 -m bench.serve --checkpoint 9B --clients 16 64 --only deltaserve \
+        >"$OUT/policy9b-default.log" 2>&1
+    grep -E '^\| (16|64) \| deltaserve' "$OUT/policy9b-default.log" | sed "s/^/default /"
+    local cap clients
+    for cap in 128 256; do
+        for clients in 16 64; do
+            timeout 150 python3 -m bench.serve --checkpoint 9B --clients $clients \
+                --only deltaserve --extra-args="--max-num-batched-tokens $((clients + cap))" \
+                >"$OUT/policy9b-$cap-$clients.log" 2>&1
+            grep -E "^\| $clients \| deltaserve" "$OUT/policy9b-$cap-$clients.log" | sed "s/^/cap $cap /"
+        done
+    done
+}
 serve08small() {  # 0.8B, 64 clients, deltaserve alone with a 384-token step budget:
     # steps of about a decode step + 2x a chunk's fixed part, the size that would keep the
     # p99 gap within 3x its p50, against the default's full-budget steps (tok/s, TTFT)
