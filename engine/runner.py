@@ -200,8 +200,7 @@ class ModelRunner:
         decode_logits = self._compiled_decode(plan)
         if decode_logits is not None and plan.prefill and self.submit_decode_first:
             # the device computes the decode rows while the prompts' graphs are built
-            decode = [a for layer in self.states.decode.layers for a in layer.state_arrays()]
-            mx.async_eval(decode_logits, *decode)
+            mx.async_eval(decode_logits, *self.states.decode.state_arrays())
         groups = []
         if plan.decode_row_ids and decode_logits is None:
             groups.append(self._decode_group(plan))

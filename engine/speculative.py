@@ -500,4 +500,4 @@ def store_arrays(state: BatchState) -> list[mx.array]:
     """The verify batch's arrays after a step (its head store's too), to evaluate."""
     store: KVStore | None = state.draft
     head = store.state_arrays() if store is not None else []
-    return [a for layer in state.layers for a in layer.state_arrays()] + head
+    return state.state_arrays() + head

@@ -170,7 +170,7 @@ def _prompts(
     prompts: CompiledPrefill, new_state: Callable[[], BatchState], rows: int, length: int
 ) -> None:
     hidden, states = prompts([[100] * length] * rows, new_state())
-    mx.eval(hidden, *[a for s in states for layer in s.layers for a in layer.state_arrays()])
+    mx.eval(hidden, *[a for s in states for a in s.state_arrays()])
 
 
 def _holding(
@@ -190,7 +190,7 @@ def _chunk(
     """A later chunk of `length` tokens over a row that holds `start`."""
     state = _holding(decode, new_state, start)
     hidden = decode.chunk([[100] * length], [start], state)
-    mx.eval(hidden, *[a for layer in state.layers for a in layer.state_arrays()])
+    mx.eval(hidden, *state.state_arrays())
 
 
 def _decode(
@@ -209,4 +209,4 @@ def _decode(
         out = decode.verify(mx.zeros((rows, verify_columns), mx.int32), [length] * rows, state)
     else:
         out = (decode(mx.zeros((rows, 1), mx.int32), [length] * rows, state),)
-    mx.eval(*out, *[a for layer in state.layers for a in layer.state_arrays()])
+    mx.eval(*out, *state.state_arrays())

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import mlx.core as mx
+
 from deltaserve.engine.cache.kv import FullPrecisionKV, KVStore
 from deltaserve.engine.cache.ssm import SSMState
 from deltaserve.engine.cache.start_precision import PrefixKV
@@ -45,6 +47,11 @@ class BatchState:
         if self.draft is not None and self.draft.num_rows < self.num_rows:
             self.draft.pad_rows(self.num_rows - self.draft.num_rows)
         return self.draft
+
+    def state_arrays(self) -> list[mx.array]:
+        """Every layer's stored arrays (not the head's store), e.g. to evaluate after a
+        forward wrote them."""
+        return [a for layer in self.layers for a in layer.state_arrays()]
 
     @property
     def num_rows(self) -> int:

@@ -50,7 +50,7 @@ def measure_chunk_cost(loaded: LoadedModel, compiled: CompiledPrefill | None = N
     def started() -> BatchState:
         state = BatchState.empty(loaded.config)
         _forward(loaded, state, 0, LATER, None)
-        mx.eval([a for layer in state.layers for a in layer.state_arrays()])
+        mx.eval(state.state_arrays())
         return state
 
     t_later = _fastest(started, loaded, LATER, LATER, None)
@@ -96,5 +96,5 @@ def _forward(
         tokens = mx.full((1, length), 100, mx.int32)
         group = ForwardGroup(tokens, text_positions([start], length), state.layers, outputs="last")
         hidden = model([group])[0]
-    arrays = [a for layer in state.layers for a in layer.state_arrays()]
+    arrays = state.state_arrays()
     mx.eval(model.logits(hidden[:, -1]), *arrays)
