@@ -379,6 +379,67 @@ policy9b() {  # 9B, deltaserve alone at 16 and 64 clients: the default step (a p
         done
     done
 }
+packed() {  # what reading each weight once for decode rows and a prompt chunk together
+    # would take off a mixed step (bench.packed_matmuls: the linear layers alone), 0.8B and 9B
+    timeout 120 python3 -m bench.packed_matmuls --checkpoint 0.8B --rows 16 64 \
+        --sizes 64 256 >"$OUT/packed08.log" 2>&1
+    grep '^|' "$OUT/packed08.log"
+    need9b
+    timeout 240 python3 -m bench.packed_matmuls --checkpoint 9B --rows 16 64 \
+        --sizes 16 64 256 512 >"$OUT/packed9b.log" 2>&1
+    grep '^|' "$OUT/packed9b.log"
+}
+packmix() {  # a mixed step packed (pack_token_wise: decode rows and a fresh prompt chunk in
+    # one eager forward, each weight read once) against the compiled decode and prompt
+    # forwards; engine level, steps synchronised, 9B then 0.8B, 16 and 64 decode rows
+    local shape mode
+    for shape in ${PACK_SHAPES:-9B 0.8B}; do
+        [ "$shape" = 9B ] && need9b
+        for mode in off on; do
+            timeout 240 python3 -m bench.mixed_step --shape $shape --rows 16 64 --sizes 64 256 \
+                --fresh --skip-model --reps 5 $([ $mode = on ] && echo --on pack_token_wise) \
+                >"$OUT/packmix-$shape-$mode.log" 2>&1
+            python3 -c 'import json,sys
+for line in open(sys.argv[1]):
+    if "engine_step" in line:
+        d = json.loads(line)
+        print(sys.argv[2], d["rows"], d["chunk"], d["wall_ms"], d["x_decode"], d["execute_cpu_ms"])
+' "$OUT/packmix-$shape-$mode.log" "$shape pack $mode"
+            grep -E "Error|error" "$OUT/packmix-$shape-$mode.log" | tail -3
+        done
+    done
+}
+servepack9b() {  # 9B over HTTP, ours alone at 16 and 64 clients: the default against mixed
+    # steps packed (--pack-token-wise), twice each in turn
+    need9b
+    local run mode
+    for run in ${RUNS:-1 2}; do
+        for mode in default pack; do
+            timeout 150 python3 -m bench.serve --checkpoint 9B --clients 16 64 --only deltaserve \
+                --extra-args="$([ $mode = pack ] && echo --pack-token-wise)" \
+                --log-dir "$OUT/sp9b-$mode-$run" >"$OUT/servepack9b-$mode-$run.log" 2>&1
+            grep -E '^\| (16|64) \|' "$OUT/servepack9b-$mode-$run.log" | sed "s/^/$mode $run /"
+            grep -h "a prompt chunk costs\|stall bound cannot" "$OUT"/sp9b-$mode-$run/*.log | head -2 | cut -c1-250
+        done
+    done
+}
+steps9b() {  # 9B, ours alone at 16 clients with --log-level debug: which steps set the
+    # streams' p99 gap (bench.step_log), then prompt tokens a step capped at 256 and 128
+    # (policy9b's question in one call: the p99 gap against tok/s)
+    need9b
+    timeout 200 python3 -m bench.serve --checkpoint 9B --clients 16 --only deltaserve \
+        --extra-args="--log-level debug" --log-dir "$OUT/st9b" >"$OUT/steps9b.log" 2>&1
+    grep -E '^\| 16 \| deltaserve' "$OUT/steps9b.log" | sed "s/^/debug /"
+    local log cap
+    log=$(find "$OUT/st9b" -name '*.log' | xargs grep -l 'forwards:' | head -1)
+    python3 -m bench.step_log "$log" >"$OUT/steps9b_steps.md" 2>&1
+    head -30 "$OUT/steps9b_steps.md"
+    for cap in 256 128; do
+        timeout 130 python3 -m bench.serve --checkpoint 9B --clients 16 --only deltaserve \
+            --extra-args="--max-num-batched-tokens $((16 + cap))" >"$OUT/steps9b-$cap.log" 2>&1
+        grep -E "^\| 16 \| deltaserve" "$OUT/steps9b-$cap.log" | sed "s/^/cap $cap /"
+    done
+}
 serve08small() {  # 0.8B, 64 clients, deltaserve alone with a 384-token step budget:
     # steps of about a decode step + 2x a chunk's fixed part, the size that would keep the
     # p99 gap within 3x its p50, against the default's full-budget steps (tok/s, TTFT)

@@ -113,16 +113,22 @@ class LLMEngine:
         )
         compiled = self._compiled_decode()
         chunks = compiled if compiled is not None and self.platform.compile_chunks else None
+        loaded.model.pack_token_wise = self.platform.pack_token_wise
+        # A GPU's mixed step runs packed where the decode step is compiled
+        # (ModelRunner.pack_mixed); the CPU's (pack_token_wise on, compiled paths off)
+        # packs its eager groups anyway, and its tests run the compiled paths beside
+        # decoding rows as a GPU without packing does
+        pack_mixed = gpu and self.platform.pack_token_wise and compiled is not None
         self.chunk_cost = None
         if gpu and leader is None and loaded.parallel is None:
-            self.chunk_cost = measure_chunk_cost(loaded, self.compiled_prompts)
+            packed = compiled if pack_mixed else None
+            self.chunk_cost = measure_chunk_cost(loaded, self.compiled_prompts, packed)
         measured = self.chunk_cost.budget_tokens() if self.chunk_cost is not None else 0
         self.config = config.for_device(gpu, measured)
         if self.compiled_prompts is not None:  # its calls hold at most a chunk's tokens
             self.compiled_prompts.max_area = self.config.max_prefill_chunk
         self.pipeline = self.platform.pipeline_steps
         cfg = loaded.config
-        loaded.model.pack_token_wise = self.platform.pack_token_wise
         self.max_context = self.config.max_context or cfg.max_position_embeddings
         dtype_size = loaded.dtype.size
         kv = self.config.kv_cache
@@ -174,7 +180,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             loaded.model, self.states, sampler, compiled, batch_prefill, vision,
             self.constraints, self.compiled_prompts, drafter, chunks is not None,
-            self.platform.submit_decode_first,
+            self.platform.submit_decode_first, pack_mixed,
         )  # fmt: skip
         warm = self.config.warm_up_seconds
         warm = (WARM_UP_GPU_SECONDS if gpu else 0.0) if warm is None else warm
@@ -276,10 +282,11 @@ class LLMEngine:
         row = self.budget.row_bytes(self.max_context)
         if self.chunk_cost is not None:
             log.info(
-                "a prompt chunk costs %.1f ms + %.3f ms a token here, a later chunk of a "
+                "a prompt chunk costs %.1f ms + %.3f ms a token here%s, a later chunk of a "
                 "prompt %.1f ms + the same (measured at start)",
                 1e3 * self.chunk_cost.fixed_seconds,
                 1e3 * self.chunk_cost.token_seconds,
+                " beside decoding rows (packed with them)" if self.runner.pack_mixed else "",
                 1e3 * self.chunk_cost.later_fixed_seconds,
             )
         log.info(

@@ -160,11 +160,17 @@ class ModelRunner:
         drafter: Drafter | None = None,
         compile_chunks: bool = False,
         submit_decode_first: bool = False,
+        pack_mixed: bool = False,
     ) -> None:
         """vision: the image work of prompts with images (None: text only). masks: the
         grammar hook of constrained rows (None: none). drafter: speculative decoding's
         (None: no row speculates). submit_decode_first: a step with prompt work queues
-        the compiled decode forward before building the prompts' (EngineConfig's)."""
+        the compiled decode forward before building the prompts' (EngineConfig's).
+        pack_mixed: a step with decode rows and prompt work runs them as one eager
+        forward whose groups share each weight's matmul (the model's pack_token_wise)
+        instead of the compiled decode and prompt forwards, which read every weight
+        once each (9B on an H100: a 256-token chunk's matmuls 7.8 ms beside 16 decode
+        rows, 1.6 ms packed with them; bench/README.md)."""
         self.model = model
         self.states = states
         self.sampler = sampler
@@ -177,6 +183,7 @@ class ModelRunner:
         self.drafter = drafter
         self.compile_chunks = compile_chunks and compiled is not None
         self.submit_decode_first = submit_decode_first
+        self.pack_mixed = pack_mixed
         self._saved: list[mx.array] = []  # prefix-cache copies not yet started
         self._last_tokens: mx.array | None = None  # the last sampled step's tokens [N]
         # step -> compiled shapes it traced, until read back (a follower rank never reads
@@ -197,7 +204,8 @@ class ModelRunner:
                 self.states.restore_prefix(chunk.row_id, chunk.restore)
         rows = self.rows.rows
         features = self.vision.encode(plan.prefill, rows) if self.vision is not None else []
-        decode_logits = self._compiled_decode(plan)
+        packed = self._packs(plan)
+        decode_logits = None if packed else self._compiled_decode(plan)
         if decode_logits is not None and plan.prefill and self.submit_decode_first:
             # the device computes the decode rows while the prompts' graphs are built
             mx.async_eval(decode_logits, *self.states.decode.state_arrays())
@@ -213,7 +221,7 @@ class ModelRunner:
         cohorts: list[_Cohort] = []
         runs: dict[int, tuple[mx.array, list[BatchState]]] = {}
         for cohort in self._cohorts(plan.prefill):
-            for part, run in self._compiled_parts(plan, cohort):
+            for part, run in self._compiled_parts(plan, cohort, packed):
                 if run is not None:
                     runs[len(cohorts)] = run
                 cohorts.append(part)
@@ -226,7 +234,8 @@ class ModelRunner:
         prefill_hidden = [
             runs[i][0] if i in runs else next(eager_hidden) for i in range(len(cohorts))
         ]
-        last = [hidden[0][:, -1]] if plan.decode_row_ids and decode_logits is None else []
+        live = len(plan.decode_row_ids)  # the decode group's rows past them are dead
+        last = [hidden[0][:live, -1]] if live and decode_logits is None else []
         last += self._last_prefill_hidden(plan.prefill, cohorts, prefill_hidden)
         verify = None
         if verify_drafts is not None:
@@ -423,10 +432,26 @@ class ModelRunner:
         tokens = _decode_tokens(plan, self._last_tokens)
         return self.compiled(tokens, plan.decode_positions, self.states.decode)
 
+    def _packs(self, plan: StepPlan) -> bool:
+        """Whether this step's decode rows and prompt chunks run as one packed eager
+        forward (pack_mixed): both are there, and no chunk holds image work (the
+        tower's features join an eager group as they would a compiled one, but a
+        packed step is measured for text)."""
+        if not (self.pack_mixed and plan.decode_row_ids and plan.prefill):
+            return False
+        return all(c.length and not c.vision for c in plan.prefill)
+
     def _decode_group(self, plan: StepPlan) -> ForwardGroup:
+        """The decode batch as an eager group: tokens [B, 1] for its B rows, the dead
+        rows that hold it at its bucket (RowStates) after the live ones on token 0 at
+        position 0 (their outputs are never read)."""
         tokens = _decode_tokens(plan, self._last_tokens)
-        positions = text_positions(list(plan.decode_positions), 1)
-        return ForwardGroup(tokens, positions, self.states.decode.layers)
+        offsets = list(plan.decode_positions)
+        dead = self.states.decode.num_rows - tokens.shape[0]
+        if dead > 0:
+            tokens = mx.concatenate([tokens, mx.zeros((dead, 1), tokens.dtype)])
+            offsets += [0] * dead
+        return ForwardGroup(tokens, text_positions(offsets, 1), self.states.decode.layers)
 
     def _drafts(self, plan: StepPlan) -> DraftRound | None:
         """The verify batch's drafts (None: no row speculates). Its rows' tokens are all
@@ -522,16 +547,17 @@ class ModelRunner:
         return cohorts
 
     def _compiled_parts(
-        self, plan: StepPlan, cohort: _Cohort
+        self, plan: StepPlan, cohort: _Cohort, eager: bool = False
     ) -> list[tuple[_Cohort, tuple[mx.array, list[BatchState]] | None]]:
         """The cohort through a compiled forward where one takes it: [(cohort, its run)],
-        or [(cohort, None)] for the eager path. Later chunks of several rows whose
-        shape the chunk forward declines (not traced yet) try it row by row (a row's own
-        shape may be traced: warm-up traces some), and the rest run eagerly, split by
-        length (an eager group pads only before a row's first token)."""
+        or [(cohort, None)] for the eager path (every cohort with `eager`: a packed
+        step). Later chunks of several rows whose shape the chunk forward declines (not
+        traced yet) try it row by row (a row's own shape may be traced: warm-up traces
+        some), and the rest run eagerly, split by length (an eager group pads only
+        before a row's first token)."""
         chunks, rows = plan.prefill, self.rows.rows
-        run = self._compiled_prompts(plan, cohort)
-        if run is None:
+        run = None if eager else self._compiled_prompts(plan, cohort)
+        if run is None and not eager:
             run = self._compiled_chunk(plan, cohort)
         members = [chunks[i] for i in cohort.chunk_indices]
         several_later = (
@@ -545,7 +571,7 @@ class ModelRunner:
         by_length: dict[int, _Cohort] = {}
         for i in cohort.chunk_indices:
             single = _Cohort([i], [chunks[i].row_id])
-            run = self._compiled_chunk(plan, single)
+            run = None if eager else self._compiled_chunk(plan, single)
             if run is not None:
                 parts.append((single, run))
                 continue

@@ -268,15 +268,12 @@ class GatedDeltaNet(nn.Module):
             enabled = fused_decode_default() and dn_decode.supported(self._decode_dims)
         return enabled
 
-    def _decode_fused(
-        self, x: mx.array, state: RecurrentState, residual: mx.array | None = None
-    ) -> mx.array:
-        """x [B, 1, H] -> [B, 1, H] (+ residual) through kernels/deltanet_decode.py."""
-        proj, inputs = self._kernel_inputs(x, state)
+    def _decode_kernel(self, whole: mx.array, state: RecurrentState) -> mx.array:
+        """whole [B, 1, P] -> [B, 1, value_dim] through kernels/deltanet_decode.py."""
         y, state.conv, state.ssm = dn_decode.deltanet_decode(
-            self._decode_dims, proj.reshape(x.shape[0], -1), *inputs
+            self._decode_dims, whole.reshape(whole.shape[0], -1), *self._kernel_inputs(whole, state)
         )
-        return linear_plus(self.out_proj, y[:, None], residual)
+        return y[:, None]
 
     def use_fused_chunk(self, length: int, split: int = 0, slots: bool = False) -> bool:
         """Whether an L = length input runs as kernels/deltanet_chunk.py's kernels (CUDA,
@@ -287,59 +284,48 @@ class GatedDeltaNet(nn.Module):
             return self.fused_chunk
         return chunk_kernels(self._decode_dims) and self.core_dims().scan
 
-    def _chunk_fused(
+    def _chunk_kernels(
         self,
-        x: mx.array,
+        whole: mx.array,
         state: RecurrentState,
         mask: mx.array | None,
         left_pad: tuple[int, ...] | mx.array | None,
-        residual: mx.array | None = None,
     ) -> mx.array:
-        """x [B, L, H] -> [B, L, H] (+ residual) through kernels/deltanet_chunk.py; mask
+        """whole [B, L, P] -> [B, L, value_dim] through kernels/deltanet_chunk.py; mask
         and left_pad (pads as data or a tuple) describe the same padding."""
-        proj, inputs = self._kernel_inputs(x, state)
         pads = None
         if mask is not None:
             pads = left_pad if isinstance(left_pad, mx.array) else mx.array(left_pad, mx.int32)
-        y, state.conv, state.ssm = deltanet_chunk(self._decode_dims, proj, *inputs, pads, mask)
-        return linear_plus(self.out_proj, y, residual)
+        inputs = self._kernel_inputs(whole, state)
+        y, state.conv, state.ssm = deltanet_chunk(self._decode_dims, whole, *inputs, pads, mask)
+        return y
 
     def use_fused_slots(self, mask: mx.array | None, split: int, slots: bool) -> bool:
         """Whether a group that keeps its state after every column (a speculative verify's
         k + 1 columns: ForwardGroup.state_slots) runs as the decode kernel's many-column
-        form (`_slots_fused`), where the decode kernel is on: one kernel a layer instead of
+        form (`_slots_kernel`), where the decode kernel is on: one kernel a layer instead of
         the eager core's conv views, norms, gates, scan and stacks, each a node of host
         time on a GPU."""
         return slots and mask is None and not split and self.use_fused_decode()
 
-    def _slots_fused(
-        self, x: mx.array, state: RecurrentState, residual: mx.array | None = None
-    ) -> mx.array:
-        """x [B, T, H] -> [B, T, H] (+ residual), column after column a decode token
+    def _slots_kernel(self, whole: mx.array, state: RecurrentState) -> mx.array:
+        """whole [B, T, P] -> [B, T, value_dim], column after column a decode token
         (kernels/deltanet_decode.py `deltanet_decode_slots`); the conv tail and state after
         each column become state.slots, as `core` keeps them, and the last column's are
         the state. Each column is what a plain decode step computes, operation for
         operation, so a verify's tokens are those of decoding without drafts."""
-        proj, inputs = self._kernel_inputs(x, state)
-        y, convs, ssms = dn_decode.deltanet_decode_slots(self._decode_dims, proj, *inputs)
+        inputs = self._kernel_inputs(whole, state)
+        y, convs, ssms = dn_decode.deltanet_decode_slots(self._decode_dims, whole, *inputs)
         state.slots = (convs, ssms)
         state.conv, state.ssm = convs[:, -1], ssms[:, -1]
-        return linear_plus(self.out_proj, y, residual)
+        return y
 
-    def _kernel_inputs(self, x: mx.array, state: RecurrentState) -> tuple[mx.array, tuple]:
+    def _kernel_inputs(self, whole: mx.array, state: RecurrentState) -> tuple:
         """What every DeltaNet kernel (decode, its many-column form, the chunk) takes after
-        the layer's dims: x's whole projection, then (conv tail, recurrent state, conv
+        the layer's dims and the whole projection: (conv tail, recurrent state, conv
         weight, A_log, dt_bias, norm weight)."""
-        proj = self.project_whole(x)
-        conv_state, ssm = self._states(state, x.shape[0], proj.dtype)
-        return proj, (
-            conv_state,
-            ssm,
-            self.conv1d.weight,
-            self.A_log,
-            self.dt_bias,
-            self.norm.weight,
-        )
+        conv_state, ssm = self._states(state, whole.shape[0], whole.dtype)
+        return (conv_state, ssm, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
 
     def _states(self, state: RecurrentState, rows: int, dtype: mx.Dtype) -> tuple:
         """(conv tail, recurrent state) of `state`, zeros for fresh rows."""
@@ -420,18 +406,48 @@ class GatedDeltaNet(nn.Module):
         [B, L] (True = real) keeps pads out of the state. split: ForwardGroup.snapshot_at;
         slots: ForwardGroup.state_slots (see `core`)."""
         length = x.shape[1]
+        # pads as data: already inside a compiled forward (engine/compiled_prefill.py)
+        if isinstance(left_pad, mx.array) or self.packable(length, mask, split, slots):
+            y = self.mix_whole(self.project_whole(x), state, mask, left_pad, split, slots)
+            return linear_plus(self.out_proj, y, residual)
+        residuals = None if residual is None else [residual]
+        return self.prefill_many([x], [state], [left_pad], residuals)[0]
+
+    def packable(
+        self, length: int, mask: mx.array | None, split: int = 0, slots: bool = False
+    ) -> bool:
+        """Whether an input runs from its own projection alone (`mix_whole`), so that
+        projection may be one slice of a matmul over several groups' tokens
+        (models/qwen35.py mix_packed): every path but the compiled prefill core, which
+        pads groups into one bucketed call of its own (`prefill_many`)."""
+        if self.use_fused_chunk(length, split, slots) or self.use_fused_slots(mask, split, slots):
+            return True
+        return self.eager(length, mask, split, slots) or not self.use_compiled(length)
+
+    def mix_whole(
+        self,
+        whole: mx.array,
+        state: RecurrentState,
+        mask: mx.array | None,
+        left_pad: tuple[int, ...] | mx.array | None,
+        split: int = 0,
+        slots: bool = False,
+    ) -> mx.array:
+        """`project_whole`'s output [B, L, P] -> out_proj's input [B, L, value_dim], by the
+        kernels where they apply (a prompt chunk, a verify's columns, a decode token),
+        else the eager `core`. Not for the compiled prefill core (`packable`)."""
+        length = whole.shape[1]
         if self.use_fused_chunk(length, split, slots):
-            return self._chunk_fused(x, state, mask, left_pad, residual)
+            return self._chunk_kernels(whole, state, mask, left_pad)
         if self.use_fused_slots(mask, split, slots):
-            return self._slots_fused(x, state, residual)
+            return self._slots_kernel(whole, state)
         if isinstance(left_pad, mx.array) or self.eager(length, mask, split, slots):
-            # pads as data: already inside a compiled forward (engine/compiled_prefill.py)
-            core = self.core(self.project(x), state, mask, left_pad, split, slots)
-            return linear_plus(self.out_proj, core, residual)
-        if self.use_compiled(length):
-            residuals = None if residual is None else [residual]
-            return self.prefill_many([x], [state], [left_pad], residuals)[0]
-        return self._decode_fused(x, state, residual)
+            sizes = [self.conv_dim, self.value_dim, self.num_v_heads]
+            bounds = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+            parts = mx.split(whole, bounds, axis=-1)
+            return self.core(parts, state, mask, left_pad, split, slots)
+        assert not self.use_compiled(length), "the compiled prefill core is not packable"
+        return self._decode_kernel(whole, state)
 
     def eager(
         self, length: int, mask: mx.array | None, split: int = 0, slots: bool = False

@@ -109,11 +109,15 @@ class DecoderLayer(nn.Module):
         self, xs: list[mx.array], groups: list[ForwardGroup], contexts: list, states: list
     ) -> list[mx.array]:
         """`mix` for several groups, the norm and projections over all their tokens at
-        once (each group on its eager path, so only the core runs per group)."""
+        once (each weight read once for all of them), only the core per group."""
         mixer = self.self_attn if self.is_full_attention else self.linear_attn
         sizes = [x.shape[0] * x.shape[1] for x in xs]
         flat = mx.concatenate([x.reshape(n, -1) for x, n in zip(xs, sizes, strict=True)])
-        projected = mixer.project(self.input_layernorm(flat))  # each [N, *]
+        normed = self.input_layernorm(flat)
+        if self.is_full_attention:
+            projected = mixer.project(normed)  # each [N, *]
+        else:
+            projected = [mixer.project_whole(normed)]  # [N, P]: each group's kernels' input
         cores, start = [], 0
         for x, g, ctx, state, n in zip(xs, groups, contexts, states, sizes, strict=True):
             parts = [p[start : start + n].reshape(*x.shape[:2], -1) for p in projected]
@@ -121,7 +125,9 @@ class DecoderLayer(nn.Module):
             if self.is_full_attention:
                 y = mixer.core(parts, ctx.rope, ctx.cos_sin, state, g.left_pad)
             else:
-                y = mixer.core(parts, state, ctx.mask, g.left_pad, g.snapshot_at, g.state_slots)
+                y = mixer.mix_whole(
+                    parts[0], state, ctx.mask, g.left_pad, g.snapshot_at, g.state_slots
+                )
             cores.append(y.reshape(n, -1))
         core = mx.concatenate(cores)
         if self.parallel is None:  # the residual inside the output projection
@@ -134,7 +140,7 @@ class DecoderLayer(nn.Module):
         """Whether the group's mixer input may be packed with others' (mix_packed)."""
         if self.is_full_attention:
             return True
-        return self.linear_attn.eager(
+        return self.linear_attn.packable(
             group.shape[1], ctx.mask, group.snapshot_at, group.state_slots
         )
 
@@ -219,16 +225,25 @@ class Qwen35Model(nn.Module):
         groups: list[ForwardGroup],
         contexts: list[_GroupContext],
     ) -> list[mx.array]:
-        """Attention / DeltaNet per group; with the compiled DeltaNet prefill on, every
-        prefill group (L > 1) of a DeltaNet layer in one call: on the GPU a layer's cost
-        is its op count, which would otherwise grow with the number of cohorts. With
-        pack_token_wise, the groups on the eager path share their projections."""
+        """Attention / DeltaNet per group. With pack_token_wise, the groups whose mixer
+        runs from its own projection (DecoderLayer.packable) share one norm and matmul
+        per projection; with the compiled DeltaNet prefill on, the other prefill groups
+        (L > 1) of a DeltaNet layer run as one call: on the GPU a layer's cost is its op
+        count, which would otherwise grow with the number of cohorts."""
         done: dict[int, mx.array] = {}
+        if self.pack_token_wise:
+            packed = [i for i, g in enumerate(groups) if layer.packable(g, contexts[i])]
+            if len(packed) > 1:
+                merged = layer.mix_packed(
+                    [hidden[i] for i in packed], [groups[i] for i in packed],
+                    [contexts[i] for i in packed], [groups[i].states[idx] for i in packed],
+                )  # fmt: skip
+                done.update(zip(packed, merged, strict=True))
         if not layer.is_full_attention and layer.linear_attn.use_compiled(2):
             many = [
                 i
                 for i, g in enumerate(groups)
-                if g.shape[1] > 1 and not g.snapshot_at and not g.state_slots
+                if i not in done and g.shape[1] > 1 and not g.snapshot_at and not g.state_slots
             ]
             if len(many) > 1:
                 states = [groups[i].states[idx] for i in many]
@@ -236,15 +251,6 @@ class Qwen35Model(nn.Module):
                     [hidden[i] for i in many], [groups[i] for i in many], states
                 )
                 done.update(zip(many, merged, strict=True))
-        if self.pack_token_wise:
-            rest = [i for i in range(len(hidden)) if i not in done]
-            packed = [i for i in rest if layer.packable(groups[i], contexts[i])]
-            if len(packed) > 1:
-                merged = layer.mix_packed(
-                    [hidden[i] for i in packed], [groups[i] for i in packed],
-                    [contexts[i] for i in packed], [groups[i].states[idx] for i in packed],
-                )  # fmt: skip
-                done.update(zip(packed, merged, strict=True))
         return [
             done[i] if i in done else layer.mix(h, g, ctx, g.states[idx])
             for i, (h, g, ctx) in enumerate(zip(hidden, groups, contexts, strict=True))

@@ -89,10 +89,12 @@ def _chunk_cost_once_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
 
     measure = engine.measure_chunk_cost
 
-    def once(loaded: LoadedModel, compiled: CompiledPrefill | None = None) -> ChunkCost:
-        key = (id(loaded), compiled is not None)
+    def once(
+        loaded: LoadedModel, compiled: CompiledPrefill | None = None, packed: object = None
+    ) -> ChunkCost:
+        key = (id(loaded), compiled is not None, packed is not None)
         if key not in _CHUNK_COSTS:  # the model is kept, so its id is not reused
-            _CHUNK_COSTS[key] = (loaded, measure(loaded, compiled))
+            _CHUNK_COSTS[key] = (loaded, measure(loaded, compiled, packed))
         return _CHUNK_COSTS[key][1]
 
     monkeypatch.setattr(engine, "measure_chunk_cost", once)

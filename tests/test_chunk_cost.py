@@ -24,6 +24,26 @@ def test_measures_a_line() -> None:
     assert 512 <= cost.budget_tokens() <= 8192
 
 
+def test_measures_a_packed_line() -> None:
+    """Mixed steps packed (pack_token_wise, the compiled decode step as the baseline): the
+    chunk beside a decoding row, less that row's decode step, is a line as well, and
+    the row it ran beside advanced a token a run."""
+    from deltaserve.engine.decode import CompiledDecode
+
+    loaded = load_model(str(cached_checkpoint("tiny")))
+    loaded.model.pack_token_wise = True
+    calls: list[list[int]] = []
+
+    class Counting(CompiledDecode):
+        def __call__(self, tokens: mx.array, offsets: list[int], state: object) -> mx.array:
+            calls.append(list(offsets))
+            return super().__call__(tokens, offsets, state)
+
+    cost = measure_chunk_cost(loaded, None, Counting(loaded.model))
+    assert cost.fixed_seconds >= 0 and cost.later_fixed_seconds >= 0 and cost.token_seconds > 0
+    assert len(calls) == 4 and calls[0] < calls[-1], "the baseline decoded the row, 4 runs"
+
+
 def test_engine_measures_only_on_a_gpu() -> None:
     """The CPU engine keeps its 512-token defaults and no measured cost."""
     engine = LLMEngine(load_model(str(cached_checkpoint("tiny"))))

@@ -194,3 +194,56 @@ def test_every_gpu_path_under_load_gives_the_plain_engines_tokens() -> None:
     assert engine.prefix_cache is not None and engine.prefix_cache.stats.hit_tokens > 0
     want, _ = waves(plain)
     assert len(got) == 48 and got == want
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_packed_mixed_steps_give_the_compiled_steps_tokens(kernels: bool) -> None:
+    """pack_mixed (a GPU's with pack_token_wise and the compiled paths on): a step
+    with decode rows and prompt chunks runs them as one eager forward whose groups
+    share each matmul (the decode batch's dead rows included), instead of the compiled
+    decode and prompt forwards;
+    same tokens as those, with the DeltaNet layers' kernel paths (decode token, prompt
+    chunk: their ops references here) on or off. Waves of prompts while rows decode,
+    with later chunks and a shared prefix."""
+    from deltaserve.models.deltanet import GatedDeltaNet
+
+    loaded = load_model(str(cached_checkpoint("tiny")), dtype=mx.float32)
+    mixers = [m for _, m in loaded.model.named_modules() if isinstance(m, GatedDeltaNet)]
+    rng = random.Random(5)
+    shared = [rng.randrange(100, 240000) for _ in range(64)]
+    requests = []
+    for i in range(20):
+        rest = [rng.randrange(100, 240000) for _ in range(rng.randint(10, 150))]
+        params = SamplingParams(temperature=0.0, max_tokens=rng.randint(6, 16), ignore_eos=True)
+        prompt = (shared if i % 3 == 0 else []) + rest
+        requests.append(GenerationRequest(f"r{i}", tuple(prompt), params))
+    arrivals = {0: requests[:4]} | {3 + 2 * i: [r] for i, r in enumerate(requests[4:])}
+    base = EngineConfig(
+        max_num_seqs=16, max_num_batched_tokens=96, max_prefill_chunk=64, warm_up_seconds=0,
+        compile_decode=True, compile_prompt=True, compile_chunks=True, batch_prefill=True,
+        prefix_block_tokens=16, prefix_min_tokens=16,
+    )  # fmt: skip
+
+    def run(pack: bool) -> tuple[dict, int]:
+        for m in mixers:
+            m.fused_chunk = m.fused_decode = kernels or None
+        engine = LLMEngine(loaded, dataclasses.replace(base, pack_token_wise=pack))
+        engine.runner.pack_mixed = pack  # a GPU's with pack_token_wise (the CPU's is off)
+        runner, verdicts = engine.runner, []
+        packs = runner._packs
+        runner._packs = lambda plan: verdicts.append(packs(plan)) or verdicts[-1]
+        tokens, step = {}, 0
+        while engine.has_work() or step <= max(arrivals):
+            for req in arrivals.get(step, ()):
+                engine.add_request(req)
+            for delta in engine.step():
+                tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+            step += 1
+        for m in mixers:
+            m.fused_chunk = m.fused_decode = None
+        return tokens, sum(verdicts)
+
+    got, packed = run(True)
+    want, _ = run(False)
+    assert packed > 5, "steps with decode rows and prompt work ran packed"
+    assert len(got) == 20 and got == want

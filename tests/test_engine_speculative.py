@@ -278,20 +278,20 @@ def test_verify_through_the_decode_kernel_keeps_tokens(
     loaded: LoadedModel, compiled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the DeltaNet decode kernel on (kernels/deltanet_decode.py; on the CPU its ops
-    path), a verify's DeltaNet layers run its many-column form (GatedDeltaNet._slots_fused)
+    path), a verify's DeltaNet layers run its many-column form (GatedDeltaNet._slots_kernel)
     and keep each column's state for the rollback: every accepted count 0..k, joins and an
     abort give the tokens of the engine without speculation, eager and compiled."""
     mixers = [m for _, m in loaded.model.named_modules() if isinstance(m, GatedDeltaNet)]
     for m in mixers:
         monkeypatch.setattr(m, "fused_decode", True)
     columns: list[int] = []
-    slots_fused = GatedDeltaNet._slots_fused
+    slots_kernel = GatedDeltaNet._slots_kernel
 
     def counting(self: GatedDeltaNet, x: mx.array, *args: object) -> mx.array:
         columns.append(x.shape[1])
-        return slots_fused(self, x, *args)
+        return slots_kernel(self, x, *args)
 
-    monkeypatch.setattr(GatedDeltaNet, "_slots_fused", counting)
+    monkeypatch.setattr(GatedDeltaNet, "_slots_kernel", counting)
     config = dataclasses.replace(SMALL, compile_decode=compiled)
     joins = _joins(_prompts(6, seed=4), _greedy(max_tokens=16))
     aborts = {6: ["r3"]}

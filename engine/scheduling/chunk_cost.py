@@ -9,8 +9,11 @@ that also compiles their shapes) give the line t(P) = fixed + token * P
 eager path, where a first chunk may run compiled) its own fixed part. The engine sizes its
 default token budget from the first line (`ChunkCost.budget_tokens`), and the step-cost
 model uses the larger fixed part where no chunk can meet the stall bound
-(StepCostModel.prefill_allowance). The CPU is not measured: there a chunk
-costs its arithmetic, and the online model prices it.
+(StepCostModel.prefill_allowance). Where mixed steps run packed (the runner's pack_mixed:
+the decode rows and the chunk share each weight's matmul), each forward runs beside a
+decoding row and the line is what the chunk adds to that row's step: a large model's
+chunk then no longer pays a second pass over the weights. The CPU is not measured: there
+a chunk costs its arithmetic, and the online model prices it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from deltaserve.engine.cache.batch import BatchState
+from deltaserve.engine.cache.kv import KVStore
 from deltaserve.engine.compiled_prefill import CompiledPrefill
+from deltaserve.engine.decode import CompiledDecode
 from deltaserve.engine.scheduling.step_cost import ChunkCost
 from deltaserve.models.build import LoadedModel
 from deltaserve.models.state import ForwardGroup, text_positions
@@ -31,7 +36,11 @@ LATER = 64  # a later chunk's length (after a first chunk of LATER tokens)
 RUNS = 3  # timed runs of each, after one that compiles its shapes
 
 
-def measure_chunk_cost(loaded: LoadedModel, compiled: CompiledPrefill | None = None) -> ChunkCost:
+def measure_chunk_cost(
+    loaded: LoadedModel,
+    compiled: CompiledPrefill | None = None,
+    packed: CompiledDecode | None = None,
+) -> ChunkCost:
     """Time one fresh row's prefill forward (and its last position's logits) at each of
     LENGTHS, through `compiled` when the engine runs prompts that way: the fastest of RUNS
     after a first that compiles (on the H200 the second run of the 64-token forward still
@@ -39,40 +48,62 @@ def measure_chunk_cost(loaded: LoadedModel, compiled: CompiledPrefill | None = N
     row's state, eagerly: its fixed part is what a prompt split into small chunks pays for
     each next to decoding rows, where a later chunk runs compiled only at a shape already
     traced (engine/runner.py; H200, 0.8B: 17.0 ms next to 8.9 ms for a compiled first
-    chunk). The states are thrown away."""
-    seconds = [
-        _fastest(lambda: BatchState.empty(loaded.config), loaded, 0, length, compiled)
-        for length in LENGTHS
-    ]
-    (short, long), (t_short, t_long) = LENGTHS, seconds
+    chunk). `packed` (mixed steps run packed; the model's pack_token_wise on): each
+    chunk runs in one eager forward after a decoding row's next token, less what that
+    token costs through `packed`, the compiled decode step a decode-only step runs. The
+    states are thrown away."""
+    row, alone = None, 0.0
+    if packed is not None:
+        row = _decoding_row(loaded)
+        alone = _fastest(lambda: _decode(packed, row))
+
+    def chunk(start: int, length: int, via: CompiledPrefill | None) -> float:
+        def run() -> None:
+            state = BatchState.empty(loaded.config)
+            if start:
+                _forward(loaded, state, 0, start, None)
+            mx.synchronize()
+            return lambda: _forward(loaded, state, start, length, via, row)
+
+        return _fastest(run, prepared=True) - alone
+
+    t_short, t_long = (chunk(0, length, compiled) for length in LENGTHS)
+    short, long = LENGTHS
     token = max((t_long - t_short) / (long - short), 1e-7)
-
-    def started() -> BatchState:
-        state = BatchState.empty(loaded.config)
-        _forward(loaded, state, 0, LATER, None)
-        mx.eval(state.state_arrays())
-        return state
-
-    t_later = _fastest(started, loaded, LATER, LATER, None)
+    t_later = chunk(LATER, LATER, None)
     fixed = max(t_short - token * short, 0.0)
     return ChunkCost(fixed, token, max(t_later - token * LATER, 0.0))
 
 
-def _fastest(
-    fresh: Callable[[], BatchState],
-    loaded: LoadedModel,
-    start: int,
-    length: int,
-    compiled: CompiledPrefill | None,
-) -> float:
-    """Seconds of the fastest of RUNS forwards of `length` tokens from `start` (each on
-    the state `fresh` returns), after one more that traces and warms its shapes."""
+def _decoding_row(loaded: LoadedModel) -> BatchState:
+    """A B=1 row state after a LATER-token prompt: the decoding row a packed chunk runs
+    beside (its state advances with each run)."""
+    state = BatchState.empty(loaded.config)
+    _forward(loaded, state, 0, LATER, None)
+    return state
+
+
+def _decode(decode: CompiledDecode, row: BatchState) -> None:
+    """The row's next token through the compiled decode step, evaluated."""
+    offset = _size(row)
+    logits = decode(mx.full((1, 1), 100, mx.int32), [offset], row)
+    mx.eval(logits, *row.state_arrays())
+
+
+def _size(row: BatchState) -> int:
+    """The row's tokens so far (its KV stores' columns)."""
+    return next((layer.size for layer in row.layers if isinstance(layer, KVStore)), LATER)
+
+
+def _fastest(run: Callable[[], object], prepared: bool = False) -> float:
+    """Seconds of the fastest of RUNS calls of `run`, after one more that traces and warms
+    its shapes; `prepared`: `run` sets up untimed and returns the call to time."""
     times = []
     for _ in range(1 + RUNS):
-        state = fresh()
+        timed = run() if prepared else run
         mx.synchronize()
         begin = time.perf_counter()
-        _forward(loaded, state, start, length, compiled)
+        timed()
         mx.synchronize()
         times.append(time.perf_counter() - begin)
     return min(times[1:])
@@ -84,17 +115,24 @@ def _forward(
     start: int,
     length: int,
     compiled: CompiledPrefill | None,
+    beside: BatchState | None = None,
 ) -> None:
     """One row's chunk of `length` tokens at `start` and its last logits, evaluated (the
     row's state advances in `state`): compiled where `compiled` takes it (a first
-    chunk), else eager."""
+    chunk), else eager; with `beside`, eagerly in one forward after that row's next
+    decode token (its state advances too)."""
     model = loaded.model
-    if start == 0 and compiled is not None and compiled.applies(state, 1):
+    if start == 0 and beside is None and compiled is not None and compiled.applies(state, 1):
         hidden, states = compiled([[100] * length], state)
-        state = states[0]
-    else:
-        tokens = mx.full((1, length), 100, mx.int32)
-        group = ForwardGroup(tokens, text_positions([start], length), state.layers, outputs="last")
-        hidden = model([group])[0]
-    arrays = state.state_arrays()
-    mx.eval(model.logits(hidden[:, -1]), *arrays)
+        mx.eval(model.logits(hidden[:, -1]), *states[0].state_arrays())
+        return
+    groups, rows = [], [state]
+    if beside is not None:
+        tokens = mx.full((1, 1), 100, mx.int32)
+        groups.append(ForwardGroup(tokens, text_positions([_size(beside)], 1), beside.layers))
+        rows.append(beside)
+    tokens = mx.full((1, length), 100, mx.int32)
+    positions = text_positions([start], length)
+    groups.append(ForwardGroup(tokens, positions, state.layers, outputs="last"))
+    hidden = model(groups)
+    mx.eval(*(model.logits(h[:, -1]) for h in hidden), *(a for r in rows for a in r.state_arrays()))
