@@ -261,7 +261,7 @@ def test_a_measured_fixed_cost_past_the_bound_sets_the_chunk_that_repays_it() ->
     bound, steps next to the decode rows hold the chunk whose tokens cost as much as its
     fixed part, at once (no probe, no slow start, not the whole token budget); where the
     bound leaves room for it, the measured line's fit applies at once, never below that
-    chunk."""
+    chunk, or no chunk right after a jump that left less room than it."""
     cost = ChunkCost(fixed_seconds=0.010, token_seconds=3e-5)
     model = StepCostModel(cost)
     for _ in range(5):
@@ -273,7 +273,9 @@ def test_a_measured_fixed_cost_past_the_bound_sets_the_chunk_that_repays_it() ->
         slow.observe(64, 0, 0.030)  # a decode step of 30 ms leaves 25.5 ms
     slow.observe(64, 100, 0.033)
     assert slow.prefill_allowance(64, 2.0) == 516  # (25.5 - 10) ms / 0.03 ms, no slow start
-    assert slow.prefill_allowance(64, 2.0, spent=0.012) == 333  # floor: 10 ms of tokens
+    # after a jump of 12 ms the 13.5 ms left buy less than the floor chunk: none (a chunk
+    # would stack its fixed part on the jump)
+    assert slow.prefill_allowance(64, 2.0, spent=0.012) == 0
     assert slow.unattainable is None
     fresh = StepCostModel(cost)
     for _ in range(5):
@@ -303,3 +305,27 @@ def test_a_later_chunks_fixed_cost_past_the_bound_lifts_the_allowance() -> None:
     assert first_chunk < model.stall_seconds(16, 2.0) < cost.split_seconds(MIN_CHUNK)
     assert model.prefill_allowance(16, 2.0) == 400  # 14 ms of tokens at 0.035 ms
     assert model.unattainable == (0.014, 3.5e-5)
+
+
+def test_a_measured_chunk_cost_bounds_a_jumps_price() -> None:
+    """Where the chunk cost was measured at start, a prefill-only step is priced at no
+    less than that chunk: a line from a few early prefill-only steps can price a short
+    jump far below what it costs (H100, 9B: under 9.3 ms for one of 24 ms)."""
+    model = StepCostModel(ChunkCost(fixed_seconds=0.0112, token_seconds=2.7e-5))
+    model.observe(0, 200, 0.020, first_tokens=1)
+    model.observe(0, 400, 0.040, first_tokens=1)
+    assert model._alone_fit(53) == pytest.approx(0.0053)  # the line alone: 0.1 ms a token
+    assert model.alone_seconds(53) == pytest.approx(0.0112 + 53 * 2.7e-5)
+    assert model.alone_seconds(400) == pytest.approx(0.040)  # above the prior: the line
+
+
+def test_after_a_jump_the_rows_step_holds_no_chunk_the_floor_would_break() -> None:
+    """Measured costs where no chunk meets the bound (9B on an H100: a 12.7 ms fixed part
+    beside 10.9 ms decode steps): a step holds the floor chunk, but not right after a
+    jump the rows already waited out, which would stack the two (jump + a full chunk)."""
+    model = StepCostModel(ChunkCost(fixed_seconds=0.0127, token_seconds=2.7e-5))
+    for _ in range(5):
+        model.observe(16, 0, 0.0109)
+    floor = ChunkCost(0.0127, 2.7e-5).floor_tokens()
+    assert model.prefill_allowance(16, 2.0) == floor
+    assert model.prefill_allowance(16, 2.0, spent=0.012) == 0

@@ -312,7 +312,8 @@ class RunAhead:
         rows, if each one finishes there and the step fits in the rows' stall allowance;
         else [] (as when the costs are not known yet, or the last step was a jump). The
         rows' next step has what is left of the allowance (a prompt arriving meanwhile
-        gets at least MIN_PREFILL_TOKENS there, as in every step). All or none: a
+        gets at least MIN_PREFILL_TOKENS there, unless the chunk cost was measured and no
+        chunk fits what the jump left: that step then holds no prompt work). All or none: a
         prefill-only step has fixed costs a chunk next to the rows does not (CPU: the LM
         head's weights read for one row), so it is no gain for the rows, only for the
         prompts whose first token it brings forward; a long prompt still prefilling gets
@@ -395,6 +396,10 @@ class StallBound:
         if not self.step_cost.knows_decode(len(self.state.decoding)):
             return 0  # decode-only steps measure this batch size (StepCostModel)
         self.state.price = VisionPrice(scale, self.step_cost.vision_limit())
+        if spent and not allowance and self.step_cost.chunk_cost is not None:
+            # measured costs (a GPU): a chunk would stack its fixed part on the jump the
+            # rows already waited out, so this step is theirs alone
+            return 0
         allowance = min(budget, max(allowance, MIN_PREFILL_TOKENS))
         self._log_promise(allowance, factor)
         self._log_backlog(allowance, budget, factor)
