@@ -86,8 +86,13 @@ class TextTokenizer:
         """Token ids of `text`; no BOS or other special tokens are added."""
         if self._backend is not None:
             # Straight to the Rust tokenizer: transformers' wrapper may reconfigure
-            # truncation/padding on it, which is unsafe from several threads at once.
-            return self._backend.encode(text, add_special_tokens=False).ids
+            # truncation/padding on it, which is unsafe from several threads at once. A
+            # batch of one: tokenizers' encode_batch releases the GIL while Rust works and
+            # its encode does not, and the engine thread shares this interpreter
+            # (bench/tokenizer_gil.py, this 2-core box: a Python thread beside 4,000-word
+            # encodes ran at 0.30 of its speed alone, 0.88 beside encode_batch, 0.92
+            # beside a GIL-free sleep).
+            return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         return self._tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, token_ids: Sequence[int]) -> str:
