@@ -11,17 +11,20 @@
 #           manylinux_2_31 llguidance wheel, uvloop and httptools (cp312) into .wb:
 #           ../shared/GPU.md)
 #   call 1 (carry .wa):  mkdir -p /tmp/parts && cp .wa/* /tmp/parts/
-#   call 2 (carry .wb):  bash bench/gpu_session.sh setup warm08 serve08 start9b  (~8 min on a
-#                        fresh machine: warm08 is one unmeasured server run while MLX builds
-#                        its kernels; without a carried ptx cache a first server takes ~150 s)
-#   call 3:              bash bench/gpu_session.sh spec9b       (issue 32's 9B figures, never
-#                        run yet; waits for start9b's checkpoint)
-#   call 4:              bash bench/gpu_session.sh serve9b      (~9 min with the wait)
-#   then, as time allows: policy9b (the p99 gap against smaller prompt chunks), mixedc (submit_decode_first on / off, 0.8B and 9B), spec35 then
-#                        serve35, proc9b; `ptxsave` at a call's end when the next lease can
-#                        carry it (its tarball is not kept between sessions' machines)
+#   call 2 (carry .wb):  bash bench/gpu_session.sh setup start9b warm08  (~3 min on a fresh
+#                        machine: warm08 is one unmeasured server run while MLX builds its
+#                        kernels; without a carried ptx cache a first server takes ~150 s)
+#   call 3:              bash bench/gpu_session.sh proc9b       (the engine in a process of its
+#                        own at 9B: the steps where a request ends or arrives ran ~11 ms
+#                        outside the engine's own host and device time, 2026-12-06)
+#   call 4:              bash bench/gpu_session.sh spec9b       (issue 32's 9B figures in
+#                        float32; the bf16 run's forced drafts stopped matching)
+#   then, as time allows: serve08, serve9b (the headline), mixedc (submit_decode_first on /
+#                        off), spec35 then serve35; `ptxsave` at a call's end when the next
+#                        lease can carry it (its tarball is not kept between machines)
 #   older steps:         tests, scan, tune, hostcost, chunk, slots, nodecost, graphs08,
-#                        budget08, inproc08, forwards64, cap08, policy08, fault9b, servechat
+#                        budget08, inproc08, forwards64, cap08, policy08, policy9b, fault9b,
+#                        servechat, packed, steps9b, packmix, servepack9b
 # A session's 30 device minutes hold calls 1-4 or 1-5 (2026-12-05: calls 1, 2, tests,
 # serve9b, spec08 in 21 minutes; a later lease: call 2 296 s on a fresh H100, start9b +
 # tests 300 s, cut by TESTS_S before test_compiled_prompt's end, whose tests take ~16 s
@@ -495,10 +498,12 @@ fault9b() {  # the 9B 64-client CUDA fault (2026-12-05: an illegal memory access
     done
 }
 
-spec9b() {  # the same at 9B
+spec9b() {  # the same at 9B, float32 and TF32 off as spec08 (36 GB of weights: fits an H100;
+    # 2026-12-06 in bf16 no mode's output equalled the plain run's and forced drafts
+    # stopped matching: B=1 drafted 4 in 128 tokens, 18.7 against 117.9 tok/s)
     need9b
-    timeout 360 python3 -m bench.speculative --checkpoint 9B --batches 1 16 64 \
-        >"$OUT/spec9b.log" 2>&1
+    MLX_ENABLE_TF32=0 timeout 480 python3 -m bench.speculative --checkpoint 9B \
+        --batches ${SPEC_BATCHES:-1 16 64} --dtype float32 >"$OUT/spec9b.log" 2>&1
     grep '^|' "$OUT/spec9b.log"
 }
 
