@@ -170,7 +170,8 @@ class ModelRunner:
         forward whose groups share each weight's matmul (the model's pack_token_wise)
         instead of the compiled decode and prompt forwards, which read every weight
         once each (9B on an H100: a 256-token chunk's matmuls 7.8 ms beside 16 decode
-        rows, 1.6 ms packed with them; bench/README.md)."""
+        rows, 1.6 ms packed with them, but the eager decode rows cost ~5 ms more host
+        time: no faster over HTTP, off by default; bench/README.md)."""
         self.model = model
         self.states = states
         self.sampler = sampler
@@ -434,9 +435,9 @@ class ModelRunner:
 
     def _packs(self, plan: StepPlan) -> bool:
         """Whether this step's decode rows and prompt chunks run as one packed eager
-        forward (pack_mixed): both are there, and no chunk holds image work (the
-        tower's features join an eager group as they would a compiled one, but a
-        packed step is measured for text)."""
+        forward (pack_mixed): both are there and every chunk is text tokens (a chunk
+        with image work, or tower work alone, keeps the usual path: the packed one is
+        tested on text)."""
         if not (self.pack_mixed and plan.decode_row_ids and plan.prefill):
             return False
         return all(c.length and not c.vision for c in plan.prefill)

@@ -58,6 +58,19 @@ def _requests(count: int, seed: int, max_tokens: int = 12) -> list[GenerationReq
     return out
 
 
+def _arrive(engine: LLMEngine, arrivals: dict[int, list[GenerationRequest]]) -> dict:
+    """Requests join at the steps `arrivals` names; tokens per request id once all end."""
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_work() or step <= max(arrivals):
+        for req in arrivals.get(step, ()):
+            engine.add_request(req)
+        for delta in engine.step():
+            tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+        step += 1
+    return tokens
+
+
 def _drive(engine: LLMEngine, requests: list[GenerationRequest], abort: str = "") -> dict:
     """Requests join two per step; `abort` leaves at step 6. Tokens per request id."""
     tokens: dict[str, list[int]] = {}
@@ -179,14 +192,8 @@ def test_every_gpu_path_under_load_gives_the_plain_engines_tokens() -> None:
     arrivals |= {20 + i: [req] for i, req in enumerate(requests[24:])}
 
     def waves(config: EngineConfig) -> tuple[dict, LLMEngine]:
-        engine, tokens, step = LLMEngine(loaded, config), {}, 0
-        while engine.has_work() or step <= max(arrivals):
-            for req in arrivals.get(step, ()):
-                engine.add_request(req)
-            for delta in engine.step():
-                tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
-            step += 1
-        return tokens, engine
+        engine = LLMEngine(loaded, config)
+        return _arrive(engine, arrivals), engine
 
     got, engine = waves(gpu)
     assert engine.runner.compiled is not None and engine.runner.compile_chunks
@@ -232,13 +239,7 @@ def test_packed_mixed_steps_give_the_compiled_steps_tokens(kernels: bool) -> Non
         runner, verdicts = engine.runner, []
         packs = runner._packs
         runner._packs = lambda plan: verdicts.append(packs(plan)) or verdicts[-1]
-        tokens, step = {}, 0
-        while engine.has_work() or step <= max(arrivals):
-            for req in arrivals.get(step, ()):
-                engine.add_request(req)
-            for delta in engine.step():
-                tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
-            step += 1
+        tokens = _arrive(engine, arrivals)
         for m in mixers:
             m.fused_chunk = m.fused_decode = None
         return tokens, sum(verdicts)
