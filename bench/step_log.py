@@ -7,9 +7,14 @@ by the slowest few percent of steps. The debug log says, for every step, what it
 (the scheduler's line: decode rows, prompt tokens and chunks, its wall time), which
 forwards ran (the runner's line) and where its host time went (the engine's line: host
 parts, the wait on the device, MLX's memory). This joins the three by step number and
-prints the wall-time percentiles of decode-only and mixed steps, then every step over
-`--over` x the median decode-only step, with what it held: the steps to look at when the
-p99 gap is more than 3x its p50. Stdlib only: it runs on the GPU machine too.
+prints the wall-time percentiles of decode-only and mixed steps; then the decode-only
+steps by what came before them (rows steady, a row gone since the step before: a
+request ended and, in a server under load, its client's next one arrived; a mixed step
+before), with the time each passed outside the engine's step call (wall less host
+time less the device wait: the engine thread's loop, or waiting for the GIL while the
+HTTP side works); then every step over `--over` x the median decode-only step, with
+what it held: the steps to look at when the p99 gap is more than 3x its p50. Stdlib
+only: it runs on the GPU machine too.
 """
 
 from __future__ import annotations
@@ -45,6 +50,13 @@ class Step:
     submit_ms: float | None = None
     waited_ms: float | None = None
     cache_mib: int | None = None
+
+    @property
+    def outside_ms(self) -> float | None:
+        """Wall time the step's own call did not account for (host, device wait)."""
+        if self.host_ms is None or self.waited_ms is None:
+            return None
+        return max(self.wall_ms - self.host_ms - self.waited_ms, 0.0)
 
     @property
     def kind(self) -> str:
@@ -94,6 +106,7 @@ def report(steps: list[Step], over: float) -> list[str]:
     decode = [s.wall_ms for s in steps if s.kind == "decode"]
     if not decode:
         return out
+    out += ["", *_decode_context(steps)]
     bound = over * statistics.median(decode)
     slow = [s for s in steps if s.wall_ms > bound]
     out += [
@@ -113,6 +126,39 @@ def report(steps: list[Step], over: float) -> list[str]:
         out.append(
             f"| {s.number} | {s.wall_ms:.1f} | {s.decode_rows} | {s.prompt_tokens} | "
             f"{s.chunks} | {host} | {parts} | {waited} | {cache} | {s.forwards} |"
+        )
+    return out
+
+
+def _decode_context(steps: list[Step]) -> list[str]:
+    """Markdown: decode-only steps by what came before them, wall and outside time."""
+    groups: dict[str, list[Step]] = {"rows steady": [], "a row gone": [], "after a mixed step": []}
+    for before, step in zip(steps, steps[1:], strict=False):
+        if step.kind != "decode" or before.number != step.number - 1:
+            continue
+        if before.kind == "mixed":
+            groups["after a mixed step"].append(step)
+        elif step.decode_rows < before.decode_rows:
+            groups["a row gone"].append(step)
+        else:
+            groups["rows steady"].append(step)
+    out = [
+        "| decode steps | count | wall p50 / p90 ms | host p50 ms | waited p50 ms | "
+        "outside p50 / p90 ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, group in groups.items():
+        timed = [s for s in group if s.outside_ms is not None]
+        if not timed:
+            continue
+        walls = [s.wall_ms for s in timed]
+        outside = [s.outside_ms for s in timed if s.outside_ms is not None]
+        host = statistics.median(s.host_ms for s in timed if s.host_ms is not None)
+        waited = statistics.median(s.waited_ms for s in timed if s.waited_ms is not None)
+        out.append(
+            f"| {name} | {len(timed)} | {_percentile(walls, 0.5):.1f} / "
+            f"{_percentile(walls, 0.9):.1f} | {host:.1f} | {waited:.1f} | "
+            f"{_percentile(outside, 0.5):.1f} / {_percentile(outside, 0.9):.1f} |"
         )
     return out
 

@@ -13,22 +13,29 @@ LOG = """\
 2026-12-06 08:34:00,006 DEBUG deltaserve.engine.engine: step 8 host 30.0 ms (schedule / build / submit / sample / update: 0.3 / 4.0 / 25.0 / 0.5 / 0.2), waited 0.2 ms; MLX active 2500 MiB, cache 4010 MiB
 2026-12-06 08:34:00,007 DEBUG deltaserve.engine.scheduling.scheduler: step 9: 4 decode rows, 0 prompt tokens in 0 chunks (0 later, longest 0), 0 tower units: 0.006 s
 2026-12-06 08:34:00,008 INFO deltaserve.requests: request x route=chat prompt=5
+2026-12-06 08:34:00,009 DEBUG deltaserve.engine.scheduling.scheduler: step 10: 3 decode rows, 0 prompt tokens in 0 chunks (0 later, longest 0), 0 tower units: 0.020 s
+2026-12-06 08:34:00,010 DEBUG deltaserve.engine.engine: step 10 host 6.0 ms (schedule / build / submit / sample / update: 0.1 / 0.9 / 4.6 / 0.2 / 0.2), waited 1.0 ms; MLX active 2400 MiB, cache 4000 MiB
 """  # noqa: E501
 
 
 def test_steps_are_joined_and_the_slow_ones_listed() -> None:
     steps = parse(LOG.splitlines())
-    assert [(s.number, s.kind) for s in steps] == [(7, "decode"), (8, "mixed"), (9, "decode")]
+    kinds = [(s.number, s.kind) for s in steps]
+    assert kinds == [(7, "decode"), (8, "mixed"), (9, "decode"), (10, "decode")]
     mixed = steps[1]
     assert (mixed.decode_rows, mixed.prompt_tokens, mixed.chunks) == (4, 300, 2)
     assert (mixed.wall_ms, mixed.host_ms, mixed.submit_ms, mixed.cache_mib) == (31, 30, 25, 4010)
     assert mixed.forwards == "decode 4 compiled, prompt run 2 rows"
     assert steps[2].host_ms is None  # no engine line for it
+    assert steps[3].outside_ms == 13.0  # 20 ms of wall, 6 of host, 1 waiting on the device
     lines = report(steps, over=3.0)
-    assert "| decode | 2 | 6.0 | 6.0 | 6.0 | 6.0 |" in lines  # the upper median of 5 and 6
+    assert "| decode | 3 | 6.0 | 20.0 | 20.0 | 20.0 |" in lines  # the upper median of 3
+    # a row left between steps 9 and 10; step 9 (after the mixed step) has no host line
+    assert "| a row gone | 1 | 20.0 / 20.0 | 6.0 | 1.0 | 13.0 / 13.0 |" in lines
+    assert not any(line.startswith("| after a mixed step") for line in lines)
     slow = [line for line in lines if line.startswith("| 8 |")]
     assert slow == [
         "| 8 | 31.0 | 4 | 300 | 2 | 30.0 | 4.0 / 25.0 | 0.2 | 4010 | "
         "decode 4 compiled, prompt run 2 rows |"
     ]
-    assert "1 of 3 steps over 3x the median decode step (16.5 ms):" in lines
+    assert "2 of 4 steps over 3x the median decode step (18.0 ms):" in lines
