@@ -119,7 +119,6 @@ class LLMEngine:
         # packs its eager groups anyway, and its tests run the compiled paths beside
         # decoding rows as a GPU without packing does
         pack_mixed = gpu and self.platform.pack_token_wise and compiled is not None
-        self.pack_mixed = pack_mixed
         self.chunk_cost = None
         if gpu and leader is None and loaded.parallel is None:
             packed = compiled if pack_mixed else None
@@ -287,7 +286,7 @@ class LLMEngine:
                 "prompt %.1f ms + the same (measured at start)",
                 1e3 * self.chunk_cost.fixed_seconds,
                 1e3 * self.chunk_cost.token_seconds,
-                " beside decoding rows (packed with them)" if self.pack_mixed else "",
+                " beside decoding rows (packed with them)" if self.chunk_cost.beside_decode else "",
                 1e3 * self.chunk_cost.later_fixed_seconds,
             )
         log.info(

@@ -42,6 +42,7 @@ def test_measures_a_packed_line() -> None:
     cost = measure_chunk_cost(loaded, None, Counting(loaded.model))
     assert cost.fixed_seconds >= 0 and cost.later_fixed_seconds >= 0 and cost.token_seconds > 0
     assert len(calls) == 4 and calls[0] < calls[-1], "the baseline decoded the row, 4 runs"
+    assert cost.beside_decode and not measure_chunk_cost(loaded).beside_decode
 
 
 def test_engine_measures_only_on_a_gpu() -> None:
@@ -53,3 +54,17 @@ def test_engine_measures_only_on_a_gpu() -> None:
     else:
         assert engine.chunk_cost is not None
         assert engine.config.max_prefill_chunk == engine.chunk_cost.budget_tokens()
+
+
+def test_the_start_up_log_says_how_the_chunk_was_measured(caplog: pytest.LogCaptureFixture) -> None:
+    """The start-up line a GPU logs (here on the CPU's engine, with a measured cost set):
+    the chunk's price, and whether it was measured beside decoding rows (packed)."""
+    from deltaserve.engine.scheduling.step_cost import ChunkCost
+
+    engine = LLMEngine(load_model(str(cached_checkpoint("tiny"))))
+    for beside, said in ((False, "a token here, a later"), (True, "here beside decoding rows")):
+        engine.chunk_cost = ChunkCost(0.0101, 2.7e-5, 0.013, beside)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="deltaserve.engine.engine"):
+            engine._log_budget()
+        assert "a prompt chunk costs 10.1 ms + 0.027 ms" in caplog.text and said in caplog.text

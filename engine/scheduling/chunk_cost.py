@@ -58,7 +58,7 @@ def measure_chunk_cost(
         alone = _fastest(lambda: _decode(packed, row))
 
     def chunk(start: int, length: int, via: CompiledPrefill | None) -> float:
-        def run() -> None:
+        def run() -> Callable[[], None]:
             state = BatchState.empty(loaded.config)
             if start:
                 _forward(loaded, state, 0, start, None)
@@ -72,7 +72,7 @@ def measure_chunk_cost(
     token = max((t_long - t_short) / (long - short), 1e-7)
     t_later = chunk(LATER, LATER, None)
     fixed = max(t_short - token * short, 0.0)
-    return ChunkCost(fixed, token, max(t_later - token * LATER, 0.0))
+    return ChunkCost(fixed, token, max(t_later - token * LATER, 0.0), packed is not None)
 
 
 def _decoding_row(loaded: LoadedModel) -> BatchState:

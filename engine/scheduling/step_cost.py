@@ -118,6 +118,8 @@ class ChunkCost:
     fixed_seconds: float
     token_seconds: float
     later_fixed_seconds: float = 0.0
+    # measured beside a decoding row, as what a chunk adds to its step (mixed steps packed)
+    beside_decode: bool = False
 
     @property
     def most_fixed_seconds(self) -> float:
