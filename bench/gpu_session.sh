@@ -273,9 +273,14 @@ proc9b() {  # proc08's pair for 9B at 16 and 64 clients, once each (after start9
             >"$OUT/proc9b_$mode.log" 2>&1
         grep -E '^\| (16|64) \|' "$OUT/proc9b_$mode.log" | sed "s/^/$mode /"
         log=$(find "$OUT/p9b-$mode" -name '*.log' | xargs grep -l 'forwards:' | head -1)
-        python3 -m bench.step_log "$log" >"$OUT/proc9b_${mode}_steps.md" 2>&1
-        grep -E '^\| (rows steady|a row gone|after a mixed)' "$OUT/proc9b_${mode}_steps.md" \
-            | sed "s/^/$mode /"
+        for c in 16 64; do
+            python3 -m bench.step_log "$log" --streams "$OUT/p9b-$mode/deltaserve_streams_$c.jsonl" \
+                >"$OUT/proc9b_${mode}_${c}_steps.md" 2>&1
+            grep -E '^\| (rows steady|a row gone|after a mixed)|stream gaps over' \
+                "$OUT/proc9b_${mode}_${c}_steps.md" | sed "s/^/$mode $c /"
+            grep -A 12 'stream gaps over' "$OUT/proc9b_${mode}_${c}_steps.md" | grep '^| [0-9]' \
+                | head -6 | sed "s/^/$mode $c /"
+        done
     done
 }
 

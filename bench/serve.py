@@ -35,7 +35,9 @@ its engine did in the phase (`steps`, from /metrics before and after: each kind 
 step's count, mean and those over 0.1 / 0.25 s, steps that traced a compiled shape,
 full GC collections), so a p99 gap says where it came from; per server its exit code
 after SIGINT and whether its log has "terminate called"; the ratios ours/peer per client
-count; then markdown tables.
+count; then markdown tables. Each phase's chunk arrival times (Unix seconds, a stream a
+line) go to `<log-dir>/<server>_streams_<clients>.jsonl`: `bench.step_log --streams`
+sets a stream's long gaps beside the steps the server logged in them.
 
 On a GPU each server first serves an unmeasured warm-up phase (`--warm-up-clients`: the
 most clients, one chat each of other prompts, WARM_UP_TOKENS tokens): MLX builds each
@@ -163,9 +165,12 @@ async def _phase(
     fields: dict,
     args: argparse.Namespace,
     warm_up: bool = False,
+    streams: Path | None = None,
 ) -> Row:
     """Every client's chats, client i starting at i/clients of the ramp; the summary.
-    warm_up: one chat per client, other prompts, WARM_UP_TOKENS each (`_measure`)."""
+    warm_up: one chat per client, other prompts, WARM_UP_TOKENS each (`_measure`).
+    streams: where to write each stream's chunk times as Unix seconds, one JSON list a
+    line, for `bench.step_log --streams` to set beside the server's steps."""
     chats = 1 if warm_up else args.requests_per_client  # per client
     max_tokens = WARM_UP_TOKENS if warm_up else args.max_tokens
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients)
@@ -189,6 +194,9 @@ async def _phase(
         wall = time.perf_counter() - start
     results = [r for rs in per_client for r in rs]
     ok = [r for r in results if r["ok"]]
+    if streams is not None:
+        epoch = time.time() - time.perf_counter()  # the server log's clock
+        streams.write_text("".join(json.dumps([epoch + t for t in r["stamps"]]) + "\n" for r in ok))
     errors = [r["error"] for r in results if not r["ok"]]
     ttft = [r["ttft"] for r in ok]
     gaps = [g for r in ok for g in r["itl"]]
@@ -257,7 +265,8 @@ async def _measure(
         print(json.dumps({"server": kind, "warm_up": True, **row}), flush=True)
     for clients in args.clients:
         before = await _engine_counts(kind, base)
-        row = {"server": kind, **await _phase(base, name, clients, fields, args)}
+        streams = args.log_dir / f"{kind}_streams_{clients}.jsonl"
+        row = {"server": kind, **await _phase(base, name, clients, fields, args, streams=streams)}
         if before is not None:
             row["steps"] = _steps_between(before, await _engine_counts(kind, base))
         print(json.dumps(row), flush=True)

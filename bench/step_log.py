@@ -15,14 +15,27 @@ time less the device wait: the engine thread's loop, or waiting for the GIL whil
 HTTP side works); then every step over `--over` x the median decode-only step, with
 what it held: the steps to look at when the p99 gap is more than 3x its p50. Stdlib
 only: it runs on the GPU machine too.
+
+    python -m bench.step_log SERVER_LOG --streams LOG_DIR/deltaserve_streams_16.jsonl
+
+adds the streams' own long gaps (over `--over` x their median; the chunk times
+`bench.serve --log-dir` writes) set beside the steps: how many steps the server
+finished inside each gap (its scheduler line's time stamp, when the step's tokens were
+published), what kind they were, and how long after the last of them the chunk reached
+the client. One step inside: the gap is that step's cycle (a slow step); two or more:
+the stream missed a step (a token held back, or a step its row was not in); a long lag:
+the token waited on the HTTP side.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import json
 import re
 import statistics
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 _SCHEDULED = re.compile(
@@ -37,6 +50,9 @@ _HOST = re.compile(
 )
 
 
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
 @dataclass
 class Step:
     number: int
@@ -44,6 +60,7 @@ class Step:
     prompt_tokens: int
     chunks: int
     wall_ms: float
+    done_s: float | None = None  # Unix time of its scheduler line: its tokens published
     forwards: str = ""
     host_ms: float | None = None
     build_ms: float | None = None
@@ -73,7 +90,7 @@ def parse(lines: list[str]) -> list[Step]:
     for line in lines:
         if m := _SCHEDULED.search(line):
             n, d, p, c = (int(x) for x in m.group(1, 2, 3, 4))
-            steps[n] = Step(n, d, p, c, 1e3 * float(m.group(8)))
+            steps[n] = Step(n, d, p, c, 1e3 * float(m.group(8)), _unix(line))
         elif m := _FORWARDS.search(line):
             forwards[int(m.group(1))] = m.group(2).strip()
         elif m := _HOST.search(line):
@@ -85,6 +102,15 @@ def parse(lines: list[str]) -> list[Step]:
             step.host_ms, step.build_ms, step.submit_ms = float(host), float(build), float(submit)
             step.waited_ms, step.cache_mib = float(waited), int(cache)
     return [steps[n] for n in sorted(steps)]
+
+
+def _unix(line: str) -> float | None:
+    """The log line's time stamp (logging's default format, this machine's local time)
+    as Unix seconds, the clock `bench.serve` writes the streams' chunk times in."""
+    m = _STAMP.match(line)
+    if m is None:
+        return None
+    return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -163,15 +189,63 @@ def _decode_context(steps: list[Step]) -> list[str]:
     return out
 
 
+def stream_gaps(steps: list[Step], streams: list[list[float]], over: float) -> list[str]:
+    """Markdown: the streams' gaps over `over` x their median, grouped by how many steps
+    the server finished inside each, with the kinds of those steps and the lag from the
+    last one to the chunk's arrival."""
+    done = [(s.done_s, s) for s in steps if s.done_s is not None]
+    times = [t for t, _ in done]
+    gaps = [(a, b) for st in streams for a, b in zip(st, st[1:], strict=False)]
+    if not gaps or not done:
+        return ["(no stream gaps or no time-stamped steps)"]
+    median = statistics.median(b - a for a, b in gaps)
+    long = sorted((g for g in gaps if g[1] - g[0] > over * median), key=lambda g: g[0] - g[1])
+    p99 = _percentile([b - a for a, b in gaps], 0.99)
+    groups: dict[str, list[tuple[float, float, list[Step]]]] = {}
+    for a, b in long:
+        # a step published just before a chunk came is the step that sent it: the
+        # client's clock reads the chunk a little after the server's log line
+        inside = [s for _, s in done[bisect.bisect_right(times, a) : bisect.bisect_right(times, b)]]
+        kinds = "+".join(s.kind for s in inside) if len(inside) <= 3 else f"{len(inside)} steps"
+        groups.setdefault(f"{len(inside) if len(inside) < 3 else '3+'} / {kinds}", []).append(
+            (a, b, inside)
+        )
+    out = [
+        f"{len(long)} of {len(gaps)} stream gaps over {over:g}x their median "
+        f"({1e3 * median:.1f} ms; p99 {1e3 * p99:.1f} ms), by the steps finished inside:",
+        "",
+        "| steps inside / kinds | gaps | gap p50 / max ms | steps' wall p50 ms | "
+        "lag after the last step p50 / p90 ms | gaps over the p99 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, group in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        spans = [1e3 * (b - a) for a, b, _ in group]
+        walls = [s.wall_ms for _, _, inside in group for s in inside] or [0.0]
+        lags = [1e3 * (b - inside[-1].done_s) for _, b, inside in group if inside]
+        lag = f"{_percentile(lags, 0.5):.1f} / {_percentile(lags, 0.9):.1f}" if lags else "-"
+        out.append(
+            f"| {name} | {len(group)} | {_percentile(spans, 0.5):.1f} / {max(spans):.1f} | "
+            f"{_percentile(walls, 0.5):.1f} | {lag} | "
+            f"{sum(b - a >= p99 for a, b, _ in group)} |"
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("log", type=Path, help="a deltaserve server log at --log-level debug")
     ap.add_argument("--over", type=float, default=3.0, help="x the median decode step")
+    ap.add_argument(
+        "--streams", type=Path, default=None, help="bench.serve's <server>_streams_<clients>.jsonl"
+    )
     args = ap.parse_args()
     steps = parse(args.log.read_text(errors="replace").splitlines())
     if not steps:
         raise SystemExit(f"{args.log}: no step lines (was the server at --log-level debug?)")
     print("\n".join(report(steps, args.over)))
+    if args.streams is not None:
+        streams = [json.loads(ln) for ln in args.streams.read_text().splitlines() if ln]
+        print("\n".join(["", *stream_gaps(steps, streams, args.over)]))
 
 
 if __name__ == "__main__":

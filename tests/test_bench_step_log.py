@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.step_log import parse, report
+from bench.step_log import Step, parse, report, stream_gaps
 
 LOG = """\
 2026-12-06 08:34:00,001 DEBUG deltaserve.engine.runner: step 7 forwards: decode 4 compiled
@@ -39,3 +39,30 @@ def test_steps_are_joined_and_the_slow_ones_listed() -> None:
         "decode 4 compiled, prompt run 2 rows |"
     ]
     assert "2 of 4 steps over 3x the median decode step (18.0 ms):" in lines
+
+
+def test_long_stream_gaps_are_set_beside_the_steps_inside_them() -> None:
+    steps = [
+        Step(1, 2, 0, 0, 10.0, 100.000),
+        Step(2, 2, 0, 0, 10.0, 100.010),
+        Step(3, 2, 300, 1, 30.0, 100.040),
+        Step(4, 2, 0, 0, 10.0, 100.050),
+        Step(5, 2, 0, 0, 10.0, 100.060),
+    ]
+    streams = [
+        [100.001, 100.011, 100.041, 100.051, 100.061],  # a chunk a step: one 30 ms gap
+        [100.001, 100.011, 100.051, 100.061],  # step 3's token came with step 4's
+    ]
+    lines = stream_gaps(steps, streams, over=2.0)
+    assert lines[0] == (
+        "2 of 7 stream gaps over 2x their median (10.0 ms; p99 40.0 ms), "
+        "by the steps finished inside:"
+    )
+    assert "| 1 / mixed | 1 | 30.0 / 30.0 | 30.0 | 1.0 / 1.0 | 0 |" in lines
+    assert "| 2 / mixed+decode | 1 | 40.0 / 40.0 | 30.0 | 1.0 / 1.0 | 1 |" in lines
+
+
+def test_log_time_stamps_are_read_as_unix_seconds() -> None:
+    steps = parse(LOG.splitlines())
+    assert steps[1].done_s is not None and steps[0].done_s is not None
+    assert round(1e3 * (steps[1].done_s - steps[0].done_s)) == 3  # ,002 -> ,005
