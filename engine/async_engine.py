@@ -220,7 +220,7 @@ class AsyncEngine(StreamingClient):
                 self._wakeup.clear()
                 continue
             try:
-                deltas = self.engine.step()
+                deltas = self.engine.step(publish=self._dispatch)
             except Exception as exc:  # one bad step must not kill the loop
                 log.exception("engine step failed")
                 deltas = self.engine.fail_all(f"engine error: {exc}")

@@ -329,12 +329,21 @@ class LLMEngine:
         return self.scheduler.has_work() or self._inflight is not None
 
     # -- the step -------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(
+        self, publish: Callable[[list[RequestOutput]], None] | None = None
+    ) -> list[RequestOutput]:
         """Run one engine step, schedule -> execute -> update, and return its deltas. A
         step that overlaps the next (_overlaps) is read back in the next call instead.
         The call's own time, less its waits on the device, is the step's host time
         (StepTimes.host_seconds, by HOST_PARTS in host_parts; a pipelined call also
-        applies the step before)."""
+        applies the step before).
+
+        publish: takes the deltas of the step in flight as soon as they are read back
+        when this call then runs a step in lockstep (a prompt chunk beside decode rows),
+        so that those tokens reach their streams before the step's forward is built and
+        computed, not with its own tokens: a stream's gap would otherwise be the two steps
+        together, on a GPU most of the streams' p99 gap. Without it they are returned with
+        the step's own deltas."""
         start, self._waited = time.perf_counter(), 0.0
         self._parts = dict.fromkeys(HOST_PARTS, 0.0)
         with self._guard():
@@ -342,7 +351,10 @@ class LLMEngine:
             self._parts["schedule"] = time.perf_counter() - start
             if self.leader is not None:
                 self.leader.publish(plan)
-            deltas = self._pipelined(plan) if self._overlaps(plan) else self._lockstep(plan)
+            if self._overlaps(plan):
+                deltas = self._pipelined(plan)
+            else:
+                deltas = self._lockstep(plan, publish)
         if not plan.is_empty:
             host = time.perf_counter() - start - self._waited
             self.scheduler.step_times.observe_host(plan.kind, host, self._parts)
@@ -362,9 +374,15 @@ class LLMEngine:
             mx.get_active_memory() / 2**20, mx.get_cache_memory() / 2**20,
         )  # fmt: skip
 
-    def _lockstep(self, plan: StepPlan) -> list[RequestOutput]:
-        """Run `plan` and read its tokens back before returning."""
-        deltas = self._drain()  # a pipelined step still in flight comes first
+    def _lockstep(
+        self, plan: StepPlan, publish: Callable[[list[RequestOutput]], None] | None = None
+    ) -> list[RequestOutput]:
+        """Run `plan` and read its tokens back before returning; the step still in flight
+        comes first, its deltas handed to `publish` (see step) or returned with these."""
+        deltas = self._drain()
+        if publish is not None and deltas and not plan.is_empty:
+            publish(deltas)
+            deltas = []
         output = self._execute(plan)
         if plan.is_empty:  # it only frees rows
             return deltas

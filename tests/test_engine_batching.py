@@ -172,6 +172,52 @@ def test_prompt_work_next_to_decode_rows_runs_in_lockstep(loaded: LoadedModel) -
     assert kinds == {True, False}
 
 
+def _with_publish(loaded: LoadedModel, hook: bool) -> tuple[dict, list[tuple[str, bool]]]:
+    """A short request decoding pipelined, a longer prompt joining at step 4; each
+    request's tokens, and the order of publish calls (whether only the decode row's
+    deltas) and forwards (whether a prompt chunk beside decode rows)."""
+    engine = LLMEngine(loaded, dataclasses.replace(SMALL, pipeline_steps=True))
+    events: list[tuple[str, bool]] = []
+    deltas: list[RequestOutput] = []
+    execute = engine.runner.execute
+
+    def recording(plan):
+        events.append(("execute", bool(plan.prefill) and bool(plan.decode_row_ids)))
+        return execute(plan)
+
+    def publish(early: list[RequestOutput]) -> None:
+        events.append(("publish", all(d.request_id == "short" for d in early)))
+        deltas.extend(early)
+
+    engine.runner.execute = recording
+    engine.add_request(GenerationRequest("short", (5, 6, 7), _greedy(30)))
+    for step in range(40):
+        if step == 4:
+            engine.add_request(GenerationRequest("long", tuple(range(1000, 1060)), _greedy(4)))
+        deltas.extend(engine.step(publish if hook else None))
+    tokens = {
+        r: [t for d in deltas if d.request_id == r for t in d.token_ids] for r in ("short", "long")
+    }
+    return tokens, events
+
+
+def test_a_lockstep_step_publishes_the_step_in_flight_before_its_forward(
+    loaded: LoadedModel,
+) -> None:
+    """A prompt chunk beside pipelined decode rows runs in lockstep: the decode step
+    still in flight is read back first, and with `publish` its tokens are handed over
+    then, before the chunk's forward is built (a stream's gap is not both steps); the
+    tokens are those of a run that returns them with the step's own."""
+    tokens, events = _with_publish(loaded, hook=True)
+    published = [i for i, e in enumerate(events) if e[0] == "publish"]
+    assert published, "no lockstep step came after a pipelined one"
+    for i in published:  # the decode row's tokens, then the mixed step's forward
+        assert events[i] == ("publish", True) and events[i + 1] == ("execute", True)
+    returned, events = _with_publish(loaded, hook=False)
+    assert not any(e[0] == "publish" for e in events)
+    assert tokens == returned and len(tokens["short"]) == 30 and len(tokens["long"]) == 4
+
+
 def test_first_token_comes_back_from_the_step_that_computed_it(loaded: LoadedModel) -> None:
     """With nothing else running, a prompt's first token is returned by the step of its
     final chunk (not one step later), and a max_tokens=1 request then computes nothing

@@ -99,10 +99,10 @@ def test_a_device_fault_stops_the_engine_and_a_request_error_does_not() -> None:
     cuda = "cudaGraphInstantiate(...) failed: an illegal memory access was encountered"
     errors = [ValueError("boom"), RuntimeError(cuda)]
 
-    def failing() -> list:
+    def failing(publish=None) -> list:
         if errors:
             raise errors.pop(0)
-        return step()
+        return step(publish)
 
     engine.engine.step = failing
 
