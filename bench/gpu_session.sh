@@ -14,7 +14,10 @@
 #   call 2 (carry .wb):  bash bench/gpu_session.sh setup start9b warm08  (~3 min on a fresh
 #                        machine: warm08 is one unmeasured server run while MLX builds its
 #                        kernels; without a carried ptx cache a first server takes ~150 s)
-#   call 3:              bash bench/gpu_session.sh proc9b       (the engine in a process of its
+#   call 3:              bash bench/gpu_session.sh gap9b        (a stream's long gaps set beside
+#                        the steps inside them, before and after 911a5ff: a lockstep step
+#                        held the step in flight's tokens until its own were computed)
+#   then:                bash bench/gpu_session.sh proc9b       (the engine in a process of its
 #                        own at 9B: the steps where a request ends or arrives ran ~11 ms
 #                        outside the engine's own host and device time, 2026-12-06)
 #   call 4:              bash bench/gpu_session.sh spec9b       (issue 32's 9B figures in
@@ -282,6 +285,29 @@ proc9b() {  # proc08's pair for 9B at 16 and 64 clients, once each (after start9
                 | head -6 | sed "s/^/$mode $c /"
         done
     done
+}
+
+gap9b() {  # what a stream's long gaps are made of, 9B, ours alone at 16 and 64 clients with
+    # --log-level debug: the steps the server finished inside each (bench.step_log
+    # --streams), with a lockstep step handing the step in flight's tokens over before its
+    # forward (911a5ff, HEAD) and without (`before`: this tree with that one call undone)
+    need9b
+    local mode log c call='self.engine.step(publish=self._dispatch)'
+    for mode in before after; do
+        [ "$mode" = before ] && sed -i "s/$call/self.engine.step()/" engine/async_engine.py
+        timeout 280 python3 -m bench.serve --checkpoint 9B --clients 16 64 --only deltaserve \
+            --extra-args="--log-level debug" --log-dir "$OUT/g9b-$mode" >"$OUT/gap9b_$mode.log" 2>&1
+        [ "$mode" = before ] && sed -i "s/self.engine.step()/$call/" engine/async_engine.py
+        grep -E '^\| (16|64) \|' "$OUT/gap9b_$mode.log" | sed "s/^/$mode /"
+        log="$OUT/g9b-$mode/deltaserve.log"
+        for c in 16 64; do
+            python3 -m bench.step_log "$log" --streams "$OUT/g9b-$mode/deltaserve_streams_$c.jsonl" \
+                >"$OUT/gap9b_${mode}_${c}_steps.md" 2>&1
+            grep -A 12 'stream gaps over' "$OUT/gap9b_${mode}_${c}_steps.md" \
+                | grep -E '^\| [0-9]|gaps over' | head -7 | sed "s/^/$mode $c /"
+        done
+    done
+    grep -c 'publish=self._dispatch' engine/async_engine.py  # 1: the tree is as it came
 }
 
 graphs08() {  # MLX's CUDA graphs: a step's ops are cut into graphs of MLX_MAX_OPS_PER_BUFFER
