@@ -84,6 +84,24 @@ def test_rows_paused_at_different_steps_probe_together() -> None:
     assert not policy.speculates(late, 401) and policy.speculates(late, _grid(401))
 
 
+def test_rows_that_start_where_drafts_land_nowhere_are_judged_on_a_probe() -> None:
+    """64 rows start together and no draft lands: once every row's verifies together
+    fall short, each row's first ones are judged as a probe is (PROBE_STEPS), not on a
+    full window (WINDOW_STEPS); a row whose drafts do land among them keeps drafting."""
+    policy = Speculation(K)
+    rows = [_row(f"r{i}") for i in range(64)]
+    drafted: dict[str, list[int]] = {r.request_id: [] for r in rows}
+    for step in range(PAUSE_STEPS):
+        for req in rows:
+            if policy.speculates(req, step):
+                drafted[req.request_id].append(step)
+                policy.observe(req, K, K if req.request_id == "r63" else 0, step)
+    assert drafted["r63"] == list(range(PAUSE_STEPS))
+    assert all(drafted[f"r{i}"] == list(range(PROBE_STEPS)) for i in range(63))
+    alone = _run(lambda step: 0, PAUSE_STEPS)  # a row alone has only its own window
+    assert len(alone) > PROBE_STEPS
+
+
 def test_landing_drafts_keep_the_row_drafting() -> None:
     assert len(_run(lambda step: K, 500)) == 500
     assert len(_run(lambda step: 1, 500)) == 500  # 50% >= the 30% floor

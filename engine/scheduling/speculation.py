@@ -25,8 +25,13 @@ that started decoding in different steps probe in one verify step, not one each 
 of 2-3 verifying rows costs a verify's fixed part, which then also priced the
 break-even as if no draft could ever repay it: 0.37x decode at B=64 on an H100).
 A failed probe doubles the pause (PAUSE_STEPS up to MAX_PAUSE_STEPS), a good one ends
-the back-off: a row whose drafts never land (or never land often enough to pay, as on a
-device where a verify costs several decode steps) pays at most WINDOW_STEPS verifies
+the back-off. Where the last GLOBAL_STEPS verifies of every row together fell short of
+the break-even, a row's first verifies are judged as a probe is (PROBE_STEPS), not on a
+full window: where drafts land nowhere (random weights), rows that start together
+would otherwise each pay a window's verifies before pausing, a share of a short
+request's steps; a row whose drafts land passes a probe as it passes a window. So a
+row whose drafts never land (or never land often enough to pay, as on a device where a
+verify costs several decode steps) pays at most WINDOW_STEPS verifies
 once and then a few per thousand steps, so speculation that cannot win costs about a
 plain step.
 """
@@ -48,6 +53,7 @@ COST_WINDOW = 32  # the most recent timed verify steps the break-even is measure
 PAUSE_STEPS = 64  # plain decode steps before a row that stopped drafting tries again
 MAX_PAUSE_STEPS = 1024  # the longest pause after failed probes (each doubles it)
 PROBE_STEPS = 2  # verify steps a retry is judged on
+GLOBAL_STEPS = 64  # every row's recent verifies together, judging a new row's first ones
 
 
 @dataclass
@@ -78,6 +84,8 @@ class Speculation:
         # per timed verify step: (seconds it took over a plain step, a plain step's
         # seconds per row x its verifying rows)
         self._costs: deque[tuple[float, float]] = deque(maxlen=COST_WINDOW)
+        # (drafted, accepted) of the last GLOBAL_STEPS verifies of any row
+        self._recent: deque[tuple[int, int]] = deque(maxlen=GLOBAL_STEPS)
 
     def observe_step(
         self, num_decode: int, num_verify: int, seconds: float, plain_seconds: float
@@ -127,10 +135,12 @@ class Speculation:
         req.num_accepted += accepted
         record = self._rows.setdefault(req.row_id, _RowRecord())
         record.recent.append((drafted, accepted))
-        window, seen = PROBE_STEPS if record.probing else WINDOW_STEPS, len(record.recent)
+        self._recent.append((drafted, accepted))
+        seen = len(record.recent)
         need = self.break_even()
         if need is None:
             need = MIN_ACCEPTANCE * sum(d for d, _ in record.recent) / seen
+        window = PROBE_STEPS if record.probing or self._landing_short(need) else WINDOW_STEPS
         landed = sum(a for _, a in record.recent)
         # a window not full yet is judged lost as soon as drafts landing in every verify
         # still to come could not lift it to the break-even (where a verify costs more
@@ -146,6 +156,14 @@ class Speculation:
             record.probing = True
         elif record.probing and seen >= window:  # the drafts land again: the full window
             record.probing, record.pause = False, PAUSE_STEPS
+
+    def _landing_short(self, need: float) -> bool:
+        """Whether every row's recent verifies together (at least WINDOW_STEPS of them)
+        averaged fewer accepted drafts than `need`: a row's own are then judged on a
+        probe's few verifies."""
+        if len(self._recent) < WINDOW_STEPS:
+            return False
+        return sum(a for _, a in self._recent) < need * len(self._recent)
 
     def release(self, row_ids: Iterable[str]) -> None:
         """RowTable's release hook: a finished row's record goes."""
