@@ -14,20 +14,19 @@
 #   call 2 (carry .wb):  bash bench/gpu_session.sh setup start9b warm08  (~3 min on a fresh
 #                        machine: warm08 is one unmeasured server run while MLX builds its
 #                        kernels; without a carried ptx cache a first server takes ~150 s)
-#   call 3:              bash bench/gpu_session.sh gap9b        (a stream's long gaps set beside
-#                        the steps inside them, before and after 911a5ff: a lockstep step
-#                        held the step in flight's tokens until its own were computed)
-#   then:                bash bench/gpu_session.sh proc9b       (the engine in a process of its
-#                        own at 9B: the steps where a request ends or arrives ran ~11 ms
-#                        outside the engine's own host and device time, 2026-12-06)
-#   call 4:              bash bench/gpu_session.sh spec9b       (issue 32's 9B figures in
-#                        float32; the bf16 run's forced drafts stopped matching)
-#   then, as time allows: serve08, serve9b (the headline), mixedc (submit_decode_first on /
-#                        off), spec35 then serve35; `ptxsave` at a call's end when the next
-#                        lease can carry it (its tarball is not kept between machines)
+#   call 3:              bash bench/gpu_session.sh serve9b      (the 9B headline against
+#                        mlx_lm.server at HEAD: last run at 989061e, before 911a5ff)
+#   call 4:              bash bench/gpu_session.sh proc9b       (the engine in a process of its
+#                        own at 9B, with the streams' long gaps beside the steps: after a
+#                        mixed step the chunks reached the clients ~6 / 13 ms after the step
+#                        at 16 / 64 clients, 2026-12-06)
+#   then, as time allows: spec9b (float32: outputs equal since 2026-12-06; at B = 16 forced
+#                        80% drafts ran 0.83x), inproc08 beside serve08 (issue 30's >= 80%
+#                        in one call), mixedc, spec35 then serve35; `ptxsave` at a call's
+#                        end when the next lease can carry it
 #   older steps:         tests, scan, tune, hostcost, chunk, slots, nodecost, graphs08,
 #                        budget08, inproc08, forwards64, cap08, policy08, policy9b, fault9b,
-#                        servechat, packed, steps9b, packmix, servepack9b
+#                        servechat, packed, steps9b, packmix, servepack9b, gap9b
 # A session's 30 device minutes hold calls 1-4 or 1-5 (2026-12-05: calls 1, 2, tests,
 # serve9b, spec08 in 21 minutes; a later lease: call 2 296 s on a fresh H100, start9b +
 # tests 300 s, cut by TESTS_S before test_compiled_prompt's end, whose tests take ~16 s
@@ -293,7 +292,7 @@ gap9b() {  # what a stream's long gaps are made of, 9B, ours alone at 16 and 64 
     # forward (911a5ff, HEAD) and without (`before`: this tree with that one call undone)
     need9b
     local mode log c call='self.engine.step(publish=self._dispatch)'
-    for mode in before after; do
+    for mode in ${GAP_ORDER:-before after}; do  # GAP_ORDER="after before": the drift check
         [ "$mode" = before ] && sed -i "s/$call/self.engine.step()/" engine/async_engine.py
         timeout 280 python3 -m bench.serve --checkpoint 9B --clients 16 64 --only deltaserve \
             --extra-args="--log-level debug" --log-dir "$OUT/g9b-$mode" >"$OUT/gap9b_$mode.log" 2>&1
