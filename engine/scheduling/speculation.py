@@ -26,10 +26,10 @@ of 2-3 verifying rows costs a verify's fixed part, which then also priced the
 break-even as if no draft could ever repay it: 0.37x decode at B=64 on an H100).
 A failed probe doubles the pause (PAUSE_STEPS up to MAX_PAUSE_STEPS), a good one ends
 the back-off. Where the last GLOBAL_STEPS verifies of every row together fell short of
-the break-even, a row's first verifies are judged as a probe is (PROBE_STEPS), not on a
-full window: where drafts land nowhere (random weights), rows that start together
-would otherwise each pay a window's verifies before pausing, a share of a short
-request's steps; a row whose drafts land passes a probe as it passes a window. So a
+the break-even, a row's verifies are judged as a probe's are (PROBE_STEPS), without a
+full window's room to catch up: where drafts land nowhere (random weights), rows that
+start together would otherwise each pay most of a window's verifies before pausing, a
+share of a short request's steps; a row whose drafts land passes either way. So a
 row whose drafts never land (or never land often enough to pay, as on a device where a
 verify costs several decode steps) pays at most WINDOW_STEPS verifies
 once and then a few per thousand steps, so speculation that cannot win costs about a
@@ -53,7 +53,8 @@ COST_WINDOW = 32  # the most recent timed verify steps the break-even is measure
 PAUSE_STEPS = 64  # plain decode steps before a row that stopped drafting tries again
 MAX_PAUSE_STEPS = 1024  # the longest pause after failed probes (each doubles it)
 PROBE_STEPS = 2  # verify steps a retry is judged on
-GLOBAL_STEPS = 64  # every row's recent verifies together, judging a new row's first ones
+GLOBAL_STEPS = 64  # every row's recent verifies together: short of the break-even, rows
+# are judged on a probe's PROBE_STEPS
 
 
 @dataclass
