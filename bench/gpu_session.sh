@@ -20,6 +20,8 @@
 #                        own at 9B, with the streams' long gaps beside the steps: after a
 #                        mixed step the chunks reached the clients ~6 / 13 ms after the step
 #                        at 16 / 64 clients, 2026-12-06)
+#   call 5:              bash bench/gpu_session.sh chunk9b      (prompt chunks of 256 against
+#                        the default: whether the p99 gap, now one mixed step, drops <= 3x)
 #   then, as time allows: spec9b (float32: outputs equal since 2026-12-06; at B = 16 forced
 #                        80% drafts ran 0.83x), inproc08 beside serve08 (issue 30's >= 80%
 #                        in one call), mixedc, spec35 then serve35; `ptxsave` at a call's
@@ -481,6 +483,29 @@ steps9b() {  # 9B, ours alone at 16 clients with --log-level debug: which steps 
         grep -E "^\| 16 \| deltaserve" "$OUT/steps9b-$cap.log" | sed "s/^/cap $cap /"
     done
 }
+chunk9b() {  # 9B, ours alone at 16 and 64 clients, with --log-level debug: prompt chunks
+    # up to 256 tokens against the default (sized from the measured chunk cost). Since
+    # 911a5ff the streams' p99 gap is one mixed step (3.5-3.8x the p50 at 16 clients on an
+    # H200, 2026-12-06), whose prompt chunks are whole prompts of up to ~470 tokens;
+    # before it, 256-token steps cost no tok/s at 16 clients (steps9b)
+    need9b
+    local chunk c
+    for chunk in 0 256; do  # 0: the default
+        timeout 280 python3 -m bench.serve --checkpoint 9B --clients 16 64 --only deltaserve \
+            --extra-args="--log-level debug --max-prefill-chunk $chunk" \
+            --log-dir "$OUT/c9b-$chunk" >"$OUT/chunk9b_$chunk.log" 2>&1
+        grep -E '^\| (16|64) \| deltaserve' "$OUT/chunk9b_$chunk.log" | sed "s/^/chunk $chunk /"
+        for c in 16 64; do
+            python3 -m bench.step_log "$OUT/c9b-$chunk/deltaserve.log" \
+                --streams "$OUT/c9b-$chunk/deltaserve_streams_$c.jsonl" \
+                >"$OUT/chunk9b_${chunk}_${c}_steps.md" 2>&1
+            grep -A 8 'stream gaps over' "$OUT/chunk9b_${chunk}_${c}_steps.md" \
+                | grep -E '^\| [0-9]' | head -3 | sed "s/^/chunk $chunk $c /"
+        done
+        rm -f "$OUT"/c9b-"$chunk"/*.jsonl  # many files: the device tool brings back a few
+    done
+}
+
 serve08small() {  # 0.8B, 64 clients, deltaserve alone with a 384-token step budget:
     # steps of about a decode step + 2x a chunk's fixed part, the size that would keep the
     # p99 gap within 3x its p50, against the default's full-budget steps (tok/s, TTFT)
