@@ -483,9 +483,10 @@ steps9b() {  # 9B, ours alone at 16 clients with --log-level debug: which steps 
         grep -E "^\| 16 \| deltaserve" "$OUT/steps9b-$cap.log" | sed "s/^/cap $cap /"
     done
 }
+
 chunk9b() {  # 9B, ours alone at 16 and 64 clients, with --log-level debug: prompt chunks
     # up to 256 tokens against the default (sized from the measured chunk cost). Since
-    # 911a5ff the streams' p99 gap is one mixed step (3.5-3.8x the p50 at 16 clients on an
+    # 911a5ff the streams' p99 gap is one mixed step (3.7-3.8x the p50 at 16 clients on an
     # H200, 2026-12-06), whose prompt chunks are whole prompts of up to ~470 tokens;
     # before it, 256-token steps cost no tok/s at 16 clients (steps9b)
     need9b
