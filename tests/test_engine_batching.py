@@ -14,6 +14,7 @@ import pytest
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Completion, LLMEngine
+from deltaserve.engine.plan import StepPlan
 from deltaserve.engine.types import GenerationRequest, RequestOutput, SamplingParams
 from deltaserve.models.build import LoadedModel, load_model
 from deltaserve.models.testing import cached_checkpoint
@@ -181,7 +182,7 @@ def _with_publish(loaded: LoadedModel, hook: bool) -> tuple[dict, list[tuple[str
     deltas: list[RequestOutput] = []
     execute = engine.runner.execute
 
-    def recording(plan):
+    def recording(plan: StepPlan) -> object:
         events.append(("execute", bool(plan.prefill) and bool(plan.decode_row_ids)))
         return execute(plan)
 

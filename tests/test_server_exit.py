@@ -17,6 +17,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -99,7 +100,7 @@ def test_a_device_fault_stops_the_engine_and_a_request_error_does_not() -> None:
     cuda = "cudaGraphInstantiate(...) failed: an illegal memory access was encountered"
     errors = [ValueError("boom"), RuntimeError(cuda)]
 
-    def failing(publish=None) -> list:
+    def failing(publish: Callable[[list], None] | None = None) -> list:
         if errors:
             raise errors.pop(0)
         return step(publish)
