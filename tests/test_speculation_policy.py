@@ -98,6 +98,7 @@ def test_rows_that_start_where_drafts_land_nowhere_are_judged_on_a_probe() -> No
                 policy.observe(req, K, K if req.request_id == "r63" else 0, step)
     assert drafted["r63"] == list(range(PAUSE_STEPS))
     assert all(drafted[f"r{i}"] == list(range(PROBE_STEPS)) for i in range(63))
+    assert policy._recent_accepted == sum(policy._recent)  # kept through the evictions
     alone = _run(lambda step: 0, PAUSE_STEPS)  # a row alone has only its own window
     assert len(alone) > PROBE_STEPS
 

@@ -85,8 +85,9 @@ class Speculation:
         # per timed verify step: (seconds it took over a plain step, a plain step's
         # seconds per row x its verifying rows)
         self._costs: deque[tuple[float, float]] = deque(maxlen=COST_WINDOW)
-        # (drafted, accepted) of the last GLOBAL_STEPS verifies of any row
-        self._recent: deque[tuple[int, int]] = deque(maxlen=GLOBAL_STEPS)
+        # accepted drafts of the last GLOBAL_STEPS verifies of any row, and their sum
+        self._recent: deque[int] = deque(maxlen=GLOBAL_STEPS)
+        self._recent_accepted = 0
 
     def observe_step(
         self, num_decode: int, num_verify: int, seconds: float, plain_seconds: float
@@ -136,7 +137,10 @@ class Speculation:
         req.num_accepted += accepted
         record = self._rows.setdefault(req.row_id, _RowRecord())
         record.recent.append((drafted, accepted))
-        self._recent.append((drafted, accepted))
+        if len(self._recent) == GLOBAL_STEPS:
+            self._recent_accepted -= self._recent[0]  # the one the append drops
+        self._recent.append(accepted)
+        self._recent_accepted += accepted
         seen = len(record.recent)
         need = self.break_even()
         if need is None:
@@ -164,7 +168,7 @@ class Speculation:
         probe's few verifies."""
         if len(self._recent) < WINDOW_STEPS:
             return False
-        return sum(a for _, a in self._recent) < need * len(self._recent)
+        return self._recent_accepted < need * len(self._recent)
 
     def release(self, row_ids: Iterable[str]) -> None:
         """RowTable's release hook: a finished row's record goes."""
