@@ -156,6 +156,7 @@ class LLMEngine:
             on_release=(self.constraints.release,),  # a row's matcher goes with it
             speculation=self.speculation,
             compiled_chunks=chunks is not None,
+            pipelined=self.pipeline,
         )
         kv_factory = kv_store_factory(self.config.kv_cache)
         # A compiled step retraces per batch size: hold the decode batch at bucket sizes.

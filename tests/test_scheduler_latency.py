@@ -51,15 +51,26 @@ class FakeCost:
 
 
 def _scheduler(
-    cost: FakeCost, snapshot_in_chunk: bool = False, chunk_cost: ChunkCost | None = None, **kw
+    cost: FakeCost,
+    snapshot_in_chunk: bool = False,
+    chunk_cost: ChunkCost | None = None,
+    pipelined: bool = False,
+    **kw,
 ) -> Scheduler:
-    """A scheduler on the fake machine's clock; chunk_cost: a start-up measurement (a GPU)."""
+    """A scheduler on the fake machine's clock; chunk_cost: a start-up measurement (a GPU);
+    pipelined: the engine's decode steps pipeline."""
     cfg = EngineConfig(
         **{"max_num_seqs": 16, "max_num_batched_tokens": BUDGET, "max_prefill_chunk": 512, **kw}
     )
     budget = MemoryBudget(10**9, StateCosts(10, 100))
     return Scheduler(
-        cfg, budget, 20000, clock=cost, chunk_cost=chunk_cost, snapshot_in_chunk=snapshot_in_chunk
+        cfg,
+        budget,
+        20000,
+        clock=cost,
+        chunk_cost=chunk_cost,
+        snapshot_in_chunk=snapshot_in_chunk,
+        pipelined=pipelined,
     )
 
 
@@ -199,6 +210,26 @@ def test_short_prompt_runs_ahead_of_the_decode_rows() -> None:
     assert out.decode_row_ids and {c.row_id for c in out.prefill} == {"long/0", "short2/0"}
 
 
+@pytest.mark.parametrize(("factor", "ahead"), [(2.0, False), (4.0, True)])
+def test_a_pipelined_engine_prices_the_rows_refill_into_a_jump(factor: float, ahead: bool) -> None:
+    """On an engine whose decode steps pipeline, a jump drains the rows' pipeline: it
+    costs them a decode step more than in lockstep. The short prompt that runs ahead in
+    lockstep at the 2x bound (11.2 ms alone, 12.6 ms allowed next to 4 rows' 14 ms step:
+    test_short_prompt_runs_ahead_of_the_decode_rows) goes next to the rows instead; a
+    looser bound that leaves room for the refill still lets it jump."""
+    cost = FakeCost()
+    s = _scheduler(cost, pipelined=True, max_stall_factor=factor)
+    _decoding(s, cost)
+    s.add(_req("short", 24), EOS)
+    out = _step(s, cost)
+    assert (not out.decode_row_ids) == ahead
+    if ahead:
+        limit = HEADROOM * (factor - 1) * cost.decode_only(4) - cost.decode_only(4)
+        assert out.sample_row_ids == ("short/0",) and cost.seconds(out) <= limit
+    else:
+        assert [c.row_id for c in out.prefill] == ["short/0"]
+
+
 def test_rows_that_joined_while_a_prompt_prefilled_are_measured() -> None:
     """The decode line was learned at 4 rows; 12 more join while a long prompt prefills
     (each through its own chunk, so no decode-only step comes). The scheduler measures
@@ -329,7 +360,8 @@ def test_engine_tokens_unchanged_by_prompts_run_ahead_of_the_rows(
             step += 1
         return tokens, outs
 
-    bounded, outs = run(2.0)
+    # pipelined, a jump is priced with the rows' refill: a looser bound leaves room for it
+    bounded, outs = run(4.0 if pipeline else 2.0)
     ahead = [o for o in outs[1:] if o.prefill and not o.decode_row_ids]
     assert [c.row_id for o in ahead for c in o.prefill] == ["r4/0", "r5/0"]
     assert bounded == run(0.0)[0] and all(len(t) == 16 for t in bounded.values())

@@ -73,6 +73,7 @@ class Scheduler:
         on_release: Sequence[ReleaseHook] = (),
         speculation: Speculation | None = None,
         compiled_chunks: bool = False,
+        pipelined: bool = False,
     ) -> None:
         """prefix: the prefix cache's index (None: no prefix cache). chunk_cost: what a
         prompt chunk costs on this device, measured at start (None: not measured).
@@ -81,7 +82,8 @@ class Scheduler:
         row (RowTable), released when the row ends. speculation: which decoding rows
         draft (None: none do). compiled_chunks: a prompt's later chunks run compiled at
         bucketed lengths and KV capacities (engine/shapes.py), which chunking and the
-        memory reservation plan for."""
+        memory reservation plan for. pipelined: decode steps are queued before the last
+        one is read back (RunAhead prices a jump's refill)."""
         self.config = config
         self.budget = budget
         self.max_context = max_context
@@ -99,7 +101,9 @@ class Scheduler:
         self.admission = Admission(
             self.state, config, budget, prefix, self.chunking, compiled_chunks
         )
-        self.run_ahead = RunAhead(self.state, config, self.step_cost, self.admission, self.chunking)
+        self.run_ahead = RunAhead(
+            self.state, config, self.step_cost, self.admission, self.chunking, pipelined
+        )
         self.stall = StallBound(self.state, config, self.step_cost, clock)
         self._promote_next: list[Request] = []  # final chunk scheduled; decode from next step
         self._pending: dict[str, int] = {}  # row -> index in the last step's samples
