@@ -16,15 +16,16 @@
 #                        kernels; without a carried ptx cache a first server takes ~150 s)
 #   call 3:              bash bench/gpu_session.sh serve9b      (the 9B headline against
 #                        mlx_lm.server at HEAD: last run at 989061e, before 911a5ff)
-#   call 4:              bash bench/gpu_session.sh proc9b       (the engine in a process of its
-#                        own at 9B, with the streams' long gaps beside the steps: after a
-#                        mixed step the chunks reached the clients ~6 / 13 ms after the step
-#                        at 16 / 64 clients, 2026-12-06)
+#   call 4:              bash bench/gpu_session.sh ahead08      (a jump priced with the rows'
+#                        pipeline refill, against before: the 0.8B 16-client p99)
 #   call 5:              bash bench/gpu_session.sh chunk9b      (prompt chunks of 256 against
 #                        the default: whether the p99 gap, now one mixed step, drops <= 3x)
+#   call 6:              bash bench/gpu_session.sh both08       (issue 30's >= 80% of the
+#                        in-process figure, both in one call)
+#   call 7:              bash bench/gpu_session.sh proc9b       (the engine in a process of its
+#                        own at 9B, with the streams' long gaps beside the steps)
 #   then, as time allows: spec9b (float32: outputs equal since 2026-12-06; at B = 16 forced
-#                        80% drafts ran 0.83x), inproc08 beside serve08 (issue 30's >= 80%
-#                        in one call), mixedc, spec35 then serve35; `ptxsave` at a call's
+#                        80% drafts ran 0.83x), mixedc, spec35 then serve35; `ptxsave` at a call's
 #                        end when the next lease can carry it
 #   older steps:         tests, scan, tune, hostcost, chunk, slots, nodecost, graphs08,
 #                        budget08, inproc08, forwards64, cap08, policy08, policy9b, fault9b,
@@ -309,6 +310,36 @@ gap9b() {  # what a stream's long gaps are made of, 9B, ours alone at 16 and 64 
         done
     done
     grep -c 'publish=self._dispatch' engine/async_engine.py  # 1: the tree is as it came
+}
+
+ahead08() {  # 0.8B, ours alone at 16 and 64 clients with --log-level debug: a prompt run
+    # ahead of the rows priced with their pipeline's refill (HEAD: no jump at the 2x bound
+    # where steps pipeline) against `before` (this tree with that pricing undone). At
+    # c9ff227 (H200) 12 of the 41 gaps over the 16-client p99 were a jump and the rows'
+    # next step (35.7 ms against 18 ms across a mixed step). AHEAD_ORDER: the runs' order
+    local mode c dir n=0 line='/pipeline refills after the jump/'
+    for mode in ${AHEAD_ORDER:-before after before after}; do
+        n=$((n + 1)) dir="$OUT/a08-$n-$mode"
+        [ "$mode" = before ] && sed -i "${line}s/if self.pipelined:/if False:/" engine/scheduling/prefill_policy.py
+        timeout 200 python3 -m bench.serve --checkpoint 0.8B --clients 16 64 --only deltaserve \
+            --extra-args="--log-level debug" --log-dir "$dir" >"$dir.log" 2>&1
+        sed -i "${line}s/if False:/if self.pipelined:/" engine/scheduling/prefill_policy.py
+        grep -E '^\| (16|64) \|' "$dir.log" | sed "s/^/$n $mode /"
+        for c in 16 64; do
+            python3 -m bench.step_log "$dir/deltaserve.log" --streams "$dir/deltaserve_streams_$c.jsonl" \
+                >"${dir}_${c}_steps.md" 2>&1
+            grep -A 12 'stream gaps over' "${dir}_${c}_steps.md" | grep -E '^\| [0-9]|gaps over' \
+                | head -5 | sed "s/^/$n $mode $c /"
+        done
+        rm -f "$dir"/*.jsonl  # many files: the device tool brings back a few
+    done
+    grep -c 'if self.pipelined:' engine/scheduling/prefill_policy.py  # 1: the tree is as it came
+}
+
+both08() {  # issue 30's ">= 80% of in-process" in one call: the engine alone at B = 64
+    # (inproc08), then the headline (serve08) on the same warm machine
+    inproc08
+    serve08
 }
 
 graphs08() {  # MLX's CUDA graphs: a step's ops are cut into graphs of MLX_MAX_OPS_PER_BUFFER
