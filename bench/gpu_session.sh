@@ -316,16 +316,17 @@ ahead08() {  # 0.8B, ours alone at 16 and 64 clients with --log-level debug: a p
     # ahead of the rows priced with their pipeline's refill (HEAD: no jump at the 2x bound
     # where steps pipeline) against `before` (this tree with that pricing undone). At
     # c9ff227 (H200) 12 of the 41 gaps over the 16-client p99 were a jump and the rows'
-    # next step (35.7 ms against 18 ms across a mixed step). AHEAD_ORDER: the runs' order
+    # next step (35.7 ms against 18 ms across a mixed step). AHEAD_ORDER: the runs' order;
+    # AHEAD_CLIENTS: the client counts (default 16 64)
     local mode c dir n=0 line='/pipeline refills after the jump/'
     for mode in ${AHEAD_ORDER:-before after before after}; do
         n=$((n + 1)) dir="$OUT/a08-$n-$mode"
         [ "$mode" = before ] && sed -i "${line}s/if self.pipelined:/if False:/" engine/scheduling/prefill_policy.py
-        timeout 200 python3 -m bench.serve --checkpoint 0.8B --clients 16 64 --only deltaserve \
+        timeout 200 python3 -m bench.serve --checkpoint 0.8B --clients ${AHEAD_CLIENTS:-16 64} --only deltaserve \
             --extra-args="--log-level debug" --log-dir "$dir" >"$dir.log" 2>&1
         sed -i "${line}s/if False:/if self.pipelined:/" engine/scheduling/prefill_policy.py
         grep -E '^\| (16|64) \|' "$dir.log" | sed "s/^/$n $mode /"
-        for c in 16 64; do
+        for c in ${AHEAD_CLIENTS:-16 64}; do
             python3 -m bench.step_log "$dir/deltaserve.log" --streams "$dir/deltaserve_streams_$c.jsonl" \
                 >"${dir}_${c}_steps.md" 2>&1
             grep -A 12 'stream gaps over' "${dir}_${c}_steps.md" | grep -E '^\| [0-9]|gaps over' \
@@ -426,7 +427,7 @@ policy08() {  # 0.8B, deltaserve alone at 16 and 64 clients under other step pol
     for name in nostall budget1024; do
         case $name in nostall) args="--max-stall-factor 0" ;;
             budget1024) args="--max-num-batched-tokens 1024 --max-prefill-chunk 1024" ;; esac
-        timeout 200 python3 -m bench.serve --checkpoint 0.8B --clients 16 64 --only deltaserve \
+        timeout 200 python3 -m bench.serve --checkpoint 0.8B --clients ${AHEAD_CLIENTS:-16 64} --only deltaserve \
             --extra-args="$args" --log-dir "$OUT/p08-$name" >"$OUT/policy08-$name.log" 2>&1
         echo "$name ($args):"
         grep -E '^\| (16|64) \| deltaserve' "$OUT/policy08-$name.log" | cut -c1-120
