@@ -306,8 +306,8 @@ class RunAhead:
         """pipelined: the engine queues a decode step before reading the last one back
         (EngineConfig.pipeline_steps). A jump runs in lockstep, so the rows' pipeline
         drains: their next step's tokens come back only after the step after it is
-        built, and the jump costs them a decode step more than in lockstep (H200, 0.8B,
-        16 clients: gaps across a jump 35.7 ms against 18 ms across a mixed step)."""
+        built, and the jump costs them about a decode step more than in lockstep
+        (bench/README.md, "A prompt run ahead of pipelined rows")."""
         self.state = state
         self.config = config
         self.step_cost = step_cost
