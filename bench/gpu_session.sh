@@ -427,7 +427,7 @@ policy08() {  # 0.8B, deltaserve alone at 16 and 64 clients under other step pol
     for name in nostall budget1024; do
         case $name in nostall) args="--max-stall-factor 0" ;;
             budget1024) args="--max-num-batched-tokens 1024 --max-prefill-chunk 1024" ;; esac
-        timeout 200 python3 -m bench.serve --checkpoint 0.8B --clients ${AHEAD_CLIENTS:-16 64} --only deltaserve \
+        timeout 200 python3 -m bench.serve --checkpoint 0.8B --clients 16 64 --only deltaserve \
             --extra-args="$args" --log-dir "$OUT/p08-$name" >"$OUT/policy08-$name.log" 2>&1
         echo "$name ($args):"
         grep -E '^\| (16|64) \| deltaserve' "$OUT/policy08-$name.log" | cut -c1-120
