@@ -38,6 +38,7 @@ from deltaserve.kernels.cpu.blas import blas_summary, ensure_openblas
 if TYPE_CHECKING:  # MLX is imported after ensure_openblas (main), so lazily below
     import mlx.core as mx
 
+    from deltaserve.engine.api import StepTimes
     from deltaserve.engine.cache.batch import BatchState
     from deltaserve.engine.config import EngineConfig
     from deltaserve.engine.engine import LLMEngine
@@ -70,6 +71,7 @@ class Engine(Ours):
         self.runs: list[dict[int, list[int]]] = []  # each run's outputs (warm-up first)
         self._counts: dict[int, int] = {}  # tokens per request in the last step
         self._engine: LLMEngine | None = None
+        self.before: StepTimes | None = None  # the step times before the last run
         self.make = self._make
 
     def _make(self) -> LLMEngine:
@@ -86,7 +88,37 @@ class Engine(Ours):
             self._engine = self._build()
         elif self._engine.speculation is not None:
             self._engine.speculation.stats = SpeculationStats()
+        self.before = self._engine.scheduler.step_times.snapshot()
         return self._engine
+
+    def steps(self) -> dict:
+        """The last run's steps by kind (decode, verify): how many, their mean wall ms
+        and the engine thread's mean ms in each HOST_PARTS part (where a verify step's
+        time goes against a plain one's: on a GPU a lockstep verify's graph building is
+        not hidden behind the device), and the speculation policy's measured break-even
+        (accepted drafts a verify must average; None: not measured)."""
+        from deltaserve.engine.api import HOST_PARTS, STEP_KINDS
+
+        assert self._engine is not None and self.before is not None, "steps() before a run"
+        after, before = self._engine.scheduler.step_times.snapshot(), self.before
+        out: dict = {}
+        for kind in ("decode", "verify"):
+            k = STEP_KINDS.index(kind)
+            n = after.counts[k][-1] - before.counts[k][-1]
+            if not n:
+                continue
+            wall = (after.seconds[k] - before.seconds[k]) / n
+            parts = [
+                (a - b) / n for a, b in zip(after.host_parts[k], before.host_parts[k], strict=True)
+            ]
+            out[f"{kind}_steps"] = n
+            out[f"{kind}_ms"] = round(1e3 * wall, 2)
+            out[f"{kind}_host_ms"] = {
+                p: round(1e3 * v, 2) for p, v in zip(HOST_PARTS, parts, strict=True)
+            }
+        spec = self._engine.speculation
+        out["break_even"] = spec.break_even() if spec is not None else None
+        return out
 
     def _build(self) -> LLMEngine:
         from deltaserve.engine.engine import LLMEngine
@@ -170,12 +202,14 @@ def compare(
     plain = Engine("plain", loaded, config)
     base = throughput(plain, *shape)
     base["mode"] = "no speculation"
+    base.update(plain.steps())
     rows = [base]
     spec = dataclasses.replace(config, speculative="mtp", num_speculative_tokens=args.k)
     for accept in args.accept:
         forced = None if accept == "real" else float(accept)
         impl = Engine("mtp", loaded, spec, forced, plain.runs, args.seed + batch)
         row = throughput(impl, *shape)
+        row.update(impl.steps())
         stats = impl.engine.speculation.stats if impl.engine.speculation else None
         drafted = stats.num_drafted if stats else 0
         accepted = stats.num_accepted if stats else 0
@@ -215,6 +249,28 @@ def table(rows: list[dict]) -> str:
             f"| {r['batch']} | {r['mode']} | {r['decode_tok_s']:.1f} | {ratios[0]} | "
             f"{r['tok_s']:.1f} | {ratios[1]} | {r['ttft_p50_s']:.3f} | {ratios[2]} | {counts} |"
         )
+    return "\n".join(out)
+
+
+def steps_table(rows: list[dict]) -> str:
+    """A markdown table of each row's steps by kind: count, mean wall ms, and the host's
+    mean ms building and submitting the forward, sampling and applying the tokens."""
+    out = [
+        "| B | mode | kind | steps | wall ms | build | submit | sample | update | break-even |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for kind in ("decode", "verify"):
+            if f"{kind}_steps" not in r:
+                continue
+            host = r[f"{kind}_host_ms"]
+            even = r.get("break_even")
+            out.append(
+                f"| {r['batch']} | {r['mode']} | {kind} | {r[f'{kind}_steps']} | "
+                f"{r[f'{kind}_ms']:.2f} | {host['build']:.2f} | {host['submit']:.2f} | "
+                f"{host['sample']:.2f} | {host['update']:.2f} | "
+                f"{'' if even is None else f'{even:.2f}'} |"
+            )
     return "\n".join(out)
 
 
@@ -260,6 +316,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             rows.append(row)
     print(table(rows))
+    print()
+    print(steps_table(rows))
 
 
 if __name__ == "__main__":
