@@ -605,6 +605,20 @@ spec9b() {  # the same at 9B, float32 and TF32 off as spec08 (36 GB of weights: 
 
 spec() { spec08; spec9b; }
 
+specsteps() {  # issue 32: where a verify step's time goes against a plain step's (the
+    # steps table: wall, build, submit, sample, update ms), rows drafting in every step
+    # (--always: the policy's pauses off), forced 80%, float32 with TF32 off; 0.8B at B = 1
+    # and 8, then 9B at B = 1 (2026-12-06, H200: the measured break-even kept 9B's B = 1
+    # rows from drafting after 2 verifies even at 80%, so a verify cost > 3 plain steps)
+    MLX_ENABLE_TF32=0 timeout 200 python3 -m bench.speculative --checkpoint 0.8B --batches 1 8 \
+        --dtype float32 --accept 0.8 --always >"$OUT/specsteps08.log" 2>&1
+    grep '^|' "$OUT/specsteps08.log"
+    need9b
+    MLX_ENABLE_TF32=0 timeout 300 python3 -m bench.speculative --checkpoint 9B --batches 1 \
+        --dtype float32 --accept 0.8 --always >"$OUT/specsteps9b.log" 2>&1
+    grep '^|' "$OUT/specsteps9b.log"
+}
+
 servechat() {  # 0.8B, each client's 3 requests the turns of one chat (history resent)
     timeout 560 python3 -m bench.serve --checkpoint 0.8B --clients 16 64 --chat \
         --requests-per-client 3 --log-dir "$OUT/schat" >"$OUT/servechat.log" 2>&1

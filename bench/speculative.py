@@ -64,9 +64,11 @@ class Engine(Ours):
         accept: float | None = None,
         oracle: list[dict[int, list[int]]] | None = None,
         seed: int = 0,
+        always: bool = False,
     ) -> None:
         self.name, self.loaded, self.config = name, loaded, config
         self.accept, self.oracle, self.seed = accept, oracle, seed
+        self.always = always
         self.outputs: dict[int, list[int]] = {}
         self.runs: list[dict[int, list[int]]] = []  # each run's outputs (warm-up first)
         self._counts: dict[int, int] = {}  # tokens per request in the last step
@@ -126,6 +128,9 @@ class Engine(Ours):
         engine = LLMEngine(self.loaded, self.config)
         if self.accept is not None:
             self._force(engine)
+        if self.always and engine.speculation is not None:
+            # a break-even of 0: no row ever pauses, so every step verifies
+            engine.speculation.break_even = lambda: 0.0  # type: ignore[method-assign]
         step = engine.step
 
         def recording() -> list[RequestOutput]:
@@ -207,7 +212,7 @@ def compare(
     spec = dataclasses.replace(config, speculative="mtp", num_speculative_tokens=args.k)
     for accept in args.accept:
         forced = None if accept == "real" else float(accept)
-        impl = Engine("mtp", loaded, spec, forced, plain.runs, args.seed + batch)
+        impl = Engine("mtp", loaded, spec, forced, plain.runs, args.seed + batch, args.always)
         row = throughput(impl, *shape)
         row.update(impl.steps())
         stats = impl.engine.speculation.stats if impl.engine.speculation else None
@@ -294,6 +299,12 @@ def main() -> None:
         help="float32: the exact comparison on a GPU, where bf16's rounding differs between "
         "a verify's shape and a decode step's and random weights' near ties flip tokens "
         "(then a forced draft, the plain run's continuation, stops matching after a flip)",
+    )
+    ap.add_argument(
+        "--always",
+        action="store_true",
+        help="rows draft in every step (the policy's pauses off): what a verify step costs "
+        "against a plain one, whatever its drafts earn (the steps table)",
     )
     ap.add_argument("--budget", type=int, default=1024, help="per-step token budget")
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk")
