@@ -290,10 +290,12 @@ class ModelRunner:
         return ModelOutput(plan.step, plan.sample_row_ids, logits, verify, split)
 
     def _shapes_run(self) -> int:
-        """How many compiled shapes (decode, verify, later chunks, fresh prompts) have run
-        so far."""
+        """How many compiled shapes (decode, verify, later chunks, fresh prompts, the
+        head's draft chain) have run so far."""
         compiled = len(self.compiled.shapes) if self.compiled is not None else 0
         prompts = self.compiled_prompts
+        drafts = self.drafter.compiled if self.drafter is not None else None
+        compiled += len(drafts.shapes) if drafts is not None else 0
         return compiled + (len(prompts.shapes) if prompts is not None else 0)
 
     def _apply_rows(self, plan: StepPlan) -> None:

@@ -154,6 +154,10 @@ class CompiledDraft:
         self.num_draft = num_draft
         self._fn = mx.compile(self._chain)
         self._store: KVStore | None = None  # the store of the traced call
+        # ((rows, pairs per row), the store's capacity) of each call so far: a new one
+        # was traced by that call (the runner reports it with the step, so its one-off
+        # cost is kept out of the step-cost model and the speculation's break-even)
+        self.shapes: set[tuple] = set()
 
     @staticmethod
     def supports(store: KVStore, rows: Sequence[SamplingRow]) -> bool:
@@ -175,6 +179,7 @@ class CompiledDraft:
         width, k = hidden.shape[1], self.num_draft
         store.reserve(width + k - 1)
         size = store.size
+        self.shapes.add((tuple(hidden.shape[:2]), store.capacity))
         # rows with stored tokens move them right over the padding; empty rows just pad
         moved = [p if lp != size else 0 for p, lp in zip(pads, store.left_pad, strict=True)]
         left_pad = [lp + p for lp, p in zip(store.left_pad, pads, strict=True)]

@@ -393,6 +393,53 @@ def test_compiled_draft_drafts_as_the_eager_chain(loaded: LoadedModel) -> None:
     assert rounds[True] == rounds[False] and len(rounds[True]) >= 8
 
 
+def test_a_step_whose_draft_chain_traced_reports_it(loaded: LoadedModel) -> None:
+    """A verify step whose compiled draft chain meets a new shape (rows, pairs a row, the
+    head store's capacity) reports it as traced (StepResult.traced), as a new decode or
+    verify shape is: its one-off cost then stays out of the speculation's break-even (on
+    an H200 a few traced draft steps among a B = 1 row's first verifies priced a verify
+    above what k drafts repay, and rows stopped drafting at 80% acceptance); a step
+    that meets only known shapes reports none."""
+    joins, oracle = _greedy_case(loaded, 3, seed=14, max_tokens=24)
+    engine, drafter = _compiled_engine(loaded)
+    assert drafter.compiled is not None
+    compiled, call = drafter.compiled, drafter.compiled.__class__.__call__
+    new_shape_steps: set[int] = set()
+    step = [0]
+
+    def watching(self, hidden, tokens, positions, pads, store):  # type: ignore[no-untyped-def]
+        before = len(compiled.shapes)
+        out = call(self, hidden, tokens, positions, pads, store)
+        if len(compiled.shapes) > before:
+            new_shape_steps.add(step[0])
+        return out
+
+    monkey = pytest.MonkeyPatch()  # call syntax looks __call__ up on the class
+    monkey.setattr(type(compiled), "__call__", watching)
+    traced: dict[int, int] = {}
+    update, execute = engine.scheduler.update, engine.runner.execute
+
+    def plan_step(plan):  # type: ignore[no-untyped-def]
+        step[0] = plan.step
+        return execute(plan)
+
+    def spy(plan, result):  # type: ignore[no-untyped-def]
+        traced[plan.step] = result.traced
+        return update(plan, result)
+
+    engine.runner.execute = plan_step  # type: ignore[method-assign]
+    engine.scheduler.update = spy  # type: ignore[method-assign]
+    try:
+        force_drafts(engine, oracle, _cycle)
+        _drive(engine, joins)
+    finally:
+        monkey.undo()
+    assert new_shape_steps, "no draft chain ran compiled"
+    assert all(traced[s] >= 1 for s in new_shape_steps), (new_shape_steps, traced)
+    repeats = [s for s, n in traced.items() if s not in new_shape_steps and n == 0]
+    assert repeats, traced  # steps of known shapes report none
+
+
 def test_max_tokens_and_stop_tokens_inside_an_accepted_run(loaded: LoadedModel) -> None:
     """All drafts right: a run of k + 1 tokens crosses max_tokens or a stop token; the row
     ends exactly there (tokens after it dropped), as without speculation."""
