@@ -7,6 +7,8 @@ they gain, and rows below the floor keep drafting where a verify is nearly free)
 
 from __future__ import annotations
 
+import pytest
+
 from deltaserve.engine.request import Request
 from deltaserve.engine.scheduling.speculation import (
     COST_SAMPLES,
@@ -150,6 +152,25 @@ def test_the_break_even_is_what_a_verify_costs() -> None:
     for _ in range(COST_SAMPLES):
         cheap.observe_step(0, 8, 0.009, 0.010)  # faster than plain: never a loss
     assert cheap.break_even() == 0.0
+
+
+def test_one_slow_verify_step_does_not_price_the_others() -> None:
+    """A timed verify step that waited on something else (a first-use kernel build, the
+    GIL) is one sample of the weighted median: three verifies adding 20% of a plain
+    step beside one that took 50x as long still owe 0.2 drafts (a ratio of sums made
+    it ~12.4, more than K drafts repay: the row would pause); steps weigh by their
+    verifying rows' plain time, so a step of 8 verifying rows outweighs 7 steps of one
+    verifying row beside 7 plain ones."""
+    policy = Speculation(K)
+    for _ in range(COST_SAMPLES - 1):
+        policy.observe_step(0, 1, 0.012, 0.010)
+    policy.observe_step(0, 1, 0.5, 0.010)
+    assert policy.break_even() == pytest.approx(0.2)
+    weighted = Speculation(K)
+    for _ in range(7):
+        weighted.observe_step(7, 1, 0.0125, 0.010)  # 2 drafts a verify, 1 row of 8
+    weighted.observe_step(0, 8, 0.014, 0.010)  # 0.4 drafts a verify, 8 rows of 8
+    assert weighted.break_even() == pytest.approx(0.4)
 
 
 def test_a_verify_that_costs_more_than_its_drafts_gain_backs_off() -> None:

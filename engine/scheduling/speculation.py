@@ -13,7 +13,8 @@ answer, not a constant: `observe_step` takes the time of each step that verified
 prompt work) against the scheduler's prediction of a plain decode step of the same rows
 (StepCostModel), and `break_even` is the drafts a verify must get accepted, on average, to
 make up for what it added to the step (with D plain and V verifying rows, a step that
-takes S instead of P pays when the V rows' accepted drafts exceed (S - P) / (P / (D + V))).
+takes S instead of P pays when the V rows' accepted drafts exceed (S - P) / (P / (D + V));
+the weighted median over the recent timed steps).
 Until COST_SAMPLES such steps are measured the floor is MIN_ACCEPTANCE of the drafts.
 
 Each row keeps its recent verify steps; when they average fewer accepted drafts than the
@@ -102,13 +103,22 @@ class Speculation:
 
     def break_even(self) -> float | None:
         """Accepted drafts a verify must average to pay for itself: the time verifies
-        added to their steps over the time their rows' plain tokens would have taken (a
-        ratio of sums over the last COST_WINDOW timed steps, so a step with one verifying
-        row among many weighs little); None until COST_SAMPLES steps are timed."""
+        added to their steps over the time their rows' plain tokens would have taken,
+        each of the last COST_WINDOW timed steps' ratio weighted by those rows' plain
+        time (a step with one verifying row among many weighs little), the weighted
+        median of them; None until COST_SAMPLES steps are timed. A median, not a ratio
+        of sums: one step that waited on something else (a first-use kernel build, the
+        server's thread holding the GIL, a collection) would otherwise price every
+        verify after it, and rows that pause on it verify too rarely to replace it."""
         if len(self._costs) < COST_SAMPLES:
             return None
-        extra = sum(e for e, _ in self._costs)
-        return max(extra / sum(u for _, u in self._costs), 0.0)
+        ratios = sorted((extra / unit, unit) for extra, unit in self._costs)
+        total, below = sum(unit for _, unit in ratios), 0.0
+        for ratio, unit in ratios:
+            below += unit
+            if 2 * below >= total:
+                return max(ratio, 0.0)
+        return max(ratios[-1][0], 0.0)  # not reached: the last sum is the total
 
     def speculates(self, req: Request, step: int) -> bool:
         """Whether `req`'s row drafts in `step`: it may, is not paused, has more than one
