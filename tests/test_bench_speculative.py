@@ -9,7 +9,7 @@ import argparse
 import pytest
 
 from bench.engine_throughput import Ours
-from bench.speculative import compare, table
+from bench.speculative import compare, steps_table, table
 from deltaserve.engine.scheduling.speculation import Speculation
 from deltaserve.models.testing import cached_checkpoint
 
@@ -20,7 +20,9 @@ def test_forced_drafts_keep_output_and_set_acceptance(monkeypatch: pytest.Monkey
     # run's rows then pause and draft nothing (a CI run at 73e55a5: 0 accepted of 0)
     monkeypatch.setattr(Speculation, "break_even", lambda self: None)
     ours = Ours(str(cached_checkpoint("tiny")), 256, 128)
-    args = argparse.Namespace(gen=24, prompt=16, k=2, accept=["real", "1.0", "0.5"], seed=0)
+    args = argparse.Namespace(
+        gen=24, prompt=16, k=2, accept=["real", "1.0", "0.5"], seed=0, always=False
+    )
     plain, real, perfect, half = compare(ours.loaded, ours.config, 2, args, random_weights=True)
     assert plain["mode"] == "no speculation" and "random weights" in real["mode"]
     assert [r["same_output"] for r in (real, perfect, half)] == [True] * 3
@@ -28,3 +30,9 @@ def test_forced_drafts_keep_output_and_set_acceptance(monkeypatch: pytest.Monkey
     assert 0 < half["accepted"] < half["drafted"]
     assert plain["tokens"] == perfect["tokens"] == 2 * 24  # every token counted, runs too
     assert len(table([plain, real, perfect, half]).splitlines()) == 6
+    # the measured run's steps by kind: the plain run only decodes, a forced-100% run
+    # verifies (each verify writes up to k + 1 tokens, so fewer steps than tokens)
+    assert plain["decode_steps"] > 0 and "verify_steps" not in plain
+    assert 0 < perfect["verify_steps"] < perfect["tokens"]
+    assert set(perfect["verify_host_ms"]) == {"schedule", "build", "submit", "sample", "update"}
+    assert "| verify |" in steps_table([plain, perfect])
