@@ -7,7 +7,8 @@ behind one new trace after another (H200, 0.8B: TTFT p99 5.2 s against p50 0.37 
 Here the engine runs them at start, in the order `_shapes` gives: the decode batch at
 each row bucket up to max_num_seqs (first KV capacity), fresh prompts alone at each
 length bucket up to a chunk, the decode batch at two more capacities, with speculation
-the verify batch at each row bucket, then cohorts of several prompts (every bucket the
+the verify batch at each row bucket and the MTP head's draft chain (each row bucket, each
+number of pairs a row brings), then cohorts of several prompts (every bucket the
 runner runs, the smaller first), and with compiled later chunks a long prompt's second
 and third full chunk. What the time limit leaves out traces on first use, except a
 prompt shape (fresh prompts, later chunks): that runs eagerly until a step of one prompt
@@ -25,10 +26,12 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 
 from deltaserve.engine.cache.batch import BatchState
+from deltaserve.engine.cache.kv import FullPrecisionKV
 from deltaserve.engine.compiled_prefill import CompiledPrefill
 from deltaserve.engine.decode import CompiledDecode
 from deltaserve.engine.sampling.sampler import Sampler, SamplingRow
 from deltaserve.engine.shapes import MAX_ROWS, decode_bucket, prompt_bucket
+from deltaserve.engine.speculative import CompiledDraft
 from deltaserve.engine.types import SamplingParams
 from deltaserve.models.state import ForwardGroup, text_positions
 
@@ -72,15 +75,19 @@ def warm_up(
     verify_columns: int = 0,
     chunks: bool = False,
     sampler: tuple[Sampler, int] | None = None,
+    drafts: CompiledDraft | None = None,
 ) -> int:
     """Run each shape of `_shapes` until `seconds` have passed; returns how many ran. The
     states are thrown away. verify_columns: a speculative verify's k + 1 (0: none);
     chunks: later chunks run through `decode`'s chunk forward; sampler: the engine's
-    sampler and the vocabulary size, to draw with first (`_draws`)."""
+    sampler and the vocabulary size, to draw with first (`_draws`); drafts: the MTP
+    head's compiled draft chain (speculation on a GPU), traced after the verify batch."""
     start, done = time.perf_counter(), 0
     if sampler is not None:
         _draws(*sampler)
-    shapes = _shapes(new_state, prompts, decode, max_chunk, max_rows, verify_columns, chunks)
+    shapes = _shapes(
+        new_state, prompts, decode, max_chunk, max_rows, verify_columns, chunks, drafts
+    )
     for run in shapes:
         if time.perf_counter() - start > seconds:
             break
@@ -121,13 +128,15 @@ def _shapes(
     max_rows: int,
     verify_columns: int = 0,
     chunks: bool = False,
+    drafts: CompiledDraft | None = None,
 ) -> Iterator[Callable[[], None]]:
     """Runs of one shape each, those a missing trace costs most first: the decode batch
     at its first KV capacity (a decode shape traces on first use, a stall of every
     stream), fresh prompts alone (a lone prompt's shape traces in its own step, a stall
-    of that request), the decode batch's next capacities, the verify batch; then the
-    shapes that run eagerly until traced (runner `_may_trace`): cohorts, later chunks.
-    A fresh CUDA machine traced 8 shapes in 68 s (H100, 0.8B: each builds its kernels)."""
+    of that request), the decode batch's next capacities, the verify batch and its draft
+    chain (every number of pairs a row brings, 1 .. k + 1); then the shapes that run
+    eagerly until traced (runner `_may_trace`): cohorts, later chunks. A fresh CUDA
+    machine traced 8 shapes in 68 s (H100, 0.8B: each builds its kernels)."""
     lengths = prompt_lengths(max_chunk)
     decodes = decode is not None and CompiledDecode.supports(new_state())
     for tokens in DECODE_TOKENS[:1] if decodes else ():
@@ -144,6 +153,9 @@ def _shapes(
             yield lambda rows=rows: _decode(
                 decode, new_state, rows, DECODE_TOKENS[0], verify_columns
             )
+    for rows in decode_sizes(max_rows) if drafts is not None and verify_columns else ():
+        for width in range(1, verify_columns + 1):
+            yield lambda rows=rows, width=width: _draft(drafts, rows, DECODE_TOKENS[0], width)
     if prompts is not None and prompts.applies(new_state(), 1):
         for rows, length in cohort_shapes(max_chunk, max_rows):
             yield lambda rows=rows, length=length: _prompts(prompts, new_state, rows, length)
@@ -210,3 +222,17 @@ def _decode(
     else:
         out = (decode(mx.zeros((rows, 1), mx.int32), [length] * rows, state),)
     mx.eval(*out, *state.state_arrays())
+
+
+def _draft(drafts: CompiledDraft, rows: int, length: int, width: int) -> None:
+    """The head's compiled draft chain for `rows` rows bringing `width` pairs each, over
+    head stores that hold `length` pairs (their first capacity)."""
+    model = drafts.model
+    store = FullPrecisionKV()
+    tokens = mx.full((rows, length), 100, mx.int32)
+    embeds = model.embed_tokens(tokens)
+    hidden = mx.zeros(embeds.shape, embeds.dtype)
+    drafts.head(embeds, hidden, text_positions([0] * rows, length), store, last_only=True)
+    positions = text_positions([length] * rows, width)
+    out = drafts(hidden[:, :width], tokens[:, :width], positions, [0] * rows, store)
+    mx.eval(out, *store.state_arrays())

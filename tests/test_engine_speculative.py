@@ -440,6 +440,21 @@ def test_a_step_whose_draft_chain_traced_reports_it(loaded: LoadedModel) -> None
     assert repeats, traced  # steps of known shapes report none
 
 
+def test_the_warm_up_traces_the_draft_chain(loaded: LoadedModel) -> None:
+    """With a warm-up (a GPU's start-up; here warm_up_seconds on the CPU, compiled paths
+    on), the head's compiled draft chain is traced for every verify batch size and every
+    number of pairs a row brings (1 .. k + 1) at the head store's first capacity, and the
+    engine's tokens are a cold engine's."""
+    config = _spec(dataclasses.replace(SMALL, max_num_seqs=2, compile_decode=True))
+    warm = LLMEngine(loaded, dataclasses.replace(config, warm_up_seconds=600.0))
+    drafter = warm.runner.drafter
+    assert drafter is not None and drafter.compiled is not None
+    warmed = {rows_width for rows_width, _ in drafter.compiled.shapes}
+    assert warmed == {(rows, width) for rows in (1, 2) for width in range(1, K + 2)}
+    joins, _ = _greedy_case(loaded, 2, seed=15, max_tokens=12)
+    assert _drive(warm, joins) == _drive(LLMEngine(loaded, config), joins)
+
+
 def test_max_tokens_and_stop_tokens_inside_an_accepted_run(loaded: LoadedModel) -> None:
     """All drafts right: a run of k + 1 tokens crosses max_tokens or a stop token; the row
     ends exactly there (tokens after it dropped), as without speculation."""
