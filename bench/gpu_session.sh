@@ -16,14 +16,14 @@
 #                        kernels; without a carried ptx cache a first server takes ~150 s)
 #   call 3:              bash bench/gpu_session.sh serve9b      (the 9B headline against
 #                        mlx_lm.server at HEAD: last run at 989061e, before 911a5ff)
-#   call 4:              bash bench/gpu_session.sh ahead08      (a jump priced with the rows'
-#                        pipeline refill, against before: the 0.8B 16-client p99)
+#   call 4:              bash bench/gpu_session.sh specsteps    (issue 32: where a verify's
+#                        time goes; 2026-12-07 at 0.8B B = 8 a verify step cost ~10x a
+#                        decode step on average, B = 1 1.22x plain at forced 80%)
 #   call 5:              bash bench/gpu_session.sh chunk9b      (prompt chunks of 256 against
 #                        the default: whether the p99 gap, now one mixed step, drops <= 3x)
-#   call 6:              bash bench/gpu_session.sh both08       (issue 30's >= 80% of the
-#                        in-process figure, both in one call)
-#   call 7:              bash bench/gpu_session.sh proc9b       (the engine in a process of its
+#   call 6:              bash bench/gpu_session.sh proc9b       (the engine in a process of its
 #                        own at 9B, with the streams' long gaps beside the steps)
+#   (2026-12-07, H100: serve08 twice, inproc08, ahead08 and gil08 ran: bench/README.md)
 #   then, as time allows: spec9b (float32: outputs equal since 2026-12-06; at B = 16 forced
 #                        80% drafts ran 0.83x), mixedc, spec35 then serve35; `ptxsave` at a call's
 #                        end when the next lease can carry it
