@@ -24,7 +24,8 @@ finished inside each gap (its scheduler line's time stamp, when the step's token
 published), what kind they were, and how long after the last of them the chunk reached
 the client. One step inside: the gap is that step's cycle (a slow step); two or more:
 the stream missed a step (a token held back, or a step its row was not in); a long lag:
-the token waited on the HTTP side.
+the token waited on the HTTP side. Then every chunk's lag after the last step before it,
+by that step's kind: whether the steps of one kind take longer to reach the clients.
 """
 
 from __future__ import annotations
@@ -231,6 +232,41 @@ def stream_gaps(steps: list[Step], streams: list[list[float]], over: float) -> l
     return out
 
 
+def chunk_lags(steps: list[Step], streams: list[list[float]]) -> list[str]:
+    """Markdown: every chunk's lag after the last step the server finished before it
+    reached the client (its scheduler line, where the step's tokens are published), by
+    that step's kind, a decode step right after a mixed one apart (the new row joins the
+    batch there): how long a step's tokens take to reach the clients, for every chunk,
+    not only the long gaps' (`stream_gaps`). A stream's first chunk (its first token,
+    TTFT) is left out. A chunk that came after a later step than its own counts to that
+    one: long lags are then cut short, not lost (its gap holds both steps)."""
+    done = [(s.done_s, s) for s in steps if s.done_s is not None]
+    times = [t for t, _ in done]
+    numbered = {s.number: s for _, s in done}
+    groups: dict[str, list[float]] = {}
+    for stream in streams:
+        for arrival in stream[1:]:
+            i = bisect.bisect_right(times, arrival)
+            if not i:
+                continue
+            step = done[i - 1][1]
+            before = numbered.get(step.number - 1)
+            kind = step.kind
+            if kind == "decode" and before is not None and before.kind == "mixed":
+                kind = "decode after a mixed step"
+            groups.setdefault(kind, []).append(1e3 * (arrival - times[i - 1]))
+    if not groups:
+        return ["(no chunks after a time-stamped step)"]
+    out = [
+        "| last step before the chunk | chunks | lag after it p50 / p90 / p99 ms |",
+        "|---|---|---|",
+    ]
+    for kind, lags in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        quantiles = " / ".join(f"{_percentile(lags, q):.1f}" for q in (0.5, 0.9, 0.99))
+        out.append(f"| {kind} | {len(lags)} | {quantiles} |")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("log", type=Path, help="a deltaserve server log at --log-level debug")
@@ -246,6 +282,7 @@ def main() -> None:
     if args.streams is not None:
         streams = [json.loads(ln) for ln in args.streams.read_text().splitlines() if ln]
         print("\n".join(["", *stream_gaps(steps, streams, args.over)]))
+        print("\n".join(["", *chunk_lags(steps, streams)]))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.step_log import Step, parse, report, stream_gaps
+from bench.step_log import Step, chunk_lags, parse, report, stream_gaps
 
 LOG = """\
 2026-12-06 08:34:00,001 DEBUG deltaserve.engine.runner: step 7 forwards: decode 4 compiled
@@ -60,6 +60,31 @@ def test_long_stream_gaps_are_set_beside_the_steps_inside_them() -> None:
     )
     assert "| 1 / mixed | 1 | 30.0 / 30.0 | 30.0 | 1.0 / 1.0 | 0 |" in lines
     assert "| 2 / mixed+decode | 1 | 40.0 / 40.0 | 30.0 | 1.0 / 1.0 | 1 |" in lines
+
+
+def test_every_chunks_lag_is_put_to_the_last_step_before_it() -> None:
+    """Each chunk (but a stream's first) counts to the last step finished before it, by
+    that step's kind, a decode step right after a mixed one apart."""
+    steps = [
+        Step(1, 2, 0, 0, 10.0, 100.000),
+        Step(2, 2, 300, 1, 30.0, 100.030),
+        Step(3, 2, 0, 0, 10.0, 100.040),
+        Step(4, 2, 0, 0, 10.0, 100.050),
+    ]
+    streams = [
+        [100.001, 100.038, 100.041, 100.052],  # 8 ms after the mixed step, 1 and 2 after decode
+        [100.002, 100.034, 100.043, 100.0515],
+    ]
+    lines = chunk_lags(steps, streams)
+    assert lines[0].startswith("| last step before the chunk | chunks |")
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in lines[2:]}
+    assert set(rows) == {"mixed", "decode after a mixed step", "decode"}
+    # lags 8 and 4 ms, 1 and 3, 2 and 1.5 (_percentile takes the upper of two)
+    assert rows["mixed"] == "| mixed | 2 | 8.0 / 8.0 / 8.0 |"
+    after = "| decode after a mixed step | 2 | 3.0 / 3.0 / 3.0 |"
+    assert rows["decode after a mixed step"] == after
+    assert rows["decode"] == "| decode | 2 | 2.0 / 2.0 / 2.0 |"
+    assert chunk_lags([], streams) == ["(no chunks after a time-stamped step)"]
 
 
 def test_log_time_stamps_are_read_as_unix_seconds() -> None:
