@@ -97,8 +97,10 @@ class Engine(Ours):
         """The last run's steps by kind (decode, verify): how many, their mean wall ms
         and the engine thread's mean ms in each HOST_PARTS part (where a verify step's
         time goes against a plain one's: on a GPU a lockstep verify's graph building is
-        not hidden behind the device), and the speculation policy's measured break-even
-        (accepted drafts a verify must average; None: not measured)."""
+        not hidden behind the device), the run's steps that traced a compiled shape (of
+        any kind; counted in their kind's wall time, left out of the policy's), and the
+        speculation policy's measured break-even (accepted drafts a verify must average;
+        None: not measured)."""
         from deltaserve.engine.api import HOST_PARTS, STEP_KINDS
 
         assert self._engine is not None and self.before is not None, "steps() before a run"
@@ -118,6 +120,7 @@ class Engine(Ours):
             out[f"{kind}_host_ms"] = {
                 p: round(1e3 * v, 2) for p, v in zip(HOST_PARTS, parts, strict=True)
             }
+        out["traced_steps"] = after.traced - before.traced
         spec = self._engine.speculation
         out["break_even"] = spec.break_even() if spec is not None else None
         return out
@@ -259,10 +262,12 @@ def table(rows: list[dict]) -> str:
 
 def steps_table(rows: list[dict]) -> str:
     """A markdown table of each row's steps by kind: count, mean wall ms, and the host's
-    mean ms building and submitting the forward, sampling and applying the tokens."""
+    mean ms building and submitting the forward, sampling and applying the tokens; the
+    run's steps that traced a shape (any kind) and the break-even on each line."""
     out = [
-        "| B | mode | kind | steps | wall ms | build | submit | sample | update | break-even |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| B | mode | kind | steps | wall ms | build | submit | sample | update | traced "
+        "| break-even |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         for kind in ("decode", "verify"):
@@ -273,7 +278,7 @@ def steps_table(rows: list[dict]) -> str:
             out.append(
                 f"| {r['batch']} | {r['mode']} | {kind} | {r[f'{kind}_steps']} | "
                 f"{r[f'{kind}_ms']:.2f} | {host['build']:.2f} | {host['submit']:.2f} | "
-                f"{host['sample']:.2f} | {host['update']:.2f} | "
+                f"{host['sample']:.2f} | {host['update']:.2f} | {r['traced_steps']} | "
                 f"{'' if even is None else f'{even:.2f}'} |"
             )
     return "\n".join(out)

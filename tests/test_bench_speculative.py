@@ -35,4 +35,6 @@ def test_forced_drafts_keep_output_and_set_acceptance(monkeypatch: pytest.Monkey
     assert plain["decode_steps"] > 0 and "verify_steps" not in plain
     assert 0 < perfect["verify_steps"] < perfect["tokens"]
     assert set(perfect["verify_host_ms"]) == {"schedule", "build", "submit", "sample", "update"}
-    assert "| verify |" in steps_table([plain, perfect])
+    verify = [ln for ln in steps_table([plain, perfect]).splitlines() if "| verify |" in ln]
+    # the run's traced steps, then the break-even (None here: the floor)
+    assert len(verify) == 1 and verify[0].endswith(f"| {perfect['traced_steps']} |  |")
