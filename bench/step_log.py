@@ -157,18 +157,32 @@ def report(steps: list[Step], over: float) -> list[str]:
     return out
 
 
+def _after(before: Step | None, step: Step) -> str | None:
+    """What came before a decode-only step (`before`: the step numbered just before it,
+    None if not logged): "after a mixed step" (a new row joins), "a row gone" (a request
+    ended; in a server under load its client's next one arrived) or "rows steady"; None
+    for a step of another kind or without its predecessor."""
+    if step.kind != "decode" or before is None or before.number != step.number - 1:
+        return None
+    if before.kind == "mixed":
+        return "after a mixed step"
+    return "a row gone" if step.decode_rows < before.decode_rows else "rows steady"
+
+
+def _published(steps: list[Step]) -> tuple[list[float], list[Step]]:
+    """The time-stamped steps in log order, and their scheduler lines' times (when each
+    step's tokens were published)."""
+    timed = [s for s in steps if s.done_s is not None]
+    return [s.done_s for s in timed if s.done_s is not None], timed
+
+
 def _decode_context(steps: list[Step]) -> list[str]:
     """Markdown: decode-only steps by what came before them, wall and outside time."""
     groups: dict[str, list[Step]] = {"rows steady": [], "a row gone": [], "after a mixed step": []}
     for before, step in zip(steps, steps[1:], strict=False):
-        if step.kind != "decode" or before.number != step.number - 1:
-            continue
-        if before.kind == "mixed":
-            groups["after a mixed step"].append(step)
-        elif step.decode_rows < before.decode_rows:
-            groups["a row gone"].append(step)
-        else:
-            groups["rows steady"].append(step)
+        context = _after(before, step)
+        if context is not None:
+            groups[context].append(step)
     out = [
         "| decode steps | count | wall p50 / p90 ms | host p50 ms | waited p50 ms | "
         "outside p50 / p90 ms |",
@@ -194,8 +208,7 @@ def stream_gaps(steps: list[Step], streams: list[list[float]], over: float) -> l
     """Markdown: the streams' gaps over `over` x their median, grouped by how many steps
     the server finished inside each, with the kinds of those steps and the lag from the
     last one to the chunk's arrival."""
-    done = [(s.done_s, s) for s in steps if s.done_s is not None]
-    times = [t for t, _ in done]
+    times, done = _published(steps)
     gaps = [(a, b) for st in streams for a, b in zip(st, st[1:], strict=False)]
     if not gaps or not done:
         return ["(no stream gaps or no time-stamped steps)"]
@@ -206,7 +219,7 @@ def stream_gaps(steps: list[Step], streams: list[list[float]], over: float) -> l
     for a, b in long:
         # a step published just before a chunk came is the step that sent it: the
         # client's clock reads the chunk a little after the server's log line
-        inside = [s for _, s in done[bisect.bisect_right(times, a) : bisect.bisect_right(times, b)]]
+        inside = done[bisect.bisect_right(times, a) : bisect.bisect_right(times, b)]
         kinds = "+".join(s.kind for s in inside) if len(inside) <= 3 else f"{len(inside)} steps"
         groups.setdefault(f"{len(inside) if len(inside) < 3 else '3+'} / {kinds}", []).append(
             (a, b, inside)
@@ -235,25 +248,23 @@ def stream_gaps(steps: list[Step], streams: list[list[float]], over: float) -> l
 def chunk_lags(steps: list[Step], streams: list[list[float]]) -> list[str]:
     """Markdown: every chunk's lag after the last step the server finished before it
     reached the client (its scheduler line, where the step's tokens are published), by
-    that step's kind, a decode step right after a mixed one apart (the new row joins the
-    batch there): how long a step's tokens take to reach the clients, for every chunk,
-    not only the long gaps' (`stream_gaps`). A stream's first chunk (its first token,
-    TTFT) is left out. A chunk that came after a later step than its own counts to that
-    one: long lags are then cut short, not lost (its gap holds both steps)."""
-    done = [(s.done_s, s) for s in steps if s.done_s is not None]
-    times = [t for t, _ in done]
-    numbered = {s.number: s for _, s in done}
+    that step's kind, decode steps by what came before them (`_after`: after a mixed
+    step, the new row joins the batch): how long a step's tokens take to reach the
+    clients, for every chunk, not only the long gaps' (`stream_gaps`). A stream's first
+    chunk (its first token, TTFT) is left out. A chunk that came after a later step than
+    its own counts to that one: long lags are then cut short, not lost (its gap holds
+    both steps)."""
+    times, done = _published(steps)
+    numbered = {s.number: s for s in done}
     groups: dict[str, list[float]] = {}
     for stream in streams:
         for arrival in stream[1:]:
             i = bisect.bisect_right(times, arrival)
             if not i:
                 continue
-            step = done[i - 1][1]
-            before = numbered.get(step.number - 1)
-            kind = step.kind
-            if kind == "decode" and before is not None and before.kind == "mixed":
-                kind = "decode after a mixed step"
+            step = done[i - 1]
+            context = _after(numbered.get(step.number - 1), step)
+            kind = step.kind if context is None else f"decode, {context}"
             groups.setdefault(kind, []).append(1e3 * (arrival - times[i - 1]))
     if not groups:
         return ["(no chunks after a time-stamped step)"]

@@ -64,7 +64,7 @@ def test_long_stream_gaps_are_set_beside_the_steps_inside_them() -> None:
 
 def test_every_chunks_lag_is_put_to_the_last_step_before_it() -> None:
     """Each chunk (but a stream's first) counts to the last step finished before it, by
-    that step's kind, a decode step right after a mixed one apart."""
+    that step's kind, decode steps by what came before them."""
     steps = [
         Step(1, 2, 0, 0, 10.0, 100.000),
         Step(2, 2, 300, 1, 30.0, 100.030),
@@ -78,12 +78,12 @@ def test_every_chunks_lag_is_put_to_the_last_step_before_it() -> None:
     lines = chunk_lags(steps, streams)
     assert lines[0].startswith("| last step before the chunk | chunks |")
     rows = {line.split(" | ")[0].lstrip("| "): line for line in lines[2:]}
-    assert set(rows) == {"mixed", "decode after a mixed step", "decode"}
+    assert set(rows) == {"mixed", "decode, after a mixed step", "decode, rows steady"}
     # lags 8 and 4 ms, 1 and 3, 2 and 1.5 (_percentile takes the upper of two)
     assert rows["mixed"] == "| mixed | 2 | 8.0 / 8.0 / 8.0 |"
-    after = "| decode after a mixed step | 2 | 3.0 / 3.0 / 3.0 |"
-    assert rows["decode after a mixed step"] == after
-    assert rows["decode"] == "| decode | 2 | 2.0 / 2.0 / 2.0 |"
+    after = "| decode, after a mixed step | 2 | 3.0 / 3.0 / 3.0 |"
+    assert rows["decode, after a mixed step"] == after
+    assert rows["decode, rows steady"] == "| decode, rows steady | 2 | 2.0 / 2.0 / 2.0 |"
     assert chunk_lags([], streams) == ["(no chunks after a time-stamped step)"]
 
 
