@@ -393,7 +393,9 @@ def test_compiled_draft_drafts_as_the_eager_chain(loaded: LoadedModel) -> None:
     assert rounds[True] == rounds[False] and len(rounds[True]) >= 8
 
 
-def test_a_step_whose_draft_chain_traced_reports_it(loaded: LoadedModel) -> None:
+def test_a_step_whose_draft_chain_traced_reports_it(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A verify step whose compiled draft chain meets a new shape (rows, pairs a row, the
     head store's capacity) reports it as traced (StepResult.traced), as a new decode or
     verify shape is: its one-off cost then stays out of the speculation's break-even (on
@@ -414,8 +416,7 @@ def test_a_step_whose_draft_chain_traced_reports_it(loaded: LoadedModel) -> None
             new_shape_steps.add(step[0])
         return out
 
-    monkey = pytest.MonkeyPatch()  # call syntax looks __call__ up on the class
-    monkey.setattr(type(compiled), "__call__", watching)
+    monkeypatch.setattr(type(compiled), "__call__", watching)  # call syntax looks it up there
     traced: dict[int, int] = {}
     update, execute = engine.scheduler.update, engine.runner.execute
 
@@ -429,11 +430,8 @@ def test_a_step_whose_draft_chain_traced_reports_it(loaded: LoadedModel) -> None
 
     engine.runner.execute = plan_step  # type: ignore[method-assign]
     engine.scheduler.update = spy  # type: ignore[method-assign]
-    try:
-        force_drafts(engine, oracle, _cycle)
-        _drive(engine, joins)
-    finally:
-        monkey.undo()
+    force_drafts(engine, oracle, _cycle)
+    _drive(engine, joins)
     assert new_shape_steps, "no draft chain ran compiled"
     assert all(traced[s] >= 1 for s in new_shape_steps), (new_shape_steps, traced)
     repeats = [s for s, n in traced.items() if s not in new_shape_steps and n == 0]

@@ -39,9 +39,11 @@ plain step.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from deltaserve.engine.request import Request
 
@@ -113,12 +115,8 @@ class Speculation:
         if len(self._costs) < COST_SAMPLES:
             return None
         ratios = sorted((extra / unit, unit) for extra, unit in self._costs)
-        total, below = sum(unit for _, unit in ratios), 0.0
-        for ratio, unit in ratios:
-            below += unit
-            if 2 * below >= total:
-                return max(ratio, 0.0)
-        return max(ratios[-1][0], 0.0)  # not reached: the last sum is the total
+        below = list(accumulate(unit for _, unit in ratios))  # weight up to each ratio
+        return max(ratios[bisect_left(below, below[-1] / 2)][0], 0.0)
 
     def speculates(self, req: Request, step: int) -> bool:
         """Whether `req`'s row drafts in `step`: it may, is not paused, has more than one
