@@ -608,8 +608,9 @@ spec() { spec08; spec9b; }
 specsteps() {  # issue 32: where a verify step's time goes against a plain step's (the
     # steps table: wall, build, submit, sample, update ms), rows drafting in every step
     # (--always: the policy's pauses off), forced 80%, float32 with TF32 off; 0.8B at B = 1
-    # and 8, then 9B at B = 1 (2026-12-06, H200: the measured break-even kept 9B's B = 1
-    # rows from drafting after 2 verifies even at 80%, so a verify cost > 3 plain steps)
+    # and 8, then 9B at B = 1 (2026-12-07, H100: at 0.8B B = 8 verify steps averaged ~10x
+    # a decode step while the median break-even said far less; the table's traced column
+    # says whether those were traces)
     MLX_ENABLE_TF32=0 timeout 200 python3 -m bench.speculative --checkpoint 0.8B --batches 1 8 \
         --dtype float32 --accept 0.8 --always >"$OUT/specsteps08.log" 2>&1
     grep '^|' "$OUT/specsteps08.log"
