@@ -14,19 +14,19 @@
 #   call 2 (carry .wb):  bash bench/gpu_session.sh setup start9b warm08  (~3 min on a fresh
 #                        machine: warm08 is one unmeasured server run while MLX builds its
 #                        kernels; without a carried ptx cache a first server takes ~150 s)
-#   call 3:              bash bench/gpu_session.sh serve9b      (the 9B headline against
-#                        mlx_lm.server at HEAD: last run at 989061e, before 911a5ff)
-#   call 4:              bash bench/gpu_session.sh specsteps    (issue 32: where a verify's
-#                        time goes; 2026-12-07 at 0.8B B = 8 a verify step cost ~10x a
-#                        decode step on average, B = 1 1.22x plain at forced 80%)
-#   call 5:              bash bench/gpu_session.sh chunk9b      (prompt chunks of 256 against
-#                        the default: whether the p99 gap, now one mixed step, drops <= 3x)
-#   call 6:              bash bench/gpu_session.sh proc9b       (the engine in a process of its
-#                        own at 9B, with the streams' long gaps beside the steps)
-#   (2026-12-07, H100: serve08 twice, inproc08, ahead08 and gil08 ran: bench/README.md)
-#   then, as time allows: spec9b (float32: outputs equal since 2026-12-06; at B = 16 forced
-#                        80% drafts ran 0.83x), mixedc, spec35 then serve35; `ptxsave` at a call's
-#                        end when the next lease can carry it
+#   call 3:              bash bench/gpu_session.sh first9b      (issue 30: a mixed step's
+#                        decode tokens streamed while its prompt forward computes, on / off,
+#                        9B; 2026-12-07 the 9B p99 gap was 3.2x / 3.5x its p50 at 16 / 64
+#                        clients, each gap over it one mixed step)
+#   call 4:              FIRST_SHAPE=0.8B bash bench/gpu_session.sh first9b
+#   call 5:              bash bench/gpu_session.sh serve9b      (the headline against
+#                        mlx_lm.server at HEAD; then serve08)
+#   (2026-12-07, H100: serve08 twice, inproc08, ahead08 and gil08 ran; a second lease:
+#   serve9b, specsteps, proc9b, chunk9b, spec9b, tests: bench/README.md)
+#   then, as time allows: tests (TESTS_S=540 was cut at 79% on 2026-12-07: run it in two
+#                        calls), specsteps, spec9b (at B = 16 forced 80% ran 0.49x), mixedc,
+#                        spec35 then serve35; `ptxsave` at a call's end when the next lease
+#                        can carry it
 #   older steps:         tests, scan, tune, hostcost, chunk, slots, nodecost, graphs08,
 #                        budget08, inproc08, forwards64, cap08, policy08, policy9b, fault9b,
 #                        servechat, packed, steps9b, packmix, servepack9b, gap9b
@@ -335,6 +335,22 @@ ahead08() {  # 0.8B, ours alone at 16 and 64 clients with --log-level debug: a p
         rm -f "$dir"/*.jsonl  # many files: the device tool brings back a few
     done
     grep -c 'if self.pipelined:' engine/scheduling/prefill_policy.py  # 1: the tree is as it came
+}
+
+first9b() {  # ours alone at 16 and 64 clients, publish_decode_first on (HEAD's default: a
+    # mixed step's decode rows' tokens read back and streamed while its prompt forward
+    # computes) against off (--no-publish-decode-first: they come with the prompt rows'
+    # at the step's end). At e68339a (H100) 9B's p99 gap was 3.2x / 3.5x its p50 at 16 /
+    # 64 clients, the gaps over it one mixed step each. FIRST_SHAPE (default 9B, after
+    # start9b), FIRST_ORDER: the runs' order
+    local mode dir n=0 shape=${FIRST_SHAPE:-9B} extra
+    for mode in ${FIRST_ORDER:-on off on off}; do
+        n=$((n + 1)) dir="$OUT/f$shape-$n-$mode" extra=""
+        [ "$mode" = off ] && extra="--extra-args=--no-publish-decode-first"
+        timeout 280 python3 -m bench.serve --checkpoint "$shape" --clients 16 64 --only deltaserve \
+            $extra >"$dir.log" 2>&1
+        grep -E '^\| (16|64) \|' "$dir.log" | sed "s/^/$n $mode /"
+    done
 }
 
 both08() {  # issue 30's ">= 80% of in-process" in one call: the engine alone at B = 64

@@ -82,6 +82,12 @@ class EngineConfig:
     # while Python builds them: such a step runs in lockstep, and its prompt forwards'
     # building and submission are the largest of any step's. Unset: on for Metal/CUDA
     submit_decode_first: bool | None = None
+    # In such a step the compiled decode rows' tokens are also drawn before the prompts'
+    # graphs are built, and read back and handed to their streams once the prompt forward
+    # is queued, while it computes: a stream's gap across the step is the decode rows'
+    # part, not the whole lockstep step (on a GPU most of the streams' p99 gap). Unset: on
+    # for Metal/CUDA (with compile_decode; it queues the decode forward first by itself)
+    publish_decode_first: bool | None = None
     # Decode step as one mx.compile'd call (engine/decode.py); unset: on for Metal/CUDA
     # (launch-bound), off on CPU (no measured win: tiny B=16 206 vs 201 tok/s)
     compile_decode: bool | None = None

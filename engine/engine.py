@@ -344,8 +344,10 @@ class LLMEngine:
         when this call then runs a step in lockstep (a prompt chunk beside decode rows),
         so that those tokens reach their streams before the step's forward is built and
         computed, not with its own tokens: a stream's gap would otherwise be the two steps
-        together, on a GPU most of the streams' p99 gap. Without it they are returned with
-        the step's own deltas."""
+        together, on a GPU most of the streams' p99 gap. With publish_decode_first (the
+        platform's), such a step's own decode rows' tokens follow once its prompt forward
+        is queued, while that computes. Without `publish` they are returned with the
+        step's other deltas."""
         start, self._waited = time.perf_counter(), 0.0
         self._parts = dict.fromkeys(HOST_PARTS, 0.0)
         with self._guard():
@@ -380,19 +382,26 @@ class LLMEngine:
         self, plan: StepPlan, publish: Callable[[list[RequestOutput]], None] | None = None
     ) -> list[RequestOutput]:
         """Run `plan` and read its tokens back before returning; the step still in flight
-        comes first, its deltas handed to `publish` (see step) or returned with these."""
+        comes first, its deltas handed to `publish` (see step) or returned with these, and
+        so do the decode rows' deltas drawn ahead of a prompt forward (ModelOutput.first)."""
         deltas = self._drain()
         if publish is not None and deltas and not plan.is_empty:
             publish(deltas)
             deltas = []
-        output = self._execute(plan)
+        output = self._execute(plan, self.platform.publish_decode_first)
         if plan.is_empty:  # it only frees rows
             return deltas
+        if output.first is not None:  # the decode rows' tokens, while the prompts compute
+            first = self._update_first(self._read_back(output.first, last=False))
+            if publish is not None and first:
+                publish(first)
+            else:
+                deltas += first
         return deltas + self._update(plan, self._read_back(self._sample(output)))
 
-    def _execute(self, plan: StepPlan) -> ModelOutput:
+    def _execute(self, plan: StepPlan, draw_decode_first: bool = False) -> ModelOutput:
         """The runner's execute, its graph building and submission counted apart."""
-        output = self.runner.execute(plan)
+        output = self.runner.execute(plan, draw_decode_first)
         self.scheduler.submitted(plan)
         build, submit = output.host_split
         self._parts["build"] += build
@@ -406,10 +415,10 @@ class LLMEngine:
         self._parts["sample"] += time.perf_counter() - start
         return sampled
 
-    def _read_back(self, sampled: SampledStep) -> StepResult:
+    def _read_back(self, sampled: SampledStep, last: bool = True) -> StepResult:
         """The runner's read-back (blocks until the step is computed), its wait counted."""
         start = time.perf_counter()
-        result = self.runner.read_back(sampled)
+        result = self.runner.read_back(sampled, last)
         self._waited += time.perf_counter() - start
         return result
 
@@ -417,6 +426,14 @@ class LLMEngine:
         """The scheduler's update with a step's tokens, its host time counted."""
         start = time.perf_counter()
         deltas = self.scheduler.update(plan, result)
+        self._parts["update"] += time.perf_counter() - start
+        return deltas
+
+    def _update_first(self, result: StepResult) -> list[RequestOutput]:
+        """The scheduler's update with a step's decode rows' tokens read back ahead of
+        the rest (ModelOutput.first), its host time counted."""
+        start = time.perf_counter()
+        deltas = self.scheduler.update_first(result)
         self._parts["update"] += time.perf_counter() - start
         return deltas
 

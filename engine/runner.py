@@ -112,6 +112,9 @@ class ModelOutput:
     verify: VerifyStep | None = None  # the speculating rows' verify group (None: none)
     # host seconds execute() spent building the graph and submitting it (mx.async_eval)
     host_split: tuple[float, float] = (0.0, 0.0)
+    # the decode rows' draws, queued ahead of the prompt forward (execute's draw_decode_first;
+    # None: none); row_ids and logits are then the prompt rows' alone
+    first: SampledStep | None = None
 
 
 @dataclass(frozen=True)
@@ -191,10 +194,16 @@ class ModelRunner:
         # back: its entries stay, at most one per shape the buckets allow)
         self._traced: dict[int, int] = {}
 
-    def execute(self, plan: StepPlan) -> ModelOutput:
+    def execute(self, plan: StepPlan, draw_decode_first: bool = False) -> ModelOutput:
         """Queue the step's forward (mx.async_eval) and return the logits of the rows
         that sample. Decode inputs still pending (StepPlan.decode_sources) are gathered
-        from the last sampled step's tokens, possibly not computed yet."""
+        from the last sampled step's tokens, possibly not computed yet.
+
+        draw_decode_first (the engine's, in lockstep: every earlier token is known): a
+        step with prompt work and a compiled decode batch queues the decode forward and
+        its rows' draws before the prompts' graphs are built (ModelOutput.first), so those
+        tokens can be read back while the prompt forward computes. Sampling is rank 0's:
+        a tensor-parallel follower executes without it."""
         start = time.perf_counter()
         shapes = self._shapes_run()
         self._apply_rows(plan)
@@ -207,9 +216,13 @@ class ModelRunner:
         features = self.vision.encode(plan.prefill, rows) if self.vision is not None else []
         packed = self._packs(plan)
         decode_logits = None if packed else self._compiled_decode(plan)
-        if decode_logits is not None and plan.prefill and self.submit_decode_first:
+        first = None
+        ahead = decode_logits is not None and bool(plan.prefill)
+        if ahead and (self.submit_decode_first or draw_decode_first):
             # the device computes the decode rows while the prompts' graphs are built
             mx.async_eval(decode_logits, *self.states.decode.state_arrays())
+            if draw_decode_first:
+                first = self._draw(plan.step, plan.decode_row_ids, decode_logits)
         groups = []
         if plan.decode_row_ids and decode_logits is None:
             groups.append(self._decode_group(plan))
@@ -255,7 +268,7 @@ class ModelRunner:
                 positions,
             )
         logits = self.model.logits(mx.concatenate(last, axis=0)) if last else None
-        if decode_logits is not None:
+        if decode_logits is not None and first is None:
             parts = [decode_logits] + ([logits] if logits is not None else [])
             logits = mx.concatenate(parts, axis=0) if len(parts) > 1 else decode_logits
         layers = [layer for g in groups[: len(groups) - len(eager)] for layer in g.states]
@@ -287,7 +300,10 @@ class ModelRunner:
         split = (built - start, time.perf_counter() - built)
         if self._shapes_run() > shapes:
             self._traced[plan.step] = self._shapes_run() - shapes
-        return ModelOutput(plan.step, plan.sample_row_ids, logits, verify, split)
+        row_ids = plan.sample_row_ids
+        if first is not None:
+            row_ids = row_ids[len(plan.decode_row_ids) :]
+        return ModelOutput(plan.step, row_ids, logits, verify, split, first)
 
     def _shapes_run(self) -> int:
         """How many compiled shapes (decode, verify, later chunks, fresh prompts, the
@@ -326,16 +342,26 @@ class ModelRunner:
             verify = self._processed(output.verify, verify_rows)
             verdicts = self.drafter.accept(verify, verify_rows)
             mx.async_eval(*verdicts.arrays())
+        # the step's tokens in plan order (a later pipelined step's pending inputs)
+        first = output.first.batch if output.first is not None else None
+        tokens = [first.tokens] if first is not None else []
         if output.logits is None:
-            self._last_tokens = None
+            self._last_tokens = tokens[0] if tokens else None
             return SampledStep(output.step, (), None, (), verdicts)
-        rows = self.rows.sampling_rows(output.row_ids)
+        drawn = self._draw(output.step, output.row_ids, output.logits)
+        assert drawn.batch is not None
+        tokens.append(drawn.batch.tokens)
+        self._last_tokens = mx.concatenate(tokens) if len(tokens) > 1 else tokens[0]
+        return replace(drawn, verdicts=verdicts)
+
+    def _draw(self, step: int, row_ids: tuple[str, ...], logits: mx.array) -> SampledStep:
+        """One draw per row of `logits` under its grammar's mask, queued."""
+        rows = self.rows.sampling_rows(row_ids)
         masks = self.masks
-        mask = masks.masks(output.row_ids) if masks is not None and len(masks) else None
-        batch = self.sampler.sample(output.logits, rows, mask.bits if mask is not None else None)
+        mask = masks.masks(row_ids) if masks is not None and len(masks) else None
+        batch = self.sampler.sample(logits, rows, mask.bits if mask is not None else None)
         mx.async_eval(*batch.arrays())
-        self._last_tokens = batch.tokens
-        return SampledStep(output.step, output.row_ids, batch, tuple(rows), verdicts)
+        return SampledStep(step, row_ids, batch, tuple(rows))
 
     def _processed(self, verify: VerifyStep, rows: list[SamplingRow]) -> VerifyStep:
         """The verify logits as the sampler would see them at each column, column j with
@@ -368,13 +394,15 @@ class ModelRunner:
             flat = self.sampler.process(flat, expanded)
         return replace(verify, logits=flat.reshape(b, columns, vocab))
 
-    def read_back(self, sampled: SampledStep) -> StepResult:
+    def read_back(self, sampled: SampledStep, last: bool = True) -> StepResult:
         """Wait for a step's tokens, record them (rows, grammar), and start the step's
-        prefix-cache copies (flush_saves)."""
+        prefix-cache copies (flush_saves). last=False: the part of a step read back
+        ahead of the rest (ModelOutput.first); its traces and copies wait for the rest."""
         runs = self._read_verdicts(sampled.verdicts)
-        traced = self._traced.pop(sampled.step, 0)
+        traced = self._traced.pop(sampled.step, 0) if last else 0
         if sampled.batch is None:
-            self.flush_saves()
+            if last:
+                self.flush_saves()
             return StepResult(sampled.step, verified=runs, traced=traced)
         tokens, logprobs = sampled.batch.to_python(sampled.rows)
         self.rows.append(sampled.row_ids, tokens)
@@ -382,7 +410,8 @@ class ModelRunner:
             self.masks.accept(sampled.row_ids, tokens)
         if self.drafter is not None:
             self.drafter.sampled(sampled.row_ids, tokens)
-        self.flush_saves()
+        if last:
+            self.flush_saves()
         return StepResult(
             sampled.step, sampled.row_ids, tuple(tokens), tuple(logprobs), runs, traced
         )

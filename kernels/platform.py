@@ -51,6 +51,7 @@ GPU_DEFAULT_ON = (
     "batch_prefill",
     "pipeline_steps",
     "submit_decode_first",
+    "publish_decode_first",
 )
 
 
@@ -65,6 +66,7 @@ class PlatformSwitches(Protocol):
     batch_prefill: bool | None
     pipeline_steps: bool | None
     submit_decode_first: bool | None
+    publish_decode_first: bool | None
     pack_token_wise: bool | None
     deltanet_scan: bool | None
     fused_deltanet_chunk: bool | None
@@ -92,6 +94,7 @@ class Platform:
     batch_prefill: bool = False  # prompt chunks of several requests as one padded group
     pipeline_steps: bool = False  # step N+1 queued before step N is read back
     submit_decode_first: bool = False  # a mixed step's decode forward queued first
+    publish_decode_first: bool = False  # and its decode rows' tokens read back first
     pack_token_wise: bool = False  # token-wise layers over all groups' tokens at once
     # Kernels: on = the fused kernel, off = its plain-MLX reference behind the same function
     deltanet_scan: bool = False

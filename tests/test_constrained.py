@@ -220,13 +220,20 @@ def test_mixed_constrained_and_free_rows_batched_equals_alone(
     loaded: LoadedModel, tokenizer: Tokenizer
 ) -> None:
     """Greedy, token-exact: each row of a batch mixing JSON, tool-call and free rows gets
-    what it gets alone; so does a run without pipelined steps."""
+    what it gets alone; so does a run without pipelined steps, and one whose decode rows'
+    tokens are drawn under their masks ahead of the prompt chunks beside them (a GPU's
+    compiled decode batch with publish_decode_first; small chunks, so prompts run beside
+    decoding rows)."""
     prompts, params = _mixed_batch(tokenizer)
     batched = _generate(loaded, prompts, params)
     unpipelined = _generate(loaded, prompts, params, pipeline_steps=False)
-    for prompt, p, got, flat in zip(prompts, params, batched, unpipelined, strict=True):
+    gpu = {"compile_decode": True, "publish_decode_first": True, "max_prefill_chunk": 16}
+    first = _generate(loaded, prompts, params, max_num_batched_tokens=40, **gpu)
+    for prompt, p, got, flat, early in zip(
+        prompts, params, batched, unpipelined, first, strict=True
+    ):
         alone = _generate(loaded, [prompt], [p])[0]
-        assert got.token_ids == alone.token_ids == flat.token_ids
+        assert got.token_ids == alone.token_ids == flat.token_ids == early.token_ids
         assert got.finish_reason == alone.finish_reason
     assert any(
         p.constraint is not None and r.finish_reason == "stop"

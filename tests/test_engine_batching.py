@@ -173,18 +173,24 @@ def test_prompt_work_next_to_decode_rows_runs_in_lockstep(loaded: LoadedModel) -
     assert kinds == {True, False}
 
 
-def _with_publish(loaded: LoadedModel, hook: bool) -> tuple[dict, list[tuple[str, bool]]]:
+PIPELINED = dataclasses.replace(SMALL, pipeline_steps=True)
+
+
+def _with_publish(
+    loaded: LoadedModel, hook: bool, config: EngineConfig = PIPELINED
+) -> tuple[dict, list[tuple[str, bool]]]:
     """A short request decoding pipelined, a longer prompt joining at step 4; each
     request's tokens, and the order of publish calls (whether only the decode row's
-    deltas) and forwards (whether a prompt chunk beside decode rows)."""
-    engine = LLMEngine(loaded, dataclasses.replace(SMALL, pipeline_steps=True))
+    deltas), forwards (whether a prompt chunk beside decode rows) and each step's
+    return (whether it held the decode row's deltas)."""
+    engine = LLMEngine(loaded, config)
     events: list[tuple[str, bool]] = []
     deltas: list[RequestOutput] = []
     execute = engine.runner.execute
 
-    def recording(plan: StepPlan) -> object:
+    def recording(plan: StepPlan, *args: object) -> object:
         events.append(("execute", bool(plan.prefill) and bool(plan.decode_row_ids)))
-        return execute(plan)
+        return execute(plan, *args)
 
     def publish(early: list[RequestOutput]) -> None:
         events.append(("publish", all(d.request_id == "short" for d in early)))
@@ -195,7 +201,9 @@ def _with_publish(loaded: LoadedModel, hook: bool) -> tuple[dict, list[tuple[str
     for step in range(40):
         if step == 4:
             engine.add_request(GenerationRequest("long", tuple(range(1000, 1060)), _greedy(4)))
-        deltas.extend(engine.step(publish if hook else None))
+        returned = engine.step(publish if hook else None)
+        events.append(("return", any(d.request_id == "short" for d in returned)))
+        deltas.extend(returned)
     tokens = {
         r: [t for d in deltas if d.request_id == r for t in d.token_ids] for r in ("short", "long")
     }
@@ -217,6 +225,30 @@ def test_a_lockstep_step_publishes_the_step_in_flight_before_its_forward(
     returned, events = _with_publish(loaded, hook=False)
     assert not any(e[0] == "publish" for e in events)
     assert tokens == returned and len(tokens["short"]) == 30 and len(tokens["long"]) == 4
+
+
+def test_a_mixed_step_publishes_its_decode_rows_before_its_prompt_forward_ends(
+    loaded: LoadedModel,
+) -> None:
+    """publish_decode_first (a GPU's default) with the compiled decode batch: in a step
+    with a prompt chunk beside decode rows, the rows' own tokens are drawn ahead of the
+    prompt forward and handed to `publish` once it is queued, not returned with the
+    step (a stream's gap is the decode part, not the whole lockstep step); the tokens
+    are those of the same engine without it."""
+    on = dataclasses.replace(PIPELINED, compile_decode=True, publish_decode_first=True)
+    tokens, events = _with_publish(loaded, True, on)
+    mixed = [i for i, e in enumerate(events) if e == ("execute", True)]
+    assert len(mixed) >= 2, "the prompt ran beside the decode row"
+    for i in mixed:  # the step's own decode token published, the step returns without it
+        assert events[i + 1 : i + 3] == [("publish", True), ("return", False)], events[i:]
+    off, events = _with_publish(loaded, True, dataclasses.replace(on, publish_decode_first=False))
+    assert all(
+        events[i + 1] == ("return", True)
+        for i, e in enumerate(events)
+        if e[1] and e[0] == "execute"
+    )
+    returned, _ = _with_publish(loaded, False, on)  # without `publish`: returned with the step
+    assert tokens == off == returned and len(tokens["short"]) == 30 and len(tokens["long"]) == 4
 
 
 def test_first_token_comes_back_from_the_step_that_computed_it(loaded: LoadedModel) -> None:

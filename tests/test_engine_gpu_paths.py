@@ -161,7 +161,8 @@ def test_merge_and_filter_leave_growth_headroom() -> None:
 
 def test_every_gpu_path_under_load_gives_the_plain_engines_tokens() -> None:
     """The GPU's default paths together (compiled decode, fresh prompts and later chunks,
-    batched prefill, pipelined steps, the decode forward queued first, the prefix cache)
+    batched prefill, pipelined steps, the decode forward queued and its tokens read back
+    first, the prefix cache)
     at up to 32 rows, with prompts of 40-400 tokens arriving in waves while others
     decode, half of them sharing a prefix (next turns of a chat: restored rows whose rest
     runs as later chunks): the tokens of an engine with every one of those paths off."""
@@ -181,10 +182,12 @@ def test_every_gpu_path_under_load_gives_the_plain_engines_tokens() -> None:
     gpu = dataclasses.replace(
         base, compile_decode=True, compile_prompt=True, compile_chunks=True,
         batch_prefill=True, pipeline_steps=True, submit_decode_first=True,
+        publish_decode_first=True,
     )  # fmt: skip
     plain = dataclasses.replace(
         base, compile_decode=False, compile_prompt=False, compile_chunks=False,
         batch_prefill=False, pipeline_steps=False, submit_decode_first=False,
+        publish_decode_first=False,
     )  # fmt: skip
 
     # 8 at once, 16 at once while they decode, then one a step

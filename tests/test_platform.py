@@ -44,6 +44,7 @@ STEP_SHAPES = (
     "batch_prefill",
     "pipeline_steps",
     "submit_decode_first",
+    "publish_decode_first",
 )
 
 

@@ -288,6 +288,23 @@ class Scheduler:
         self._observe_step_time(out, result.traced)
         if out.step == self._pending_step:
             self._pending = {}  # planned and updated in lockstep: every token is known
+        outputs = self._append_sampled(result)
+        for run in result.verified:
+            delta = self._verified(out, run)
+            if delta is not None:
+                outputs.append(delta)
+        return outputs
+
+    def update_first(self, result: StepResult) -> list[RequestOutput]:
+        """A lockstep step's decode rows' tokens, read back while its prompt forward still
+        computes (EngineConfig.publish_decode_first): appended now, so that their streams
+        do not wait for the prompt chunk; update() then takes the step's other rows and
+        observes its time."""
+        assert not result.verified, "verified runs come with the step's other rows"
+        return self._append_sampled(result)
+
+    def _append_sampled(self, result: StepResult) -> list[RequestOutput]:
+        """One sampled token per row of `result`; the deltas."""
         outputs = []
         rows = zip(result.row_ids, result.token_ids, result.logprobs, strict=True)
         for row_id, token, lp in rows:
@@ -295,10 +312,6 @@ class Scheduler:
             if req is None or req.is_finished:
                 continue  # finished while this step was in flight: its token is dropped
             outputs.append(self._append(req, (token,), (lp,)))
-        for run in result.verified:
-            delta = self._verified(out, run)
-            if delta is not None:
-                outputs.append(delta)
         return outputs
 
     def _verified(self, out: StepPlan, run: VerifiedRun) -> RequestOutput | None:
