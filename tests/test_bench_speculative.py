@@ -36,5 +36,27 @@ def test_forced_drafts_keep_output_and_set_acceptance(monkeypatch: pytest.Monkey
     assert 0 < perfect["verify_steps"] < perfect["tokens"]
     assert set(perfect["verify_host_ms"]) == {"schedule", "build", "submit", "sample", "update"}
     verify = [ln for ln in steps_table([plain, perfect]).splitlines() if "| verify |" in ln]
-    # the run's traced steps, then the break-even (None here: the floor)
-    assert len(verify) == 1 and verify[0].endswith(f"| {perfect['traced_steps']} |  |")
+    # the run's traced steps (none on the CPU: nothing compiled, one run), then the
+    # break-even (None here: the floor)
+    assert perfect["traced_steps"] == 0 and perfect["runs"] == 1
+    assert len(verify) == 1 and verify[0].endswith("| 0 | 1 |  |")
+
+
+@pytest.mark.parametrize(("traced", "runs"), [([0], 1), ([3, 1, 0], 3), ([2, 2, 2, 0], 3)])
+def test_a_measured_run_that_traced_runs_again(
+    monkeypatch: pytest.MonkeyPatch, traced: list[int], runs: int
+) -> None:
+    """_steady runs the warm-up and measured pair again while the measured run traced
+    a compiled shape, at most RUNS times, and says how many it took."""
+    import bench.speculative as spec
+
+    calls = iter(traced)
+    monkeypatch.setattr(spec, "throughput", lambda impl, *shape: {"tok_s": 1.0})
+
+    class Impl:
+        def steps(self) -> dict:
+            return {"traced_steps": next(calls)}
+
+    row = spec._steady(Impl(), (1, 2, 2, 4, 4, 2))  # type: ignore[arg-type]
+    assert spec.RUNS == 3 and row["runs"] == runs
+    assert row["traced_steps"] == traced[runs - 1] and row["tok_s"] == 1.0
