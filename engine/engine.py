@@ -73,12 +73,15 @@ class Completion:
 
 def _platform(config: EngineConfig, loaded: LoadedModel, leader: StepLeader | None) -> Platform:
     """The profile this engine runs with: the device's and the config's switches, less the
-    paths this engine cannot take (steps in lockstep with tensor-parallel ranks; no
-    compiled decode over kv_cache.start's full-precision prefix)."""
+    paths this engine cannot take (steps in lockstep with tensor-parallel ranks, whose
+    followers draw no tokens; no compiled decode over kv_cache.start's full-precision
+    prefix)."""
     dtype = str(loaded.dtype).removeprefix("mlx.core.")
     profile = resolve_platform(config, dtype)
     if leader is not None:
         profile = replace(profile, pipeline_steps=False)
+    elif loaded.parallel is not None:  # a follower rank: rank 0 samples, it never reads back
+        profile = replace(profile, publish_decode_first=False)
     kv = config.kv_cache
     if profile.compile_decode and kv.kind != "fp" and kv.start:  # PrefixKV (kv_store_factory)
         log.warning("compiled decode is off: kv_cache.start > 0 has no compiled form")
@@ -181,7 +184,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             loaded.model, self.states, sampler, compiled, batch_prefill, vision,
             self.constraints, self.compiled_prompts, drafter, chunks is not None,
-            self.platform.submit_decode_first, pack_mixed,
+            self.platform.submit_decode_first, pack_mixed, self.platform.publish_decode_first,
         )  # fmt: skip
         warm = self.config.warm_up_seconds
         warm = (WARM_UP_GPU_SECONDS if gpu else 0.0) if warm is None else warm
@@ -388,7 +391,7 @@ class LLMEngine:
         if publish is not None and deltas and not plan.is_empty:
             publish(deltas)
             deltas = []
-        output = self._execute(plan, self.platform.publish_decode_first)
+        output = self._execute(plan)
         if plan.is_empty:  # it only frees rows
             return deltas
         if output.first is not None:  # the decode rows' tokens, while the prompts compute
@@ -399,9 +402,9 @@ class LLMEngine:
                 deltas += first
         return deltas + self._update(plan, self._read_back(self._sample(output)))
 
-    def _execute(self, plan: StepPlan, draw_decode_first: bool = False) -> ModelOutput:
+    def _execute(self, plan: StepPlan) -> ModelOutput:
         """The runner's execute, its graph building and submission counted apart."""
-        output = self.runner.execute(plan, draw_decode_first)
+        output = self.runner.execute(plan)
         self.scheduler.submitted(plan)
         build, submit = output.host_split
         self._parts["build"] += build

@@ -112,8 +112,8 @@ class ModelOutput:
     verify: VerifyStep | None = None  # the speculating rows' verify group (None: none)
     # host seconds execute() spent building the graph and submitting it (mx.async_eval)
     host_split: tuple[float, float] = (0.0, 0.0)
-    # the decode rows' draws, queued ahead of the prompt forward (execute's draw_decode_first;
-    # None: none); row_ids and logits are then the prompt rows' alone
+    # the decode rows' draws, queued ahead of the prompt forward (ModelRunner's
+    # draw_decode_first; None: none); row_ids and logits are then the prompt rows' alone
     first: SampledStep | None = None
 
 
@@ -164,6 +164,7 @@ class ModelRunner:
         compile_chunks: bool = False,
         submit_decode_first: bool = False,
         pack_mixed: bool = False,
+        draw_decode_first: bool = False,
     ) -> None:
         """vision: the image work of prompts with images (None: text only). masks: the
         grammar hook of constrained rows (None: none). drafter: speculative decoding's
@@ -174,7 +175,12 @@ class ModelRunner:
         instead of the compiled decode and prompt forwards, which read every weight
         once each (9B on an H100: a 256-token chunk's matmuls 7.8 ms beside 16 decode
         rows, 1.6 ms packed with them, but the eager decode rows cost ~5 ms more host
-        time: no faster over HTTP, off by default; bench/README.md)."""
+        time: no faster over HTTP, off by default; bench/README.md).
+        draw_decode_first (EngineConfig.publish_decode_first; the engine's, whose steps
+        with prompt work run in lockstep, every earlier token known): such a step with a
+        compiled decode batch queues its forward and its rows' draws before the prompts'
+        graphs are built (ModelOutput.first), so that those tokens can be read back while
+        the prompt forward computes."""
         self.model = model
         self.states = states
         self.sampler = sampler
@@ -188,22 +194,17 @@ class ModelRunner:
         self.compile_chunks = compile_chunks and compiled is not None
         self.submit_decode_first = submit_decode_first
         self.pack_mixed = pack_mixed
+        self.draw_decode_first = draw_decode_first
         self._saved: list[mx.array] = []  # prefix-cache copies not yet started
         self._last_tokens: mx.array | None = None  # the last sampled step's tokens [N]
         # step -> compiled shapes it traced, until read back (a follower rank never reads
         # back: its entries stay, at most one per shape the buckets allow)
         self._traced: dict[int, int] = {}
 
-    def execute(self, plan: StepPlan, draw_decode_first: bool = False) -> ModelOutput:
+    def execute(self, plan: StepPlan) -> ModelOutput:
         """Queue the step's forward (mx.async_eval) and return the logits of the rows
         that sample. Decode inputs still pending (StepPlan.decode_sources) are gathered
-        from the last sampled step's tokens, possibly not computed yet.
-
-        draw_decode_first (the engine's, in lockstep: every earlier token is known): a
-        step with prompt work and a compiled decode batch queues the decode forward and
-        its rows' draws before the prompts' graphs are built (ModelOutput.first), so those
-        tokens can be read back while the prompt forward computes. Sampling is rank 0's:
-        a tensor-parallel follower executes without it."""
+        from the last sampled step's tokens, possibly not computed yet."""
         start = time.perf_counter()
         shapes = self._shapes_run()
         self._apply_rows(plan)
@@ -218,10 +219,10 @@ class ModelRunner:
         decode_logits = None if packed else self._compiled_decode(plan)
         first = None
         ahead = decode_logits is not None and bool(plan.prefill)
-        if ahead and (self.submit_decode_first or draw_decode_first):
+        if ahead and (self.submit_decode_first or self.draw_decode_first):
             # the device computes the decode rows while the prompts' graphs are built
             mx.async_eval(decode_logits, *self.states.decode.state_arrays())
-            if draw_decode_first:
+            if self.draw_decode_first:
                 first = self._draw(plan.step, plan.decode_row_ids, decode_logits)
         groups = []
         if plan.decode_row_ids and decode_logits is None:

@@ -188,9 +188,9 @@ def _with_publish(
     deltas: list[RequestOutput] = []
     execute = engine.runner.execute
 
-    def recording(plan: StepPlan, *args: object) -> object:
+    def recording(plan: StepPlan) -> object:
         events.append(("execute", bool(plan.prefill) and bool(plan.decode_row_ids)))
-        return execute(plan, *args)
+        return execute(plan)
 
     def publish(early: list[RequestOutput]) -> None:
         events.append(("publish", all(d.request_id == "short" for d in early)))

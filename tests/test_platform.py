@@ -80,6 +80,25 @@ def test_explicit_switches_beat_the_device_default(device: str) -> None:
         assert getattr(profile, key) == value, key
 
 
+def test_only_a_rank_that_samples_publishes_decode_rows_first() -> None:
+    """publish_decode_first draws the decode rows' tokens inside a step: a single engine
+    and rank 0 of a tensor-parallel group keep the switch, a follower rank (which never
+    samples) has it off, and its pipelined steps stay as the device has them."""
+    from types import SimpleNamespace
+
+    from deltaserve.engine.engine import _platform
+
+    config = EngineConfig(publish_decode_first=True, pipeline_steps=True)
+    alone = SimpleNamespace(dtype=mx.float32, parallel=None)
+    ranked = SimpleNamespace(dtype=mx.float32, parallel=object())
+    leader = object()
+    assert _platform(config, alone, None).publish_decode_first  # type: ignore[arg-type]
+    rank0 = _platform(config, ranked, leader)  # type: ignore[arg-type]
+    assert rank0.publish_decode_first and not rank0.pipeline_steps
+    follower = _platform(config, ranked, None)  # type: ignore[arg-type]
+    assert not follower.publish_decode_first and follower.pipeline_steps
+
+
 def test_a_kernel_the_device_lacks_stays_off(caplog: pytest.LogCaptureFixture) -> None:
     """Switched on where there is no source for it (the CPU; the scan on Metal), a kernel
     stays off and the log says so; the profile refuses such a state outright."""
