@@ -140,6 +140,18 @@ class Verdicts:
         return [a for a in out if a is not None]
 
 
+def chain_width(rows: int, width: int, columns: int) -> int:
+    """The pairs a row the head's draft chain runs with, for `rows` rows (dead ones
+    included) whose widest brings `width` and a verify of `columns` (k + 1, the most a
+    row keeps): a batch of several rows runs at least `columns`, the others left-padded,
+    so that its chain is one compiled shape per row bucket and head-store capacity, not
+    one per width the drafts happened to land at, each a trace met at random (up to ~1 s
+    at 9B, every stream stalled; H100, 2026-12-07: a few such steps in most measured runs
+    above one row). Its store grows by `columns` a step, a few columns more than the
+    rows keep. A single row keeps its own width: its three shapes are few."""
+    return max(width, columns) if rows > 1 else width
+
+
 class CompiledDraft:
     """The head's greedy drafting chain (models/mtp.py's `draft`: a pass over the rows'
     pairs, then k - 1 passes over its own drafts) as one compiled call per shape (rows,
@@ -342,6 +354,12 @@ class Drafter:
         bucketed batch) draft from nothing and are not returned."""
         k, live = self.num_draft, hidden.shape[0]
         dead = state.num_rows - live
+        extra = chain_width(state.num_rows, hidden.shape[1], k + 1) - hidden.shape[1]
+        if extra:  # the rows' pairs right-aligned at the chain's width
+            hidden = mx.pad(hidden, [(0, 0), (extra, 0), (0, 0)])
+            tokens = mx.pad(tokens, [(0, 0), (extra, 0)])
+            positions = mx.pad(positions, [(0, 0), (0, 0), (extra, 0)])
+            pads = [p + extra for p in pads]
         if dead:
             width = hidden.shape[1]
             hidden = mx.concatenate([hidden, mx.zeros((dead, *hidden.shape[1:]), hidden.dtype)])

@@ -31,7 +31,7 @@ from deltaserve.engine.compiled_prefill import CompiledPrefill
 from deltaserve.engine.decode import CompiledDecode
 from deltaserve.engine.sampling.sampler import Sampler, SamplingRow
 from deltaserve.engine.shapes import MAX_ROWS, decode_bucket, prompt_bucket
-from deltaserve.engine.speculative import CompiledDraft
+from deltaserve.engine.speculative import CompiledDraft, chain_width
 from deltaserve.engine.types import SamplingParams
 from deltaserve.models.state import ForwardGroup, text_positions
 
@@ -154,7 +154,8 @@ def _shapes(
                 decode, new_state, rows, DECODE_TOKENS[0], verify_columns
             )
     for rows in decode_sizes(max_rows) if drafts is not None and verify_columns else ():
-        for width in range(1, verify_columns + 1):
+        widths = {chain_width(rows, w, verify_columns) for w in range(1, verify_columns + 1)}
+        for width in sorted(widths):
             yield lambda rows=rows, width=width: _draft(drafts, rows, DECODE_TOKENS[0], width)
     if prompts is not None and prompts.applies(new_state(), 1):
         for rows, length in cohort_shapes(max_chunk, max_rows):

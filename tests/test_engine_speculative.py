@@ -440,17 +440,35 @@ def test_a_step_whose_draft_chain_traced_reports_it(
     assert repeats, traced  # steps of known shapes report none
 
 
+def test_several_rows_draft_at_one_width(loaded: LoadedModel) -> None:
+    """Rows keeping different numbers of drafts (forced, every count 0 .. k) chain at
+    k + 1 pairs a row whenever the verify batch has several rows (chain_width), so their
+    compiled draft chain meets one shape per row bucket and store capacity; a row alone
+    keeps its own width; the tokens are the plain engine's."""
+    joins, oracle = _greedy_case(loaded, 5, seed=16, max_tokens=24)
+    plain = _drive(LLMEngine(loaded, SMALL), joins)
+    engine, drafter = _compiled_engine(loaded)
+    assert drafter.compiled is not None
+    seen = force_drafts(engine, oracle, _cycle)
+    assert _drive(engine, joins) == plain
+    assert seen == set(range(K + 1))
+    shapes = {rows_width for rows_width, _ in drafter.compiled.shapes}
+    assert {width for rows, width in shapes if rows > 1} == {K + 1}, shapes
+    assert any(rows > 1 for rows, _ in shapes)
+
+
 def test_the_warm_up_traces_the_draft_chain(loaded: LoadedModel) -> None:
     """With a warm-up (a GPU's start-up; here warm_up_seconds on the CPU, compiled paths
-    on), the head's compiled draft chain is traced for every verify batch size and every
-    number of pairs a row brings (1 .. k + 1) at the head store's first capacity, and the
-    engine's tokens are a cold engine's."""
+    on), the head's compiled draft chain is traced for every verify batch size at the
+    head store's first capacity: one row for every number of pairs it may bring (1 ..
+    k + 1), several rows at k + 1 (chain_width), and the engine's tokens are a cold
+    engine's."""
     config = _spec(dataclasses.replace(SMALL, max_num_seqs=2, compile_decode=True))
     warm = LLMEngine(loaded, dataclasses.replace(config, warm_up_seconds=600.0))
     drafter = warm.runner.drafter
     assert drafter is not None and drafter.compiled is not None
     warmed = {rows_width for rows_width, _ in drafter.compiled.shapes}
-    assert warmed == {(rows, width) for rows in (1, 2) for width in range(1, K + 2)}
+    assert warmed == {(1, width) for width in range(1, K + 2)} | {(2, K + 1)}
     joins, _ = _greedy_case(loaded, 2, seed=15, max_tokens=12)
     assert _drive(warm, joins) == _drive(LLMEngine(loaded, config), joins)
 
