@@ -15,7 +15,9 @@ rows (engine/shapes.py decode_bucket): `padding` counts them too (the longest ro
 KV columns and a DeltaNet state each).
 Not counted, and covered only by the default budget being half of the memory left: KV
 capacity headroom (up to 256 free columns per store, an eighth of its columns past
-2,048: kv.round_capacity), the MTP head's KV of dead rows,
+2,048: kv.round_capacity), the MTP head's KV of dead rows and its left padding (a
+verify batch of several rows runs k + 1 head columns a row a step, whatever a row keeps:
+engine/speculative.py chain_width),
 the speculating rows' verify batch's dead rows, and, for one step, the merged copy of
 prefilling rows whose chunks run as one cohort (each row at the longest one's columns;
 split back after the step).
