@@ -19,12 +19,17 @@
 #                        9B; 2026-12-07 the 9B p99 gap was 3.2x / 3.5x its p50 at 16 / 64
 #                        clients, each gap over it one mixed step)
 #   call 4:              FIRST_SHAPE=0.8B bash bench/gpu_session.sh first9b
-#   call 5:              bash bench/gpu_session.sh serve9b      (the headline against
+#   call 5:              bash bench/gpu_session.sh specsteps    (issue 32 since cf4dbd6 /
+#                        227f6b0: several rows draft at one width, measured runs repeated
+#                        while they trace; 2026-12-07 0.8B B = 8 0.84x with 6 traced steps)
+#   call 6:              SPEC_BATCHES="1 16" bash bench/gpu_session.sh spec9b  (9B B = 1,
+#                        16 at forced 80%: 1.22x / 0.49x on 2026-12-07)
+#   call 7:              bash bench/gpu_session.sh serve9b      (the headline against
 #                        mlx_lm.server at HEAD; then serve08)
 #   (2026-12-07, H100: serve08 twice, inproc08, ahead08 and gil08 ran; a second lease:
 #   serve9b, specsteps, proc9b, chunk9b, spec9b, tests: bench/README.md)
 #   then, as time allows: tests (TESTS_S=540 was cut at 79% on 2026-12-07: run it in two
-#                        calls), specsteps, spec9b (at B = 16 forced 80% ran 0.49x), mixedc,
+#                        calls), mixedc,
 #                        spec35 then serve35; `ptxsave` at a call's end when the next lease
 #                        can carry it
 #   older steps:         tests, scan, tune, hostcost, chunk, slots, nodecost, graphs08,
@@ -625,9 +630,10 @@ specsteps() {  # issue 32: where a verify step's time goes against a plain step'
     # steps table: wall, build, submit, sample, update ms), rows drafting in every step
     # (--always: the policy's pauses off), forced 80%, float32 with TF32 off; 0.8B at B = 1
     # and 8, then 9B at B = 1 (2026-12-07, H100: at 0.8B B = 8 verify steps averaged ~10x
-    # a decode step while the median break-even said far less; the table's traced column
-    # says whether those were traces)
-    MLX_ENABLE_TF32=0 timeout 200 python3 -m bench.speculative --checkpoint 0.8B --batches 1 8 \
+    # a decode step while the median break-even said far less; a second lease: 6 traced
+    # steps in that run, 23 ms a verify against 8.7 a decode step; since 227f6b0 a mode
+    # whose measured run traced runs again, up to 3 times: the "runs" column)
+    MLX_ENABLE_TF32=0 timeout 280 python3 -m bench.speculative --checkpoint 0.8B --batches 1 8 \
         --dtype float32 --accept 0.8 --always >"$OUT/specsteps08.log" 2>&1
     grep '^|' "$OUT/specsteps08.log"
     need9b
