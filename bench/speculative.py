@@ -245,7 +245,7 @@ def _steady(impl: Engine, shape: tuple) -> dict:
     traces a shape once in its life (a server meets it once), but a speculating engine's
     shapes (verify and draft widths, row buckets, store capacities) follow which drafts
     land and when rows pause, so one warm-up on the same workload need not meet them all
-    (H100, 2026-12-07: 3 to 6 traced steps in a measured run at B = 8 and 16)."""
+    (bench/README.md: traced steps in measured runs above one row)."""
     row: dict = {}
     for runs in range(1, RUNS + 1):
         row = throughput(impl, *shape) | impl.steps() | {"runs": runs}

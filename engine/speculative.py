@@ -145,10 +145,9 @@ def chain_width(rows: int, width: int, columns: int) -> int:
     included) whose widest brings `width` and a verify of `columns` (k + 1, the most a
     row keeps): a batch of several rows runs at least `columns`, the others left-padded,
     so that its chain is one compiled shape per row bucket and head-store capacity, not
-    one per width the drafts happened to land at, each a trace met at random (up to ~1 s
-    at 9B, every stream stalled; H100, 2026-12-07: a few such steps in most measured runs
-    above one row). Its store grows by `columns` a step, a few columns more than the
-    rows keep. A single row keeps its own width: its three shapes are few."""
+    one per width the drafts happened to land at, each a trace met at random that stalls
+    every stream (bench/README.md). Its store grows by `columns` a step, a few columns
+    more than the rows keep. A single row keeps its own width: its three shapes are few."""
     return max(width, columns) if rows > 1 else width
 
 

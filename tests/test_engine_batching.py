@@ -242,11 +242,8 @@ def test_a_mixed_step_publishes_its_decode_rows_before_its_prompt_forward_ends(
     for i in mixed:  # the step's own decode token published, the step returns without it
         assert events[i + 1 : i + 3] == [("publish", True), ("return", False)], events[i:]
     off, events = _with_publish(loaded, True, dataclasses.replace(on, publish_decode_first=False))
-    assert all(
-        events[i + 1] == ("return", True)
-        for i, e in enumerate(events)
-        if e[1] and e[0] == "execute"
-    )
+    mixed = [i for i, e in enumerate(events) if e == ("execute", True)]
+    assert mixed and all(events[i + 1] == ("return", True) for i in mixed)  # at the end
     returned, _ = _with_publish(loaded, False, on)  # without `publish`: returned with the step
     assert tokens == off == returned and len(tokens["short"]) == 30 and len(tokens["long"]) == 4
 
