@@ -349,6 +349,7 @@ first9b() {  # ours alone at 16 and 64 clients, publish_decode_first on (HEAD's 
     # 64 clients, the gaps over it one mixed step each. FIRST_SHAPE (default 9B, after
     # start9b), FIRST_ORDER: the runs' order
     local mode dir n=0 shape=${FIRST_SHAPE:-9B} extra
+    [ "$shape" = 9B ] && need9b
     for mode in ${FIRST_ORDER:-on off on off}; do
         n=$((n + 1)) dir="$OUT/f$shape-$n-$mode" extra=""
         [ "$mode" = off ] && extra="--extra-args=--no-publish-decode-first"
