@@ -28,8 +28,8 @@
 #                        mlx_lm.server at HEAD; then serve08)
 #   (2026-12-07, H100: serve08 twice, inproc08, ahead08 and gil08 ran; a second lease:
 #   serve9b, specsteps, proc9b, chunk9b, spec9b, tests: bench/README.md)
-#   then, as time allows: tests (TESTS_S=540 was cut at 79% on 2026-12-07: run it in two
-#                        calls), mixedc,
+#   then, as time allows: tests2 (the engine-level GPU tests; `tests` was cut at 79% on
+#                        2026-12-07, its kernel files had all passed), mixedc,
 #                        spec35 then serve35; `ptxsave` at a call's end when the next lease
 #                        can carry it
 #   older steps:         tests, scan, tune, hostcost, chunk, slots, nodecost, graphs08,
@@ -102,6 +102,19 @@ tests() {  # the GPU-only kernels' tests, and the compiled paths against the eag
         tests/test_engine_speculative.py::test_compiled_verify_keeps_tokens \
         >"$OUT/gpu_tests.log" 2>&1
     grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | cut -c1-160 | tail -40
+}
+tests2() {  # the engine-level half of `tests`, without the kernels' files (2026-12-07 one
+    # `tests` call was cut at 79%, inside test_engine_gpu_paths.py): the compiled paths
+    # against the eager ones, and the mixed step's decode-first draw and the draft chain's
+    # one width on the GPU's compiled paths
+    MLX_ENABLE_TF32=0 timeout "${TESTS_S:-540}" python3 -m pytest -q -p no:cacheprovider -vv \
+        --tb=short -rfE --timeout 120 \
+        tests/test_engine_gpu_paths.py tests/test_compiled_prompt.py \
+        tests/test_engine_speculative.py::test_compiled_verify_keeps_tokens \
+        tests/test_engine_speculative.py::test_several_rows_draft_at_one_width \
+        tests/test_engine_batching.py::test_a_mixed_step_publishes_its_decode_rows_before_its_prompt_forward_ends \
+        >"$OUT/gpu_tests2.log" 2>&1
+    grep -E "passed|failed|FAILED|ERROR" "$OUT/gpu_tests2.log" | tail -20
 }
 
 scan() {  # the DeltaNet prefill scan kernel against the chunked form
