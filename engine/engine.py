@@ -395,7 +395,7 @@ class LLMEngine:
         if plan.is_empty:  # it only frees rows
             return deltas
         if output.first is not None:  # the decode rows' tokens, while the prompts compute
-            first = self._update_first(self._read_back(output.first, last=False))
+            first = self._update(plan, self._read_back(output.first, last=False), first=True)
             if publish is not None and first:
                 publish(first)
             else:
@@ -425,18 +425,16 @@ class LLMEngine:
         self._waited += time.perf_counter() - start
         return result
 
-    def _update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """The scheduler's update with a step's tokens, its host time counted."""
+    def _update(
+        self, plan: StepPlan, result: StepResult, first: bool = False
+    ) -> list[RequestOutput]:
+        """The scheduler's update with a step's tokens, its host time counted. first: the
+        decode rows' tokens read back ahead of the rest (ModelOutput.first)."""
         start = time.perf_counter()
-        deltas = self.scheduler.update(plan, result)
-        self._parts["update"] += time.perf_counter() - start
-        return deltas
-
-    def _update_first(self, result: StepResult) -> list[RequestOutput]:
-        """The scheduler's update with a step's decode rows' tokens read back ahead of
-        the rest (ModelOutput.first), its host time counted."""
-        start = time.perf_counter()
-        deltas = self.scheduler.update_first(result)
+        if first:
+            deltas = self.scheduler.update_first(result)
+        else:
+            deltas = self.scheduler.update(plan, result)
         self._parts["update"] += time.perf_counter() - start
         return deltas
 
