@@ -419,6 +419,22 @@ inproc08() {  # issue 30's in-process reference: the engine alone at B = 64 (ben
     grep '^|' "$OUT/inproc08.log"
 }
 
+share() {  # issue 30's ">= 80% of in-process" in one invocation (bench.serve --inproc): ours
+    # at 64 clients, then bench.gpu's engine alone at B = 64 with the phase's median prompt
+    # tokens; first the in-process run's own workload (all 64 at once, one request each,
+    # one prompt length: what HTTP and the server cost), then the headline's (a 2 s ramp,
+    # two requests each, 32-400 words: the ramp and the tail as well). SHARE_SHAPE: 0.8B
+    local shape=${SHARE_SHAPE:-0.8B}
+    [ "$shape" = 9B ] && need9b
+    timeout 200 python3 -m bench.serve --checkpoint "$shape" --clients 64 --only deltaserve \
+        --requests-per-client 1 --ramp-s 0 --prompt-words 96 --inproc \
+        --log-dir "$OUT/share$shape-same" >"$OUT/share${shape}_same.log" 2>&1
+    grep -A4 'in-process (bench.gpu' "$OUT/share${shape}_same.log"
+    timeout 200 python3 -m bench.serve --checkpoint "$shape" --clients 64 --only deltaserve \
+        --inproc --log-dir "$OUT/share$shape-head" >"$OUT/share${shape}_head.log" 2>&1
+    grep -A4 'in-process (bench.gpu' "$OUT/share${shape}_head.log"
+}
+
 forwards64() {  # 0.8B, deltaserve alone at 64 clients with --log-level debug: how many
     # forwards each step ran (runner.execute's debug line; a forward's host cost on a GPU
     # is its op count, whatever its tokens) and what the steps with prompt work held

@@ -179,7 +179,7 @@ async def _one(
     start = time.perf_counter()
     stamps: list[float] = []
     pieces: list[str] = []
-    usage_tokens = None
+    usage_tokens = prompt_tokens = None
     try:
         async with client.stream(
             "POST", f"{base}/v1/chat/completions", json=body, timeout=600
@@ -195,6 +195,7 @@ async def _one(
                     return {"ok": False, "error": f"stream error: {chunk['error']}"[:300]}
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"]["completion_tokens"]
+                    prompt_tokens = chunk["usage"].get("prompt_tokens")
                 for choice in chunk.get("choices", []):
                     delta = choice.get("delta", {})
                     if (
@@ -214,6 +215,7 @@ async def _one(
         "itl": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
         "tokens": len(stamps) if usage_tokens is None else usage_tokens,
         "chunks": len(stamps),
+        "prompt_tokens": prompt_tokens,  # the usage's, None where the server reports none
         "stamps": stamps,  # when each text chunk came (time.perf_counter)
         "text": "".join(pieces),  # the answer (content only)
     }

@@ -4,7 +4,14 @@ arithmetic on made-up timings; no server runs and no time is asserted."""
 
 from __future__ import annotations
 
-from bench.serve import _at_full_concurrency, _steps_between
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+import bench.serve
+from bench.serve import _at_full_concurrency, _inproc, _prompts, _steps_between
 
 
 def test_the_steady_state_is_where_nearly_every_client_streams() -> None:
@@ -60,3 +67,64 @@ def test_engine_steps_between_two_scrapes() -> None:
     }
     assert "mixed" not in got and got["traced"] == 1
     assert got["gc_full"] == 1 and got["gc_full_s"] == 0.002
+
+
+def test_fixed_length_prompts_have_that_many_words() -> None:
+    """--prompt-words: every prompt that long (the in-process run's one length); without it
+    the lengths are drawn from 32-400 words."""
+    fixed = _prompts(8, 2, words=96)
+    assert [len(p.split()) for ps in fixed for p in ps] == [96] * 16
+    drawn = {len(p.split()) for ps in _prompts(8, 2) for p in ps}
+    assert len(drawn) > 1 and all(32 <= n <= 400 for n in drawn)
+
+
+def test_the_server_is_put_against_its_engine_in_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--inproc: bench.gpu runs at B = each client count with the phase's median prompt
+    tokens and --max-tokens; the share is the server's tok/s over the in-process tok/s
+    (and the steady chunks/s over its decode rate); a failed run is an error row."""
+    commands: list[list[str]] = []
+
+    class Done:
+        def __init__(self, code: int) -> None:
+            self.code = code
+
+        def wait(self) -> int:
+            return self.code
+
+    def launch(cmd: list[str], log: Path, preload_blas: bool = True) -> Done:
+        commands.append(cmd)
+        log.write_text("Traceback: out of memory")
+        batch = int(cmd[cmd.index("--batches") + 1])
+        if batch == 16:
+            return Done(1)
+        line = {"impl": "deltaserve", "batch": batch, "tok_s": 4000.0, "decode_tok_s": 6000.0}
+        Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps(line) + "\n")
+        return Done(0)
+
+    monkeypatch.setattr(bench.serve, "launch", launch)
+    args = argparse.Namespace(log_dir=tmp_path, max_tokens=128, on_cpu=False)
+    rows = [
+        {
+            "server": "deltaserve",
+            "clients": 64,
+            "tok_s": 3200.0,
+            "prompt_tokens_p50": 110,
+            "full_chunks_s": 5400.0,
+        },
+        {
+            "server": "deltaserve",
+            "clients": 16,
+            "tok_s": 900.0,
+            "prompt_tokens_p50": 90,
+            "full_chunks_s": None,
+        },
+        {"server": "mlx_lm", "clients": 64, "tok_s": 250.0, "prompt_tokens_p50": 110},
+    ]
+    out = _inproc(Path("/ckpt/9B"), rows, args)
+    assert [c[c.index("--batches") + 1] for c in commands] == ["16", "64"]
+    assert commands[1][commands[1].index("--prompt") + 1] == "110"
+    assert commands[1][commands[1].index("--gen") + 1] == "128"
+    assert out[0]["clients"] == 16 and "out of memory" in out[0]["error"]
+    assert out[1]["share"] == 0.8 and out[1]["steady_share"] == 0.9
