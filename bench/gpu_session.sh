@@ -672,6 +672,25 @@ specsteps() {  # issue 32: where a verify step's time goes against a plain step'
     grep '^|' "$OUT/specsteps9b.log"
 }
 
+smallm() {  # issue 32: a verify's matmuls with M = k + 1 rows against a decode step's one
+    # (bench.small_m_matmul, 9B's MLP shapes): 2026-12-07 a 9B B = 1 verify took 26 ms
+    # against a decode step's 12 in float32 with TF32 off, where reading the same weights
+    # should cost about the same; float32 with TF32 off and on, and bf16
+    MLX_ENABLE_TF32=0 timeout 120 python3 -m bench.small_m_matmul >"$OUT/smallm_notf32.log" 2>&1
+    grep '^|' "$OUT/smallm_notf32.log"
+    timeout 120 python3 -m bench.small_m_matmul --dtypes float32 >"$OUT/smallm_tf32.log" 2>&1
+    grep '^|' "$OUT/smallm_tf32.log"
+}
+
+specbf16() {  # issue 32: the steps table of specsteps at 9B B = 1 in the checkpoint's bf16
+    # (users' dtype): random weights' near ties make the forced drafts stop matching there,
+    # so acceptance is not the figure; the verify step's time against the decode step's is
+    need9b
+    timeout 240 python3 -m bench.speculative --checkpoint 9B --batches 1 --accept 0.8 \
+        --always >"$OUT/specbf16.log" 2>&1
+    grep '^|' "$OUT/specbf16.log"
+}
+
 servechat() {  # 0.8B, each client's 3 requests the turns of one chat (history resent)
     timeout 560 python3 -m bench.serve --checkpoint 0.8B --clients 16 64 --chat \
         --requests-per-client 3 --log-dir "$OUT/schat" >"$OUT/servechat.log" 2>&1
