@@ -84,9 +84,9 @@ class EngineConfig:
     submit_decode_first: bool | None = None
     # In such a step the compiled decode rows' tokens are also drawn before the prompts'
     # graphs are built, and read back and handed to their streams once the prompt forward
-    # is queued, while it computes: a stream's gap across the step is the decode rows'
-    # part, not the whole lockstep step (on a GPU most of the streams' p99 gap). Unset: on
-    # for Metal/CUDA (with compile_decode; it queues the decode forward first by itself)
+    # is queued, while it computes (with compile_decode; it queues the decode forward
+    # first by itself). Unset: off on every device: on an H100 at 9B it made the streams'
+    # p99 gap and the mixed steps longer, not shorter (bench/README.md)
     publish_decode_first: bool | None = None
     # Decode step as one mx.compile'd call (engine/decode.py); unset: on for Metal/CUDA
     # (launch-bound), off on CPU (no measured win: tiny B=16 206 vs 201 tok/s)

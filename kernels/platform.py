@@ -51,8 +51,11 @@ GPU_DEFAULT_ON = (
     "batch_prefill",
     "pipeline_steps",
     "submit_decode_first",
-    "publish_decode_first",
 )
+# Step shapes whose default is off on every device: a mixed step's decode rows' tokens
+# read back while its prompt forward computes made an H100's mixed steps and the
+# streams' longest gaps longer at 9B (bench/README.md)
+DEFAULT_OFF = ("publish_decode_first",)
 
 
 class PlatformSwitches(Protocol):
@@ -121,7 +124,7 @@ class Platform:
 
     def switches(self) -> dict[str, bool]:
         """Each compiled path and kernel, on or off."""
-        names = (*GPU_DEFAULT_ON, "pack_token_wise", *FUSED_KERNEL_DEVICES)
+        names = (*GPU_DEFAULT_ON, *DEFAULT_OFF, "pack_token_wise", *FUSED_KERNEL_DEVICES)
         return {name: getattr(self, name) for name in names}
 
     def describe(self) -> str:
@@ -151,6 +154,7 @@ def resolve_platform(
         device, name, version = _probe()
     gpu = device != "cpu"
     values: dict[str, bool] = {name: gpu for name in GPU_DEFAULT_ON}
+    values.update(dict.fromkeys(DEFAULT_OFF, False))
     values["pack_token_wise"] = not gpu
     values.update({k: device in devices for k, devices in FUSED_KERNEL_DEVICES.items()})
     for key in values:

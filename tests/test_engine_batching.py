@@ -230,8 +230,8 @@ def test_a_lockstep_step_publishes_the_step_in_flight_before_its_forward(
 def test_a_mixed_step_publishes_its_decode_rows_before_its_prompt_forward_ends(
     loaded: LoadedModel,
 ) -> None:
-    """publish_decode_first (a GPU's default) with the compiled decode batch: in a step
-    with a prompt chunk beside decode rows, the rows' own tokens are drawn ahead of the
+    """publish_decode_first (a switch, off by default) with the compiled decode batch: in a
+    step with a prompt chunk beside decode rows, the rows' own tokens are drawn ahead of the
     prompt forward and handed to `publish` once it is queued, not returned with the
     step (a stream's gap is the decode part, not the whole lockstep step); the tokens
     are those of the same engine without it."""

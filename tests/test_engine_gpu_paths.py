@@ -161,8 +161,8 @@ def test_merge_and_filter_leave_growth_headroom() -> None:
 
 def test_every_gpu_path_under_load_gives_the_plain_engines_tokens() -> None:
     """The GPU's default paths together (compiled decode, fresh prompts and later chunks,
-    batched prefill, pipelined steps, the decode forward queued and its tokens read back
-    first, the prefix cache)
+    batched prefill, pipelined steps, the decode forward queued first, the prefix cache;
+    and the decode rows' tokens read back first, a switch off by default)
     at up to 32 rows, with prompts of 40-400 tokens arriving in waves while others
     decode, half of them sharing a prefix (next turns of a chat: restored rows whose rest
     runs as later chunks): the tokens of an engine with every one of those paths off."""

@@ -44,7 +44,6 @@ STEP_SHAPES = (
     "batch_prefill",
     "pipeline_steps",
     "submit_decode_first",
-    "publish_decode_first",
 )
 
 
@@ -54,7 +53,8 @@ def _kernel_called(*args: object, **kwargs: object) -> None:
 
 def test_device_defaults() -> None:
     """Unset switches: the CPU runs plain ops and packs token-wise; CUDA has every kernel
-    and the GPU step shapes; Metal all but the CUDA-only scan."""
+    and the GPU step shapes; Metal all but the CUDA-only scan; no device publishes a
+    mixed step's decode rows first (measured slower on an H100)."""
     cpu_profile = resolve_platform(EngineConfig(), "float32", device="cpu")
     assert cpu_profile.pack_token_wise
     assert not any(getattr(cpu_profile, k) for k in (*KERNELS, *STEP_SHAPES))
@@ -63,6 +63,7 @@ def test_device_defaults() -> None:
     metal = resolve_platform(None, device="metal")
     assert not metal.deltanet_scan
     assert metal.fused_deltanet_decode and metal.fused_rms_norm and metal.fused_gated_delta_step
+    assert not any(p.publish_decode_first for p in (cpu_profile, cuda, metal))
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda", "metal"])
