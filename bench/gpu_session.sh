@@ -14,22 +14,20 @@
 #   call 2 (carry .wb):  bash bench/gpu_session.sh setup start9b warm08  (~3 min on a fresh
 #                        machine: warm08 is one unmeasured server run while MLX builds its
 #                        kernels; without a carried ptx cache a first server takes ~150 s)
-#   call 3:              bash bench/gpu_session.sh first9b      (issue 30: a mixed step's
-#                        decode tokens streamed while its prompt forward computes, on / off,
-#                        9B; 2026-12-07 the 9B p99 gap was 3.2x / 3.5x its p50 at 16 / 64
-#                        clients, each gap over it one mixed step)
-#   call 4:              FIRST_SHAPE=0.8B bash bench/gpu_session.sh first9b
-#   call 5:              bash bench/gpu_session.sh specsteps    (issue 32 since cf4dbd6 /
-#                        227f6b0: several rows draft at one width, measured runs repeated
-#                        while they trace; 2026-12-07 0.8B B = 8 0.84x with 6 traced steps)
-#   call 6:              SPEC_BATCHES="1 16" bash bench/gpu_session.sh spec9b  (9B B = 1,
-#                        16 at forced 80%: 1.22x / 0.49x on 2026-12-07)
-#   call 7:              bash bench/gpu_session.sh serve9b      (the headline against
-#                        mlx_lm.server at HEAD; then serve08)
-#   (2026-12-07, H100: serve08 twice, inproc08, ahead08 and gil08 ran; a second lease:
-#   serve9b, specsteps, proc9b, chunk9b, spec9b, tests: bench/README.md)
-#   then, as time allows: tests2 (the engine-level GPU tests; `tests` was cut at 79% on
-#                        2026-12-07, its kernel files had all passed), mixedc,
+#   call 3:              bash bench/gpu_session.sh share        (issue 30's >= 80%: the server
+#                        against bench.gpu's engine in-process in one invocation, since
+#                        b861157 with the in-process engine kept across its warm-up; at
+#                        76a5314 the server did 4,894 tok/s at the in-process workload)
+#   call 4:              SHARE_SHAPE=9B bash bench/gpu_session.sh share
+#   call 5:              bash bench/gpu_session.sh specparts    (issue 32: a verify step's draft
+#                        chain timed apart, 9B B = 1 float32 and bf16, 0.8B B = 8)
+#   call 6:              bash bench/gpu_session.sh serve9b      (the headline at HEAD, since
+#                        b861157 without publish_decode_first; then serve08)
+#   (2026-12-07, H100, three leases: serve08 twice, inproc08, ahead08, gil08; serve9b,
+#   specsteps, proc9b, chunk9b, spec9b, tests; first9b, share, smallm, spec9b, specbf16,
+#   serve9b: bench/README.md)
+#   then, as time allows: tests2 (the engine-level GPU tests; a 140 s part of it on
+#                        2026-12-07 passed 8 and was cut before test_compiled_prompt), mixedc,
 #                        spec35 then serve35; `ptxsave` at a call's end when the next lease
 #                        can carry it
 #   older steps:         tests, scan, tune, hostcost, chunk, slots, nodecost, graphs08,
@@ -689,6 +687,23 @@ specbf16() {  # issue 32: the steps table of specsteps at 9B B = 1 in the checkp
     timeout 240 python3 -m bench.speculative --checkpoint 9B --batches 1 --accept 0.8 \
         --always >"$OUT/specbf16.log" 2>&1
     grep '^|' "$OUT/specbf16.log"
+}
+
+specparts() {  # issue 32: a verify step's draft chain timed apart (--time-drafts: the device
+    # synchronised around it), rows drafting every step: 9B B = 1 float32 (TF32 off) and
+    # bf16, 0.8B B = 8. 2026-12-07 (76a5314): a 9B B = 1 verify 25.6 ms against a decode
+    # step's 11.7 (float32), 12.6 against 7.9 (bf16), while its matmuls at M = 3 cost only
+    # 1.1-1.5x M = 1 (smallm): is the rest the head's chain or the verify forward?
+    need9b
+    MLX_ENABLE_TF32=0 timeout 200 python3 -m bench.speculative --checkpoint 9B --batches 1 \
+        --dtype float32 --accept 0.8 --always --time-drafts >"$OUT/specparts9b.log" 2>&1
+    grep '^|' "$OUT/specparts9b.log" | tail -3
+    timeout 150 python3 -m bench.speculative --checkpoint 9B --batches 1 --accept 0.8 --always \
+        --time-drafts >"$OUT/specparts9b_bf16.log" 2>&1
+    grep '^|' "$OUT/specparts9b_bf16.log" | tail -3
+    MLX_ENABLE_TF32=0 timeout 120 python3 -m bench.speculative --checkpoint 0.8B --batches 8 \
+        --dtype float32 --accept 0.8 --always --time-drafts >"$OUT/specparts08.log" 2>&1
+    grep '^|' "$OUT/specparts08.log" | tail -3
 }
 
 servechat() {  # 0.8B, each client's 3 requests the turns of one chat (history resent)

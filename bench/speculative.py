@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # MLX is imported after ensure_openblas (main), so lazily bel
     from deltaserve.engine.config import EngineConfig
     from deltaserve.engine.engine import LLMEngine
     from deltaserve.engine.sampling.sampler import SamplingRow
+    from deltaserve.engine.speculative import DraftRound
     from deltaserve.engine.types import RequestOutput
     from deltaserve.models.build import LoadedModel
 
@@ -68,10 +69,14 @@ class Engine(Ours):
         oracle: list[dict[int, list[int]]] | None = None,
         seed: int = 0,
         always: bool = False,
+        time_drafts: bool = False,
     ) -> None:
+        """time_drafts: the device synchronised around each verify step's draft chain, so
+        its time is measured apart (`draft_ms`); it then no longer overlaps the rest."""
         self.name, self.loaded, self.config = name, loaded, config
         self.accept, self.oracle, self.seed = accept, oracle, seed
-        self.always = always
+        self.always, self.time_drafts = always, time_drafts
+        self._drafts_s: list[float] = []  # each draft chain's time, this run
         self.outputs: dict[int, list[int]] = {}
         self.runs: list[dict[int, list[int]]] = []  # each run's outputs (warm-up first)
         self._counts: dict[int, int] = {}  # tokens per request in the last step
@@ -87,7 +92,7 @@ class Engine(Ours):
         running server."""
         from deltaserve.engine.scheduling.speculation import SpeculationStats
 
-        self.outputs, self._counts = {}, {}
+        self.outputs, self._counts, self._drafts_s = {}, {}, []
         self.runs.append(self.outputs)
         if self._engine is None:
             self._engine = self._build()
@@ -123,6 +128,8 @@ class Engine(Ours):
             out[f"{kind}_host_ms"] = {
                 p: round(1e3 * v, 2) for p, v in zip(HOST_PARTS, parts, strict=True)
             }
+        if self._drafts_s:
+            out["draft_ms"] = round(1e3 * sum(self._drafts_s) / len(self._drafts_s), 2)
         out["traced_steps"] = after.traced - before.traced
         spec = self._engine.speculation
         out["break_even"] = spec.break_even() if spec is not None else None
@@ -134,6 +141,8 @@ class Engine(Ours):
         engine = LLMEngine(self.loaded, self.config)
         if self.accept is not None:
             self._force(engine)
+        if self.time_drafts and engine.runner.drafter is not None:
+            self._time_drafts(engine)
         if self.always and engine.speculation is not None:
             # a break-even of 0: no row ever pauses, so every step verifies
             engine.speculation.break_even = lambda: 0.0  # type: ignore[method-assign]
@@ -151,6 +160,28 @@ class Engine(Ours):
 
         engine.step = recording  # type: ignore[method-assign]
         return engine
+
+    def _time_drafts(self, engine: LLMEngine) -> None:
+        """Each draft chain evaluated on its own, the device synchronised before and
+        after: what the head's k forwards (and their vocabulary projections) cost in a
+        verify step, against the step's wall time."""
+        import time
+
+        import mlx.core as mx
+
+        drafter = engine.runner.drafter
+        draft = drafter.draft
+
+        def timed(*args: object) -> DraftRound:
+            mx.synchronize()
+            start = time.perf_counter()
+            out = draft(*args)
+            mx.eval([a for a in (out.tokens, out.logits) if a is not None])
+            mx.synchronize()
+            self._drafts_s.append(time.perf_counter() - start)
+            return out
+
+        drafter.draft = timed  # type: ignore[method-assign]
 
     def _force(self, engine: LLMEngine) -> None:
         """The drafter proposes oracle tokens, each kept with probability `accept`."""
@@ -218,7 +249,10 @@ def compare(
     spec = dataclasses.replace(config, speculative="mtp", num_speculative_tokens=args.k)
     for accept in args.accept:
         forced = None if accept == "real" else float(accept)
-        impl = Engine("mtp", loaded, spec, forced, plain.runs, args.seed + batch, args.always)
+        impl = Engine(
+            "mtp", loaded, spec, forced, plain.runs, args.seed + batch, args.always,
+            args.time_drafts,
+        )  # fmt: skip
         row = _steady(impl, shape)
         stats = impl.engine.speculation.stats if impl.engine.speculation else None
         drafted = stats.num_drafted if stats else 0
@@ -283,9 +317,9 @@ def steps_table(rows: list[dict]) -> str:
     run's steps that traced a shape (any kind), the runs it took (_steady) and the
     break-even on each line."""
     out = [
-        "| B | mode | kind | steps | wall ms | build | submit | sample | update | traced "
-        "| runs | break-even |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| B | mode | kind | steps | wall ms | build | submit | sample | update | draft ms "
+        "| traced | runs | break-even |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         for kind in ("decode", "verify"):
@@ -293,10 +327,12 @@ def steps_table(rows: list[dict]) -> str:
                 continue
             host = r[f"{kind}_host_ms"]
             even = r.get("break_even")
+            draft = r.get("draft_ms") if kind == "verify" else None
             out.append(
                 f"| {r['batch']} | {r['mode']} | {kind} | {r[f'{kind}_steps']} | "
                 f"{r[f'{kind}_ms']:.2f} | {host['build']:.2f} | {host['submit']:.2f} | "
-                f"{host['sample']:.2f} | {host['update']:.2f} | {r['traced_steps']} | "
+                f"{host['sample']:.2f} | {host['update']:.2f} | "
+                f"{'' if draft is None else f'{draft:.2f}'} | {r['traced_steps']} | "
                 f"{r['runs']} | {'' if even is None else f'{even:.2f}'} |"
             )
     return "\n".join(out)
@@ -328,6 +364,12 @@ def main() -> None:
         action="store_true",
         help="rows draft in every step (the policy's pauses off): what a verify step costs "
         "against a plain one, whatever its drafts earn (the steps table)",
+    )
+    ap.add_argument(
+        "--time-drafts",
+        action="store_true",
+        help="synchronise around each verify step's draft chain and report its mean time "
+        "(draft ms): the head's share of a verify step (the chain no longer overlaps)",
     )
     ap.add_argument("--budget", type=int, default=1024, help="per-step token budget")
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk")

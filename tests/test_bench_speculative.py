@@ -21,8 +21,9 @@ def test_forced_drafts_keep_output_and_set_acceptance(monkeypatch: pytest.Monkey
     monkeypatch.setattr(Speculation, "break_even", lambda self: None)
     ours = Ours(str(cached_checkpoint("tiny")), 256, 128)
     args = argparse.Namespace(
-        gen=24, prompt=16, k=2, accept=["real", "1.0", "0.5"], seed=0, always=False
-    )
+        gen=24, prompt=16, k=2, accept=["real", "1.0", "0.5"], seed=0, always=False,
+        time_drafts=True,
+    )  # fmt: skip
     plain, real, perfect, half = compare(ours.loaded, ours.config, 2, args, random_weights=True)
     assert plain["mode"] == "no speculation" and "random weights" in real["mode"]
     assert [r["same_output"] for r in (real, perfect, half)] == [True] * 3
@@ -36,10 +37,13 @@ def test_forced_drafts_keep_output_and_set_acceptance(monkeypatch: pytest.Monkey
     assert 0 < perfect["verify_steps"] < perfect["tokens"]
     assert set(perfect["verify_host_ms"]) == {"schedule", "build", "submit", "sample", "update"}
     verify = [ln for ln in steps_table([plain, perfect]).splitlines() if "| verify |" in ln]
-    # the run's traced steps (none on the CPU: nothing compiled, one run), then the
-    # break-even (None here: the floor)
+    # the draft chains' mean time (timed apart, within the verify step's), the run's
+    # traced steps (none on the CPU: nothing compiled, one run), then the break-even
+    # (None here: the floor)
+    assert 0 < perfect["draft_ms"] < perfect["verify_ms"] and "draft_ms" not in plain
     assert perfect["traced_steps"] == 0 and perfect["runs"] == 1
-    assert len(verify) == 1 and verify[0].endswith("| 0 | 1 |  |")
+    draft = f"{perfect['draft_ms']:.2f}"
+    assert len(verify) == 1 and verify[0].endswith(f"| {draft} | 0 | 1 |  |")
 
 
 @pytest.mark.parametrize(("traced", "runs"), [([0], 1), ([3, 1, 0], 3), ([2, 2, 2, 0], 3)])
