@@ -704,6 +704,10 @@ specparts() {  # issue 32: a verify step's draft chain timed apart (--time-draft
     MLX_ENABLE_TF32=0 timeout 120 python3 -m bench.speculative --checkpoint 0.8B --batches 8 \
         --dtype float32 --accept 0.8 --always --time-drafts >"$OUT/specparts08.log" 2>&1
     grep '^|' "$OUT/specparts08.log" | tail -3
+    # the verify's DeltaNet layers: the many-column kernel against the decode kernel
+    timeout 60 python3 -m bench.deltanet_slots --shape 9B >"$OUT/slots9b.log" 2>&1
+    timeout 60 python3 -m bench.deltanet_slots --shape 9B --dtype float32 >>"$OUT/slots9b.log" 2>&1
+    grep '^|' "$OUT/slots9b.log"
 }
 
 servechat() {  # 0.8B, each client's 3 requests the turns of one chat (history resent)
