@@ -424,13 +424,17 @@ share() {  # issue 30's ">= 80% of in-process" in one invocation (bench.serve --
     # two requests each, 32-400 words: the ramp and the tail as well). SHARE_SHAPE: 0.8B
     local shape=${SHARE_SHAPE:-0.8B}
     [ "$shape" = 9B ] && need9b
-    timeout 200 python3 -m bench.serve --checkpoint "$shape" --clients 64 --only deltaserve \
-        --requests-per-client 1 --ramp-s 0 --prompt-words 96 --inproc \
-        --log-dir "$OUT/share$shape-same" >"$OUT/share${shape}_same.log" 2>&1
-    grep -A4 'in-process (bench.gpu' "$OUT/share${shape}_same.log"
-    timeout 200 python3 -m bench.serve --checkpoint "$shape" --clients 64 --only deltaserve \
-        --inproc --log-dir "$OUT/share$shape-head" >"$OUT/share${shape}_head.log" 2>&1
-    grep -A4 'in-process (bench.gpu' "$OUT/share${shape}_head.log"
+    # (server logs and streams under /tmp: the device tool returns a limited count of
+    # files; the in-process runs' lines come back)
+    local run
+    for run in same head; do
+        local flags="--inproc --log-dir /tmp/share$shape-$run"
+        [ "$run" = same ] && flags="$flags --requests-per-client 1 --ramp-s 0 --prompt-words 96"
+        timeout 200 python3 -m bench.serve --checkpoint "$shape" --clients 64 --only deltaserve \
+            $flags >"$OUT/share${shape}_$run.log" 2>&1
+        cp "/tmp/share$shape-$run/inproc_64.jsonl" "$OUT/share${shape}_${run}_inproc.jsonl"
+        grep -A4 'in-process (bench.gpu' "$OUT/share${shape}_$run.log"
+    done
 }
 
 forwards64() {  # 0.8B, deltaserve alone at 64 clients with --log-level debug: how many
