@@ -17,26 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import mlx.core as mx
 
+from bench.timing import median_eval_seconds
 from deltaserve.kernels.deltanet_decode import DecodeDims, deltanet_decode, deltanet_decode_slots
 from deltaserve.models.testing.config import SHAPES
-
-
-def _median_s(fn, reps: int) -> float:
-    """Median wall seconds of `fn()` evaluated alone, after two warm-up calls."""
-    for _ in range(2):
-        mx.eval(fn())
-    times = []
-    for _ in range(reps):
-        mx.synchronize()
-        start = time.perf_counter()
-        mx.eval(fn())
-        mx.synchronize()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -85,7 +71,7 @@ def main() -> None:
                 def call(proj=proj, states=states):
                     return [deltanet_decode_slots(dims, proj, c, h, *weights) for c, h in states]
 
-            ms = 1e3 * _median_s(call, args.reps) / args.layers
+            ms = 1e3 * median_eval_seconds(call, args.reps) / args.layers
             base = base or ms
             row = {"batch": batch, "columns": columns, "ms_a_layer": round(ms, 4),
                    "vs_decode": round(ms / base, 2)}  # fmt: skip

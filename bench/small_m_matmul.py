@@ -18,21 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import mlx.core as mx
 
-
-def _time(fn, reps: int) -> float:
-    """Median seconds of `fn()` evaluated, after two warm-up calls."""
-    for _ in range(2):
-        mx.eval(fn())
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+from bench.timing import median_eval_seconds
 
 
 def main() -> None:
@@ -58,8 +47,10 @@ def main() -> None:
             for m in args.rows:
                 x = mx.random.normal((m, k)).astype(dtype)
                 mx.eval(x)
-                plain = _time(lambda x=x, ws=ws: [x @ w.T for w in ws], args.reps)
-                flipped = _time(lambda x=x, ws=ws: [(w @ x.T).T for w in ws], args.reps)
+                plain = median_eval_seconds(lambda x=x, ws=ws: [x @ w.T for w in ws], args.reps)
+                flipped = median_eval_seconds(
+                    lambda x=x, ws=ws: [(w @ x.T).T for w in ws], args.reps
+                )
                 base = base or plain
                 read = args.stack * n * k * x.itemsize
                 row = {
