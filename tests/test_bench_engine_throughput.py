@@ -1,0 +1,30 @@
+"""bench.engine_throughput's `throughput` (bench.gpu's in-process figure): its warm-up
+run meets every compiled shape the measured run does, on the one engine both share, so
+the measured run traces none (a fresh engine would trace them inside the timing).
+Figures only; no time is asserted."""
+
+from __future__ import annotations
+
+from bench.engine_throughput import Ours, throughput
+from deltaserve.engine.engine import LLMEngine
+from deltaserve.models.testing import cached_checkpoint
+
+
+def test_the_measured_run_traces_no_compiled_shape() -> None:
+    ours = Ours(str(cached_checkpoint("tiny")), 256, 128, pack=False, compile_decode=True)
+    traced: list[int] = []
+    run = ours.run
+
+    def count(engine: LLMEngine | None) -> int:
+        return engine.scheduler.step_times.snapshot().traced if engine is not None else 0
+
+    def counted(prompts: list[list[int]], gens: list[int], on_token) -> None:
+        engine, before = ours.engine, count(ours.engine)
+        run(prompts, gens, on_token)
+        traced.append(count(ours.engine) - (before if ours.engine is engine else 0))
+
+    ours.run = counted  # type: ignore[method-assign]
+    row = throughput(ours, 4, 24, 24, 16, 40)
+    assert row["tokens"] == 4 * 24
+    warm, measured = traced
+    assert warm > 0 and measured == 0  # the compiled decode was traced, in the warm-up only
