@@ -80,11 +80,10 @@ class Engine(Ours):
         self.outputs: dict[int, list[int]] = {}
         self.runs: list[dict[int, list[int]]] = []  # each run's outputs (warm-up first)
         self._counts: dict[int, int] = {}  # tokens per request in the last step
-        self._engine: LLMEngine | None = None
+        self.engine: LLMEngine | None = None
         self.before: StepTimes | None = None  # the step times before the last run
-        self.make = self._make
 
-    def _make(self) -> LLMEngine:
+    def make(self) -> LLMEngine:
         """One engine for the warm-up and the measured run: mx.compile traces per engine
         (each compiled step is a bound method of it), so a fresh engine would trace its
         decode, verify and draft shapes inside the measured run. The speculation counters
@@ -94,12 +93,12 @@ class Engine(Ours):
 
         self.outputs, self._counts, self._drafts_s = {}, {}, []
         self.runs.append(self.outputs)
-        if self._engine is None:
-            self._engine = self._build()
-        elif self._engine.speculation is not None:
-            self._engine.speculation.stats = SpeculationStats()
-        self.before = self._engine.scheduler.step_times.snapshot()
-        return self._engine
+        if self.engine is None:
+            self.engine = self._build()
+        elif self.engine.speculation is not None:
+            self.engine.speculation.stats = SpeculationStats()
+        self.before = self.engine.scheduler.step_times.snapshot()
+        return self.engine
 
     def steps(self) -> dict:
         """The last run's steps by kind (decode, verify): how many, their mean wall ms
@@ -111,8 +110,8 @@ class Engine(Ours):
         None: not measured)."""
         from deltaserve.engine.api import HOST_PARTS, STEP_KINDS
 
-        assert self._engine is not None and self.before is not None, "steps() before a run"
-        after, before = self._engine.scheduler.step_times.snapshot(), self.before
+        assert self.engine is not None and self.before is not None, "steps() before a run"
+        after, before = self.engine.scheduler.step_times.snapshot(), self.before
         out: dict = {}
         for kind in ("decode", "verify"):
             k = STEP_KINDS.index(kind)
@@ -131,7 +130,7 @@ class Engine(Ours):
         if self._drafts_s:
             out["draft_ms"] = round(1e3 * sum(self._drafts_s) / len(self._drafts_s), 2)
         out["traced_steps"] = after.traced - before.traced
-        spec = self._engine.speculation
+        spec = self.engine.speculation
         out["break_even"] = spec.break_even() if spec is not None else None
         return out
 
