@@ -14,15 +14,13 @@
 #   call 2 (carry .wb):  bash bench/gpu_session.sh setup start9b warm08  (~3 min on a fresh
 #                        machine: warm08 is one unmeasured server run while MLX builds its
 #                        kernels; without a carried ptx cache a first server takes ~150 s)
-#   call 3:              bash bench/gpu_session.sh share        (issue 30's >= 80%: the server
-#                        against bench.gpu's engine in-process in one invocation, since
-#                        b861157 with the in-process engine kept across its warm-up; at
-#                        76a5314 the server did 4,894 tok/s at the in-process workload)
-#   call 4:              SHARE_SHAPE=9B bash bench/gpu_session.sh share
-#   call 5:              bash bench/gpu_session.sh specparts    (issue 32: a verify step's draft
-#                        chain timed apart, 9B B = 1 float32 and bf16, 0.8B B = 8)
-#   call 6:              bash bench/gpu_session.sh serve9b      (the headline at HEAD, since
-#                        b861157 without publish_decode_first; then serve08)
+#   call 3:              bash bench/gpu_session.sh share2       (issue 30's >= 80% at the in-process
+#                        run's workload, ours in the server's process and in its own, twice)
+#   call 4:              PROC_ORDER="process thread" bash bench/gpu_session.sh proc9b  (the
+#                        engine's own process at 9B, in the order the last pair did not run)
+#   call 5:              bash bench/gpu_session.sh prof08       (py-spy, .wb/py_spy.whl: where the
+#                        in-process engine's host time goes at B = 64)
+#   call 6:              bash bench/gpu_session.sh serve9b      (the headline at HEAD)
 #   (2026-12-07, H100, three leases: serve08 twice, inproc08, ahead08, gil08; serve9b,
 #   specsteps, proc9b, chunk9b, spec9b, tests; first9b, share, smallm, spec9b, specbf16,
 #   serve9b: bench/README.md)
@@ -286,7 +284,7 @@ proc9b() {  # proc08's pair for 9B at 16 and 64 clients, once each (after start9
     # there (2026-12-06, in the server's process: p90 11.2 ms against 2.5)
     need9b
     local mode extra log
-    for mode in thread process; do
+    for mode in ${PROC_ORDER:-thread process}; do
         extra="--log-level debug"
         [ "$mode" = process ] && extra="$extra --engine-process"
         timeout 280 python3 -m bench.serve --checkpoint 9B --clients 16 64 \
@@ -417,6 +415,49 @@ inproc08() {  # issue 30's in-process reference: the engine alone at B = 64 (ben
     grep '^|' "$OUT/inproc08.log"
 }
 
+share2() {  # issue 30's ">= 80% of in-process" at the in-process run's own workload (all 64
+    # at once, one request each, 96 words): ours in the server's process / in its own
+    # (--engine-process) / again in each, one machine, then bench.gpu's engine in-process
+    # once (the last run's --inproc). 2026-12-07 (76a5314): 4,894 tok/s against an
+    # in-process figure whose engine traced inside its timing (fixed in b861157)
+    local run=0 mode flags
+    for mode in thread process thread process; do
+        run=$((run + 1))
+        flags="--log-dir /tmp/share2-$run --requests-per-client 1 --ramp-s 0 --prompt-words 96"
+        [ "$run" = 4 ] && flags="$flags --inproc"
+        [ "$mode" = process ] && flags="$flags --extra-args=--engine-process"
+        timeout 200 python3 -m bench.serve --checkpoint 0.8B --clients 64 --only deltaserve \
+            $flags >"$OUT/share2_${run}_$mode.log" 2>&1
+        grep -E '^\| 64 \| deltaserve' "$OUT/share2_${run}_$mode.log" | sed "s/^/$run $mode /"
+    done
+    cp /tmp/share2-4/inproc_64.jsonl "$OUT/share2_inproc.jsonl"
+    grep -A4 'in-process (bench.gpu' "$OUT/share2_4_process.log"
+}
+prof08() {  # where the in-process engine's host time goes at B = 64 (bench.gpu, 108-token
+    # prompts: the prompt steps' graph building was 36-39 ms a step through the server at
+    # 76a5314), sampled by py-spy (carried in .wb) as collapsed stacks
+    python3 -m zipfile -e .wb/py_spy.whl /tmp/pyspy
+    local spy
+    spy=$(find /tmp/pyspy -name py-spy -type f | head -1)
+    chmod +x "$spy"
+    timeout 200 "$spy" record --format raw -r 500 -o "$OUT/prof08.txt" -- python3 -m bench.gpu \
+        --shape 0.8B --batches 64 --prompt 108 --gen 128 --only deltaserve --no-check \
+        >"$OUT/prof08.log" 2>&1
+    grep '^|' "$OUT/prof08.log" | tail -1
+    if [ -s "$OUT/prof08.txt" ]; then
+        python3 -m bench.collapsed "$OUT/prof08.txt" --top 25 >"$OUT/prof08_top.txt"
+        python3 -m bench.collapsed "$OUT/prof08.txt" --top 40 --under "execute (" \
+            >>"$OUT/prof08_top.txt"
+        head -32 "$OUT/prof08_top.txt"
+    else  # no ptrace here: Python's own profiler (slower, but the same call tree)
+        tail -3 "$OUT/prof08.log"
+        timeout 200 python3 -m cProfile -o /tmp/prof08.pstats -m bench.gpu --shape 0.8B \
+            --batches 64 --prompt 108 --gen 128 --only deltaserve --no-check >>"$OUT/prof08.log" 2>&1
+        python3 -c 'import pstats; pstats.Stats("/tmp/prof08.pstats").sort_stats("cumtime").print_stats(60)' \
+            >"$OUT/prof08_top.txt"
+        grep -E "execute|_compiled|prefill|merge|sync|async_eval" "$OUT/prof08_top.txt" | head -30
+    fi
+}
 share() {  # issue 30's ">= 80% of in-process" in one invocation (bench.serve --inproc): ours
     # at 64 clients, then bench.gpu's engine alone at B = 64 with the phase's median prompt
     # tokens; first the in-process run's own workload (all 64 at once, one request each,
