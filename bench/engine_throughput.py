@@ -88,6 +88,15 @@ class Ours:
                 if d.token_ids and d.request_id.isdigit():
                     on_token(int(d.request_id), now)
 
+    def step_times(self) -> dict:
+        """The engine's steps so far: per kind (count, summed seconds), and how many traced
+        a compiled shape (a difference of two says what one run held)."""
+        from deltaserve.engine.api import STEP_KINDS
+
+        snap = self.make().scheduler.step_times.snapshot()
+        kinds = {k: (snap.counts[i][-1], snap.seconds[i]) for i, k in enumerate(STEP_KINDS)}
+        return {"kinds": kinds, "traced": snap.traced}
+
     def add_late(self, prompt: list[int], gen: int) -> None:
         from deltaserve.engine.types import GenerationRequest, SamplingParams
 
@@ -147,9 +156,11 @@ def throughput(
         stamps.append(now)
         first.setdefault(i, now)
 
+    before = impl.step_times() if isinstance(impl, Ours) else None
     start = time.perf_counter()
     impl.run(prompts, gens, on_token)
     wall = time.perf_counter() - start
+    steps = _steps_between(before, impl.step_times()) if before is not None else {}
     ttft = [t - start for t in first.values()]
     # Decode rate: tokens after every row has its first one, over that window.
     all_started = max(first.values())
@@ -163,7 +174,20 @@ def throughput(
         "decode_tok_s": len(decode) / decode_window if decode else float("nan"),
         "ttft_p50_s": _pct(ttft, 0.5),
         "wall_s": wall,
+        **steps,
     }
+
+
+def _steps_between(before: dict, after: dict) -> dict:
+    """What the measured run's steps were (Ours.step_times before and after it): per kind
+    its count and mean ms, and the steps that traced a compiled shape inside it (each a
+    one-off a server that has run a while does not pay)."""
+    kinds = {}
+    for kind, (count, seconds) in after["kinds"].items():
+        n, s = count - before["kinds"][kind][0], seconds - before["kinds"][kind][1]
+        if n:
+            kinds[kind] = {"n": n, "mean_ms": round(1e3 * s / n, 2)}
+    return {"steps": kinds, "traced": after["traced"] - before["traced"]}
 
 
 ARRIVAL_STEP = 40  # row 0's token count when the long prompt arrives

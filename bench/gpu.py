@@ -79,6 +79,12 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=2048, help="our per-step token budget")
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--hbm", type=float, default=4.3e12, help="HBM bytes/s (H200 measured)")
+    ap.add_argument(
+        "--stall",
+        type=float,
+        default=None,
+        help="our max_stall_factor (default: the engine's; 0: prompts at the token budget)",
+    )
     ap.add_argument("--only", choices=["deltaserve", "mlx_lm"], default=None)
     ap.add_argument("--no-check", action="store_true", help="skip the compiled==uncompiled check")
     ap.add_argument("--out", default=None)
@@ -98,7 +104,8 @@ def main() -> None:
     ]
     impls = []
     if args.only in (None, "deltaserve"):
-        ours = Ours(path, args.budget, args.chunk, pack=False)
+        stall = {} if args.stall is None else {"max_stall_factor": args.stall}
+        ours = Ours(path, args.budget, args.chunk, pack=False, **stall)
         impls.append(ours)
         if not args.no_check:
             lines.append(check_compiled(ours, args.prompt))

@@ -433,6 +433,19 @@ share2() {  # issue 30's ">= 80% of in-process" at the in-process run's own work
     cp /tmp/share2-4/inproc_64.jsonl "$OUT/share2_inproc.jsonl"
     grep -A4 'in-process (bench.gpu' "$OUT/share2_4_process.log"
 }
+inproc2() {  # bench.gpu's in-process engine at B = 64, 108-token prompts (share2's workload),
+    # the engine's stall bound as is and off: 2026-12-07 (ff1bbc7) its measured run's TTFT
+    # p50 was 1.88 s where the server's, same workload, was 0.28 s; each run's steps by
+    # kind and traced shapes say why
+    local stall
+    for stall in default 0 default; do
+        local flag=""
+        [ "$stall" = 0 ] && flag="--stall 0"
+        timeout 150 python3 -m bench.gpu --shape 0.8B --batches 64 --prompt 108 --gen 128 \
+            --only deltaserve --no-check $flag >"$OUT/inproc2_$stall.log" 2>&1
+        grep '"impl"' "$OUT/inproc2_$stall.log" | sed "s/^/$stall /" | cut -c1-600
+    done
+}
 prof08() {  # where the in-process engine's host time goes at B = 64 (bench.gpu, 108-token
     # prompts: the prompt steps' graph building was 36-39 ms a step through the server at
     # 76a5314), sampled by py-spy (carried in .wb) as collapsed stacks

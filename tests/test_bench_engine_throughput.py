@@ -28,3 +28,6 @@ def test_the_measured_run_traces_no_compiled_shape() -> None:
     assert row["tokens"] == 4 * 24
     warm, measured = traced
     assert warm > 0 and measured == 0  # the compiled decode was traced, in the warm-up only
+    # the row says what the measured run's steps were, its own traces counted the same way
+    assert row["traced"] == measured
+    assert row["steps"]["decode"]["n"] >= 23 and row["steps"]["decode"]["mean_ms"] > 0
