@@ -137,9 +137,19 @@ class MlxLm:
 
 
 def throughput(
-    impl, batch: int, gen_lo: int, gen_hi: int, plo: int, phi: int, warm_tokens: int | None = None
+    impl,
+    batch: int,
+    gen_lo: int,
+    gen_hi: int,
+    plo: int,
+    phi: int,
+    warm_tokens: int | None = None,
+    shift: int = 0,
 ) -> dict:
-    prompts = _prompts(batch, plo, phi, seed=batch)
+    """One warm-up run, then the measured one; `shift` moves both runs' prompt tokens (by
+    2 x shift) so a repeat on a kept engine meets no prefix of an earlier call's prompts
+    in its prefix cache."""
+    prompts = [[t + 2 * shift for t in p] for p in _prompts(batch, plo, phi, seed=batch)]
     rng = random.Random(batch + 1)
     gens = [rng.randint(gen_lo, gen_hi) for _ in range(batch)]
     # Warm-up on the measured shapes (the same batch, prompt and answer lengths, other

@@ -113,6 +113,15 @@ tests2() {  # the engine-level half of `tests`, without the kernels' files (2026
     grep -E "passed|failed|FAILED|ERROR" "$OUT/gpu_tests2.log" | tail -20
 }
 
+tests3() {  # the GPU-only tests that no lease reached since the twenty-third session (each
+    # `tests` / `tests2` call was cut before them): the compiled prompt paths against the
+    # eager ones, and the decode-first publish (off by default, its switch kept)
+    MLX_ENABLE_TF32=0 timeout "${TESTS_S:-540}" python3 -m pytest -q -p no:cacheprovider -vv \
+        --tb=short -rfE --timeout 120 \
+        tests/test_engine_batching.py::test_a_mixed_step_publishes_its_decode_rows_before_its_prompt_forward_ends \
+        tests/test_compiled_prompt.py >"$OUT/gpu_tests3.log" 2>&1
+    grep -E "passed|failed|FAILED|ERROR" "$OUT/gpu_tests3.log" | tail -20
+}
 scan() {  # the DeltaNet prefill scan kernel against the chunked form
     timeout 150 python3 -m bench.deltanet_scan >"$OUT/scan.log" 2>&1
     cat "$OUT/scan.log" | cut -c1-200

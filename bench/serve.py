@@ -406,6 +406,9 @@ def _inproc(model: Path, rows: list[Row], args: argparse.Namespace) -> list[Row]
                 "prompt_tokens": prompt,
                 "inproc_tok_s": round(run["tok_s"], 2),
                 "inproc_decode_tok_s": round(run["decode_tok_s"], 2),
+                # bench.gpu's runs to a measured run that traced nothing, and what it traced
+                "inproc_runs": run.get("runs"),
+                "inproc_traced": run.get("traced"),
                 "server_tok_s": row["tok_s"],
                 "share": round(row["tok_s"] / run["tok_s"], 3),
                 "steady_share": round(steady / run["decode_tok_s"], 3) if steady else None,
