@@ -399,6 +399,9 @@ def _inproc(model: Path, rows: list[Row], args: argparse.Namespace) -> list[Row]
             continue
         run = runs[0]
         steady = row.get("full_chunks_s")
+        ceiling = schedule_ceiling(
+            clients, args.ramp_s, args.requests_per_client, args.max_tokens, run["decode_tok_s"]
+        )
         out.append(
             {
                 "inproc": True,
@@ -412,9 +415,25 @@ def _inproc(model: Path, rows: list[Row], args: argparse.Namespace) -> list[Row]
                 "server_tok_s": row["tok_s"],
                 "share": round(row["tok_s"] / run["tok_s"], 3),
                 "steady_share": round(steady / run["decode_tok_s"], 3) if steady else None,
+                "schedule_tok_s": round(ceiling, 2),
+                "schedule_share": round(ceiling / run["tok_s"], 3),
             }
         )
     return out
+
+
+def schedule_ceiling(
+    clients: int, ramp_s: float, requests_per_client: int, max_tokens: int, decode_tok_s: float
+) -> float:
+    """The most tok/s a phase's arrival schedule allows a server whose rows decode at
+    `decode_tok_s` / clients tokens a second each (the in-process run's decode rate):
+    the last client starts ramp_s x (clients - 1) / clients in and sends its requests one
+    after another, each at least max_tokens steps, so the phase lasts at least that long
+    whatever the prefill costs. Against the in-process figure (all rows at once, one
+    request each) it says how much of the share the workload itself leaves."""
+    per_request = max_tokens * clients / decode_tok_s
+    wall = ramp_s * (clients - 1) / clients + requests_per_client * per_request
+    return clients * requests_per_client * max_tokens / wall
 
 
 def _ratios(rows: list[Row]) -> list[Row]:
@@ -462,17 +481,19 @@ def _table(
             "median prompt tokens)",
             "",
             "| clients | prompt tokens | server tok/s | in-process tok/s | share "
-            "| steady chunks/s share of in-process decode |",
-            "|---|---|---|---|---|---|",
+            "| steady chunks/s share of in-process decode | the arrival schedule's ceiling "
+            "(share) |",
+            "|---|---|---|---|---|---|---|",
         ]
         for r in inproc:
             if "error" in r:
                 lines.append(f"| {r['clients']} | in-process run failed: {r['error']!r} |")
                 continue
             steady = "n/a" if r["steady_share"] is None else f"{100 * r['steady_share']:.0f}%"
+            ceiling = f"{r['schedule_tok_s']:.1f} ({100 * r['schedule_share']:.0f}%)"
             lines.append(
                 f"| {r['clients']} | {r['prompt_tokens']} | {r['server_tok_s']:.1f}"
-                f" | {r['inproc_tok_s']:.1f} | {100 * r['share']:.0f}% | {steady} |"
+                f" | {r['inproc_tok_s']:.1f} | {100 * r['share']:.0f}% | {steady} | {ceiling} |"
             )
     steps = [r for r in sorted(rows, key=lambda r: r["clients"]) if "steps" in r]
     if steps:

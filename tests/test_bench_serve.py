@@ -104,7 +104,9 @@ def test_the_server_is_put_against_its_engine_in_process(
         return Done(0)
 
     monkeypatch.setattr(bench.serve, "launch", launch)
-    args = argparse.Namespace(log_dir=tmp_path, max_tokens=128, on_cpu=False)
+    args = argparse.Namespace(
+        log_dir=tmp_path, max_tokens=128, on_cpu=False, ramp_s=0.0, requests_per_client=1
+    )
     rows = [
         {
             "server": "deltaserve",
@@ -128,3 +130,18 @@ def test_the_server_is_put_against_its_engine_in_process(
     assert commands[1][commands[1].index("--gen") + 1] == "128"
     assert out[0]["clients"] == 16 and "out of memory" in out[0]["error"]
     assert out[1]["share"] == 0.8 and out[1]["steady_share"] == 0.9
+    # all rows at once, one request each: the schedule allows the in-process decode rate
+    assert out[1]["schedule_tok_s"] == 6000.0 and out[1]["schedule_share"] == 1.5
+
+
+def test_the_arrival_schedule_caps_what_a_server_can_do() -> None:
+    """The headline's schedule (a 2 s ramp, two requests a client one after another): the
+    last client starts at 2 x 63/64 s and its two 128-token requests take 2 x 128 steps
+    of 64 rows at 9,000 tok/s, so 16,384 tokens take >= 3.79 s."""
+    from bench.serve import schedule_ceiling
+
+    ceiling = schedule_ceiling(64, 2.0, 2, 128, 9000.0)
+    wall = 2.0 * 63 / 64 + 2 * 128 * 64 / 9000.0
+    assert ceiling == pytest.approx(64 * 2 * 128 / wall)
+    assert 4300 < ceiling < 4350  # well under the 9,000 tok/s the rows decode at
+    assert schedule_ceiling(64, 0.0, 1, 128, 9000.0) == pytest.approx(9000.0)
