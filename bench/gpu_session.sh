@@ -14,19 +14,18 @@
 #   call 2 (carry .wb):  bash bench/gpu_session.sh setup start9b warm08  (~3 min on a fresh
 #                        machine: warm08 is one unmeasured server run while MLX builds its
 #                        kernels; without a carried ptx cache a first server takes ~150 s)
-#   call 3:              bash bench/gpu_session.sh share2       (issue 30's >= 80% at the in-process
-#                        run's workload, ours in the server's process and in its own, twice)
-#   call 4:              PROC_ORDER="process thread" bash bench/gpu_session.sh proc9b  (the
-#                        engine's own process at 9B, in the order the last pair did not run)
-#   call 5:              bash bench/gpu_session.sh prof08       (py-spy, .wb/py_spy.whl: where the
-#                        in-process engine's host time goes at B = 64)
-#   call 6:              bash bench/gpu_session.sh serve9b      (the headline at HEAD)
-#   (2026-12-07, H100, three leases: serve08 twice, inproc08, ahead08, gil08; serve9b,
+#   call 3:              bash bench/gpu_session.sh specparts    (issue 32: a verify step's draft
+#                        chain timed apart, 9B B = 1 float32 and bf16, 0.8B B = 8)
+#   call 4:              bash bench/gpu_session.sh serve08      (the 0.8B headline at HEAD)
+#   call 5:              bash bench/gpu_session.sh share        (the server against its engine
+#                        in-process, both workloads: 2026-12-07 101% / 64%, the headline's
+#                        schedule capping any server at 76%)
+#   (2026-12-07, H100, three sessions: serve08 twice, inproc08, ahead08, gil08; serve9b,
 #   specsteps, proc9b, chunk9b, spec9b, tests; first9b, share, smallm, spec9b, specbf16,
-#   serve9b: bench/README.md)
-#   then, as time allows: tests2 (the engine-level GPU tests; a 140 s part of it on
-#                        2026-12-07 passed 8 and was cut before test_compiled_prompt), mixedc,
-#                        spec35 then serve35; `ptxsave` at a call's end when the next lease
+#   serve9b; share2, proc9b, prof08, serve9b, inproc2, share, tests3: bench/README.md)
+#   then, as time allows: tests2 (the engine-level GPU tests; tests3's part of it passed
+#                        47 of 47 on 2026-12-07), spec35 then serve35 (issue 30's third
+#                        shape), mixedc; `ptxsave` at a call's end when the next lease
 #                        can carry it
 #   older steps:         tests, scan, tune, hostcost, chunk, slots, nodecost, graphs08,
 #                        budget08, inproc08, forwards64, cap08, policy08, policy9b, fault9b,
