@@ -1,7 +1,7 @@
 """Where a sampled profile's time went: collapsed stacks (py-spy's `--format raw`, one
 `frame;frame;... count` a line, outermost first) summed by function.
 
-    python -m bench.collapsed prof.txt --top 25 [--under runner.py:execute]
+    python -m bench.collapsed prof.txt --top 25 [--under "ModelRunner.execute ("]
 
 Prints two markdown tables: each function's inclusive share of the samples (a function
 counted once per stack, however deep it recurs) and its self share (the innermost frame).

@@ -74,9 +74,9 @@ def steady(impl, shape: tuple) -> dict:
     its measured run traces no compiled shape, at most RUNS times; `runs` says how many it
     took. The warm-up runs before the step-cost model has learned anything, so its prompt
     steps take the whole token budget; the measured run's steps, next to rows decoding
-    under the stall bound, take chunks of other sizes, whose compiled shapes it then
-    traced inside its timing (an H100 at 0.8B, B = 64: two traces, TTFT p50 2.2-2.9 s
-    against 0.2 s without). A server traces a shape once in its life."""
+    under the stall bound, take chunks of other sizes, whose compiled shapes it would
+    trace inside its timing (bench/README.md). A server traces a shape once in its life,
+    in its start-up warm-up or its first busy seconds."""
     row: dict = {}
     for runs in range(1, RUNS + 1):
         row = throughput(impl, *shape, shift=runs - 1) | {"runs": runs}

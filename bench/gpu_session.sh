@@ -121,6 +121,7 @@ tests3() {  # the GPU-only tests that no lease reached since the twenty-third se
         tests/test_compiled_prompt.py >"$OUT/gpu_tests3.log" 2>&1
     grep -E "passed|failed|FAILED|ERROR" "$OUT/gpu_tests3.log" | tail -20
 }
+
 scan() {  # the DeltaNet prefill scan kernel against the chunked form
     timeout 150 python3 -m bench.deltanet_scan >"$OUT/scan.log" 2>&1
     cat "$OUT/scan.log" | cut -c1-200
@@ -467,7 +468,7 @@ prof08() {  # where the in-process engine's host time goes at B = 64 (bench.gpu,
     grep '^|' "$OUT/prof08.log" | tail -1
     if [ -s "$OUT/prof08.txt" ]; then
         python3 -m bench.collapsed "$OUT/prof08.txt" --top 25 >"$OUT/prof08_top.txt"
-        python3 -m bench.collapsed "$OUT/prof08.txt" --top 40 --under "execute (" \
+        python3 -m bench.collapsed "$OUT/prof08.txt" --top 40 --under "ModelRunner.execute (" \
             >>"$OUT/prof08_top.txt"
         head -32 "$OUT/prof08_top.txt"
     else  # no ptrace here: Python's own profiler (slower, but the same call tree)
