@@ -381,8 +381,11 @@ def main() -> None:
     random_weights = "/" not in args.checkpoint
     path = str(cached_checkpoint(args.checkpoint)) if random_weights else args.checkpoint
     print(json.dumps({"blas": blas_summary(), "checkpoint": args.checkpoint}), flush=True)
-    # loads the model once, for every engine
-    ours = Ours(path, args.budget, args.chunk, float32=args.dtype == "float32")
+    # loads the model once, for every engine. No prefix cache: _steady repeats a mode's
+    # throughput() on the same prompts (the forced drafts are the plain run's outputs for
+    # them), and a repeat that resumed them from the cache would prefill less than the
+    # first run did
+    ours = Ours(path, args.budget, args.chunk, float32=args.dtype == "float32", prefix_cache=False)
     if ours.loaded.mtp is None:
         raise SystemExit(f"{args.checkpoint} has no MTP head: nothing to speculate with")
     rows = []
