@@ -90,10 +90,13 @@ class Ours:
 
     def step_times(self) -> dict:
         """The engine's steps so far: per kind (count, summed seconds), and how many traced
-        a compiled shape (a difference of two says what one run held)."""
+        a compiled shape (a difference of two says what one run held). Reads the engine
+        a run made and never makes one: a subclass's make() starts a run's records
+        (bench.speculative's)."""
         from deltaserve.engine.api import STEP_KINDS
 
-        snap = self.make().scheduler.step_times.snapshot()
+        assert self.engine is not None, "step_times() before a run"
+        snap = self.engine.scheduler.step_times.snapshot()
         kinds = {k: (snap.counts[i][-1], snap.seconds[i]) for i, k in enumerate(STEP_KINDS)}
         return {"kinds": kinds, "traced": snap.traced}
 
