@@ -14,10 +14,13 @@
 #   call 2 (carry .wb):  bash bench/gpu_session.sh setup start9b warm08  (~3 min on a fresh
 #                        machine: warm08 is one unmeasured server run while MLX builds its
 #                        kernels; without a carried ptx cache a first server takes ~150 s)
-#   call 3:              bash bench/gpu_session.sh specparts    (issue 32: a verify step's draft
+#   call 3:              bash bench/gpu_session.sh handoff9b    (issue 30's p99 gap at 9B: the engine
+#                        thread waiting for the event loop to write each step's tokens,
+#                        --stream-handoff, off / on / off / on; then handoff08)
+#   call 4:              bash bench/gpu_session.sh specparts    (issue 32: a verify step's draft
 #                        chain timed apart, 9B B = 1 float32 and bf16, 0.8B B = 8)
-#   call 4:              bash bench/gpu_session.sh serve08      (the 0.8B headline at HEAD)
-#   call 5:              bash bench/gpu_session.sh share        (the server against its engine
+#   call 5:              bash bench/gpu_session.sh serve08      (the 0.8B headline at HEAD)
+#   call 6:              bash bench/gpu_session.sh share        (the server against its engine
 #                        in-process, both workloads: 2026-12-07 101% / 64%, the headline's
 #                        schedule capping any server at 76%)
 #   (2026-12-07, H100, three sessions: serve08 twice, inproc08, ahead08, gil08; serve9b,
@@ -453,6 +456,33 @@ inproc2() {  # bench.gpu's in-process engine at B = 64, 108-token prompts (share
         timeout 150 python3 -m bench.gpu --shape 0.8B --batches 64 --prompt 108 --gen 128 \
             --only deltaserve --no-check $flag >"$OUT/inproc2_$stall.log" 2>&1
         grep '"impl"' "$OUT/inproc2_$stall.log" | sed "s/^/$stall /" | cut -c1-600
+    done
+}
+handoff9b() {  # issue 30's p99 gap at 9B: ours alone at 16 and 64 clients, --stream-handoff
+    # (the engine thread waits up to 2 ms for the event loop to write a step's tokens before
+    # it builds the next) off / on / off / on. 2026-12-07: the gaps over 3x the median were
+    # one mixed step plus the chunk's lag after it, 7.0 / 13.1 ms in the server's process
+    # against 3.1 / 7.0 ms with the engine in a process of its own (proc9b)
+    need9b
+    local run=0 mode
+    for mode in off on off on; do
+        run=$((run + 1))
+        local flag="--no-stream-handoff"
+        [ "$mode" = on ] && flag="--stream-handoff"
+        timeout 280 python3 -m bench.serve --checkpoint 9B --clients 16 64 --only deltaserve \
+            --extra-args="$flag" --log-dir "/tmp/h9b-$run" >"$OUT/handoff9b_${run}_$mode.log" 2>&1
+        grep -E '^\| (16|64) \| deltaserve' "$OUT/handoff9b_${run}_$mode.log" | sed "s/^/$run $mode /"
+    done
+}
+handoff08() {  # the same at 0.8B (host-bound steps: does waiting for the loop cost tok/s?)
+    local run=0 mode
+    for mode in off on off on; do
+        run=$((run + 1))
+        local flag="--no-stream-handoff"
+        [ "$mode" = on ] && flag="--stream-handoff"
+        timeout 200 python3 -m bench.serve --checkpoint 0.8B --clients 16 64 --only deltaserve \
+            --extra-args="$flag" --log-dir "/tmp/h08-$run" >"$OUT/handoff08_${run}_$mode.log" 2>&1
+        grep -E '^\| (16|64) \| deltaserve' "$OUT/handoff08_${run}_$mode.log" | sed "s/^/$run $mode /"
     done
 }
 prof08() {  # where the in-process engine's host time goes at B = 64 (bench.gpu, 108-token

@@ -29,11 +29,20 @@ from deltaserve.engine.errors import is_device_fault
 from deltaserve.engine.parallel.tensor_parallel import start_engine
 from deltaserve.engine.prefix_cache.index import PrefixCacheStats
 from deltaserve.engine.scheduling.speculation import SpeculationStats
-from deltaserve.engine.streaming import Stream, StreamingClient, deliver, route_deltas
+from deltaserve.engine.streaming import (
+    Stream,
+    StreamingClient,
+    deliver,
+    hand_off,
+    route_deltas,
+)
 from deltaserve.engine.types import GenerationRequest, RequestOutput
 from deltaserve.models.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
+# With stream_handoff, the longest the engine thread waits for the event loop to write a
+# step's tokens: a loop busy elsewhere (a burst of requests parsed) costs a step no more
+HANDOFF_WAIT_S = 0.002
 
 
 @dataclass
@@ -311,6 +320,9 @@ class AsyncEngine(StreamingClient):
         if self._deliver is not None:
             if known:
                 self._deliver(known)
+            return
+        if self.engine.platform.stream_handoff and by_loop:
+            hand_off(by_loop, HANDOFF_WAIT_S)
             return
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(deliver, items)

@@ -88,6 +88,12 @@ class EngineConfig:
     # first by itself). Unset: off on every device: on an H100 at 9B it made the streams'
     # p99 gap and the mixed steps longer, not shorter (bench/README.md)
     publish_decode_first: bool | None = None
+    # After handing a step's tokens to the server's event loop, the engine thread waits
+    # (at most 2 ms) until the loop has written them to the streams, before it builds the
+    # next step (engine/streaming.py hand_off): the two share one GIL, and the next step's
+    # building and submission would otherwise hold it while the chunks wait. Unset: off
+    # on every device (not yet measured on a GPU)
+    stream_handoff: bool | None = None
     # Decode step as one mx.compile'd call (engine/decode.py); unset: on for Metal/CUDA
     # (launch-bound), off on CPU (no measured win: tiny B=16 206 vs 201 tok/s)
     compile_decode: bool | None = None

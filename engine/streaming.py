@@ -7,6 +7,8 @@ holds a device context of its own)."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -100,3 +102,54 @@ def deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     """On the streams' event loop: each delta into its stream's queue, in step order."""
     for stream_queue, delta in items:
         stream_queue.put_nowait(delta)
+
+
+# A delta reaches its client's socket a few rounds of the event loop's ready callbacks
+# after `deliver`: the stream's reader wakes (round 1), turns it into a chunk for the
+# response's body iterator, which wakes and writes it (round 2); one more for margin
+HANDOFF_ROUNDS = 3
+
+
+def hand_off(
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]],
+    wait_s: float,
+    rounds: int = HANDOFF_ROUNDS,
+) -> bool:
+    """Deliver each loop's deltas (as `deliver`), then block the calling thread, at most
+    `wait_s` in all, until every loop has run `rounds` more rounds of its ready callbacks,
+    in which the streams' tasks those deltas woke write their chunks. Whether every loop
+    got there in time; a loop that did not still delivers, later.
+
+    Why: the engine thread and the event loop share one GIL, and the thread's next step
+    (graph building, then MLX's submission in single calls that keep the GIL for
+    milliseconds) would otherwise hold it while the loop waits to write the chunks: the
+    streams' gap after a step grows by that step's host time. Waiting here, the loop
+    writes at once, and the engine thread's next step starts that much later (on a GPU
+    while the device still computes the step in flight, if one is)."""
+    events = []
+    for loop, items in by_loop.items():
+        done = threading.Event()
+        loop.call_soon_threadsafe(_deliver_then_signal, loop, items, done, rounds)
+        events.append(done)
+    deadline = time.perf_counter() + wait_s
+    return all(done.wait(max(deadline - time.perf_counter(), 0.0)) for done in events)
+
+
+def _deliver_then_signal(
+    loop: asyncio.AbstractEventLoop,
+    items: list[tuple[asyncio.Queue, RequestOutput]],
+    done: threading.Event,
+    rounds: int,
+) -> None:
+    deliver(items)
+    _signal_after(loop, done, rounds)
+
+
+def _signal_after(loop: asyncio.AbstractEventLoop, done: threading.Event, rounds: int) -> None:
+    """Set `done` once the loop has run `rounds` more rounds of ready callbacks (each
+    call_soon goes behind the callbacks already queued, the woken tasks' steps among
+    them)."""
+    if rounds:
+        loop.call_soon(_signal_after, loop, done, rounds - 1)
+    else:
+        done.set()

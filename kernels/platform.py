@@ -54,8 +54,9 @@ GPU_DEFAULT_ON = (
 )
 # Step shapes whose default is off on every device: a mixed step's decode rows' tokens
 # read back while its prompt forward computes made an H100's mixed steps and the
-# streams' longest gaps longer at 9B (bench/README.md)
-DEFAULT_OFF = ("publish_decode_first",)
+# streams' longest gaps longer at 9B (bench/README.md); the engine thread waiting for the
+# event loop to write a step's tokens is not yet measured on a GPU
+DEFAULT_OFF = ("publish_decode_first", "stream_handoff")
 
 
 class PlatformSwitches(Protocol):
@@ -70,6 +71,7 @@ class PlatformSwitches(Protocol):
     pipeline_steps: bool | None
     submit_decode_first: bool | None
     publish_decode_first: bool | None
+    stream_handoff: bool | None
     pack_token_wise: bool | None
     deltanet_scan: bool | None
     fused_deltanet_chunk: bool | None
@@ -98,6 +100,7 @@ class Platform:
     pipeline_steps: bool = False  # step N+1 queued before step N is read back
     submit_decode_first: bool = False  # a mixed step's decode forward queued first
     publish_decode_first: bool = False  # and its decode rows' tokens read back first
+    stream_handoff: bool = False  # the engine thread waits for a step's tokens to be written
     pack_token_wise: bool = False  # token-wise layers over all groups' tokens at once
     # Kernels: on = the fused kernel, off = its plain-MLX reference behind the same function
     deltanet_scan: bool = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import json
 import re
@@ -371,6 +372,7 @@ def test_a_steps_deltas_reach_each_event_loop_in_one_call() -> None:
         _open={k: 1 for k in streams},
         _counters=_Counters(),
         _deliver=None,
+        engine=SimpleNamespace(platform=SimpleNamespace(stream_handoff=False)),
     )
     deltas = [
         RequestOutput("r1", 0, (5,)),
@@ -387,3 +389,37 @@ def test_a_steps_deltas_reach_each_event_loop_in_one_call() -> None:
     got = [[q.get_nowait().token_ids for _ in range(q.qsize())] for q in queues]
     assert got == [[(7,)], [(5,), (6,)], [(8,)]]
     assert "r2" not in stub._streams and stub._counters.generated_tokens == 5
+
+
+def test_with_stream_handoff_streams_complete_and_equal_the_offline_engine() -> None:
+    """stream_handoff (the engine thread waits for the event loop to write each step's
+    tokens): concurrent streams all end with [DONE], and a greedy answer is the offline
+    engine's, token for token."""
+    config = dataclasses.replace(CONFIG, stream_handoff=True)
+    with served_checkpoint("tiny", config, MODEL) as (engine, tokenizer, server):
+        assert engine.engine.platform.stream_handoff
+
+        async def one(client: httpx.AsyncClient, i: int) -> bool:
+            body = {
+                "model": MODEL,
+                "stream": True,
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": f"request {i} " * (1 + i % 5)}],
+            }
+            async with client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
+                return "data: [DONE]" in [line async for line in r.aiter_lines()]
+
+        async def run() -> list[bool]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await asyncio.gather(*(one(client, i) for i in range(16)))
+
+        assert all(asyncio.run(run()))
+        prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+        body["ignore_eos"] = True
+        got = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        offline = LLMEngine(engine.engine.loaded, CONFIG).generate(
+            [prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        )[0]
+        visible = [t for t in offline.token_ids if t not in tokenizer.hidden_token_ids]
+        assert got["choices"][0]["text"] == tokenizer.decode(visible)
