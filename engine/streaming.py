@@ -120,12 +120,12 @@ def hand_off(
     in which the streams' tasks those deltas woke write their chunks. Whether every loop
     got there in time; a loop that did not still delivers, later.
 
-    Why: the engine thread and the event loop share one GIL, and the thread's next step
-    (graph building, then MLX's submission in single calls that keep the GIL for
-    milliseconds) would otherwise hold it while the loop waits to write the chunks: the
-    streams' gap after a step grows by that step's host time. Waiting here, the loop
-    writes at once, and the engine thread's next step starts that much later (on a GPU
-    while the device still computes the step in flight, if one is)."""
+    Why: the engine thread and the event loop share one GIL. The thread goes on to build
+    its next step in Python, and the loop, woken, gets the GIL only when the thread
+    releases it (in MLX's submission and waits) or at the interpreter's switch interval
+    (5 ms): the chunks wait out part of the next step's building, a mixed step's longest.
+    Waiting here, the loop writes at once, and the engine thread's next step starts that
+    much later (on a GPU while the device still computes the step in flight, if one is)."""
     events = []
     for loop, items in by_loop.items():
         done = threading.Event()
