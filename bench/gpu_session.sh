@@ -464,25 +464,20 @@ handoff9b() {  # issue 30's p99 gap at 9B: ours alone at 16 and 64 clients, --st
     # one mixed step plus the chunk's lag after it, 7.0 / 13.1 ms in the server's process
     # against 3.1 / 7.0 ms with the engine in a process of its own (proc9b)
     need9b
-    local run=0 mode
-    for mode in off on off on; do
-        run=$((run + 1))
-        local flag="--no-stream-handoff"
-        [ "$mode" = on ] && flag="--stream-handoff"
-        timeout 280 python3 -m bench.serve --checkpoint 9B --clients 16 64 --only deltaserve \
-            --extra-args="$flag" --log-dir "/tmp/h9b-$run" >"$OUT/handoff9b_${run}_$mode.log" 2>&1
-        grep -E '^\| (16|64) \| deltaserve' "$OUT/handoff9b_${run}_$mode.log" | sed "s/^/$run $mode /"
-    done
+    handoff_runs 9B 280
 }
 handoff08() {  # the same at 0.8B (host-bound steps: does waiting for the loop cost tok/s?)
-    local run=0 mode
+    handoff_runs 0.8B 200
+}
+handoff_runs() {  # $1: the shape, $2: each run's time limit (s)
+    local run=0 mode flag
     for mode in off on off on; do
         run=$((run + 1))
-        local flag="--no-stream-handoff"
+        flag="--no-stream-handoff"
         [ "$mode" = on ] && flag="--stream-handoff"
-        timeout 200 python3 -m bench.serve --checkpoint 0.8B --clients 16 64 --only deltaserve \
-            --extra-args="$flag" --log-dir "/tmp/h08-$run" >"$OUT/handoff08_${run}_$mode.log" 2>&1
-        grep -E '^\| (16|64) \| deltaserve' "$OUT/handoff08_${run}_$mode.log" | sed "s/^/$run $mode /"
+        timeout "$2" python3 -m bench.serve --checkpoint "$1" --clients 16 64 --only deltaserve \
+            --extra-args="$flag" --log-dir "/tmp/handoff$1-$run" >"$OUT/handoff$1_${run}_$mode.log" 2>&1
+        grep -E '^\| (16|64) \| deltaserve' "$OUT/handoff$1_${run}_$mode.log" | sed "s/^/$run $mode /"
     done
 }
 prof08() {  # where the in-process engine's host time goes at B = 64 (bench.gpu, 108-token

@@ -77,21 +77,30 @@ def test_greedy_http_equals_offline_engine(
     server: LiveServer, engine: AsyncEngine, tokenizer: TextTokenizer
 ) -> None:
     """/v1/completions with token ids returns the text of the offline engine's tokens."""
+    got = _greedy_against_offline(server, engine, tokenizer, 24)
+    assert got["usage"]["completion_tokens"] == 24
+
+
+def _greedy_against_offline(
+    server: LiveServer, engine: AsyncEngine, tokenizer: TextTokenizer, max_tokens: int
+) -> dict:
+    """A greedy /v1/completions answer, asserted equal to the offline engine's tokens'
+    text (CONFIG, the served model); returns the response."""
     prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
     body = {
         "model": MODEL,
         "prompt": prompt,
-        "max_tokens": 24,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
     }
     got = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
     offline = LLMEngine(engine.engine.loaded, CONFIG).generate(
-        [prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        [prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     )[0]
     visible = [t for t in offline.token_ids if t not in tokenizer.hidden_token_ids]
     assert got["choices"][0]["text"] == tokenizer.decode(visible)
-    assert got["usage"]["completion_tokens"] == 24
+    return got
 
 
 def test_chat_stops_at_im_end(server: LiveServer, engine: AsyncEngine) -> None:
@@ -414,12 +423,4 @@ def test_with_stream_handoff_streams_complete_and_equal_the_offline_engine() -> 
                 return await asyncio.gather(*(one(client, i) for i in range(16)))
 
         assert all(asyncio.run(run()))
-        prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0}
-        body["ignore_eos"] = True
-        got = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
-        offline = LLMEngine(engine.engine.loaded, CONFIG).generate(
-            [prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-        )[0]
-        visible = [t for t in offline.token_ids if t not in tokenizer.hidden_token_ids]
-        assert got["choices"][0]["text"] == tokenizer.decode(visible)
+        _greedy_against_offline(server, engine, tokenizer, 16)
