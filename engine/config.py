@@ -91,8 +91,9 @@ class EngineConfig:
     # After handing a step's tokens to the server's event loop, the engine thread waits
     # (at most 2 ms) until the loop has written them to the streams, before it builds the
     # next step (engine/streaming.py hand_off): the two share one GIL, and the next step's
-    # graph building would otherwise hold it while the chunks wait. Unset: off on every
-    # device (not yet measured on a GPU)
+    # graph building would otherwise hold it while the chunks wait (with --engine-process
+    # they share none, and nothing waits). Unset: off on every device (not yet measured
+    # on a GPU)
     stream_handoff: bool | None = None
     # Decode step as one mx.compile'd call (engine/decode.py); unset: on for Metal/CUDA
     # (launch-bound), off on CPU (no measured win: tiny B=16 206 vs 201 tok/s)
