@@ -191,6 +191,28 @@ def throughput(
     }
 
 
+RUNS = 3  # steady's most throughput() calls
+
+
+def steady(impl, shape: tuple, shift: bool = True) -> dict:
+    """throughput(impl, *shape) (a warm-up, then the measured run) again until its
+    measured run traces no compiled shape, at most RUNS times; `runs` says how many it
+    took. An engine traces a shape once in its life (a server in its start-up warm-up or
+    its first busy seconds), but one warm-up run need not meet every shape the measured
+    run does: the warm-up prefills before the step-cost model has learned anything, at
+    the whole token budget, and the measured run's chunks beside decoding rows take
+    other sizes (bench.gpu); a speculating engine's verify and draft widths follow which
+    drafts land (bench.speculative). shift: each repeat on prompt tokens of its own, so
+    no prefix-cache hit on an earlier call's (off for a caller whose runs must repeat the
+    same prompts: bench.speculative's forced drafts are the plain run's outputs)."""
+    row: dict = {}
+    for runs in range(1, RUNS + 1):
+        row = throughput(impl, *shape, shift=runs - 1 if shift else 0) | {"runs": runs}
+        if not row.get("traced"):
+            break
+    return row
+
+
 def _steps_between(before: dict, after: dict) -> dict:
     """What the measured run's steps were (Ours.step_times before and after it): per kind
     its count and mean ms, and the steps that traced a compiled shape inside it (each a

@@ -19,7 +19,7 @@ import argparse
 import json
 import time
 
-from bench.engine_throughput import MlxLm, Ours, throughput
+from bench.engine_throughput import MlxLm, Ours, steady
 
 
 def roofline_tok_s(weight_bytes: float, row_bytes: int, batch: int, hbm: float) -> float:
@@ -64,25 +64,6 @@ def check_compiled(ours: Ours, prompt_len: int) -> dict:
         ]
     same = sum(a == b for a, b in zip(runs[False], runs[True], strict=True))
     return {"check": "compiled == uncompiled greedy", "rows_equal": same, "rows": len(prompts)}
-
-
-RUNS = 3  # steady's most throughput() calls per batch size
-
-
-def steady(impl, shape: tuple) -> dict:
-    """throughput() (a warm-up, then the measured run) again, on other prompt tokens, until
-    its measured run traces no compiled shape, at most RUNS times; `runs` says how many it
-    took. The warm-up runs before the step-cost model has learned anything, so its prompt
-    steps take the whole token budget; the measured run's steps, next to rows decoding
-    under the stall bound, take chunks of other sizes, whose compiled shapes it would
-    trace inside its timing (bench/README.md). A server traces a shape once in its life,
-    in its start-up warm-up or its first busy seconds."""
-    row: dict = {}
-    for runs in range(1, RUNS + 1):
-        row = throughput(impl, *shape, shift=runs - 1) | {"runs": runs}
-        if not row.get("traced"):
-            break
-    return row
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ engine warmed up first on the measured shapes (bench.engine_throughput's `throug
 the same prompt lengths and token counts, other tokens) and kept for the measured
 run, so its compiled steps are traced before it; the pair runs again (up to three
 times) while the measured run still traced a shape, one-offs a server meets once
-(`_steady`). Prints JSON lines (decode tok/s: tokens
+(bench.engine_throughput's `steady`). Prints JSON lines (decode tok/s: tokens
 after every row has its first; total tok/s; TTFT p50; drafts verified and accepted and
 their rate; whether the outputs equal the plain run's, token for token) and the ratios
 with/without, then a table.
@@ -34,7 +34,7 @@ import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from bench.engine_throughput import Ours, throughput
+from bench.engine_throughput import Ours, steady
 from deltaserve.kernels.cpu.blas import blas_summary, ensure_openblas
 
 if TYPE_CHECKING:  # MLX is imported after ensure_openblas (main), so lazily below
@@ -50,7 +50,6 @@ if TYPE_CHECKING:  # MLX is imported after ensure_openblas (main), so lazily bel
     from deltaserve.models.build import LoadedModel
 
 OnToken = Callable[[int, float], None]
-RUNS = 3  # _steady's most throughput() calls per engine
 RATIOS = ("ratio_decode_tok_s", "ratio_tok_s", "ratio_ttft_p50_s")  # with / without
 
 
@@ -104,10 +103,10 @@ class Engine(Ours):
         """The last run's steps by kind (decode, verify): how many, their mean wall ms
         and the engine thread's mean ms in each HOST_PARTS part (where a verify step's
         time goes against a plain one's: on a GPU a lockstep verify's graph building is
-        not hidden behind the device), the run's steps that traced a compiled shape (of
-        any kind; counted in their kind's wall time, left out of the policy's), and the
-        speculation policy's measured break-even (accepted drafts a verify must average;
-        None: not measured)."""
+        not hidden behind the device), the draft chains' mean time (with time_drafts),
+        and the speculation policy's measured break-even (accepted drafts a verify must
+        average; None: not measured). The run's traced steps are throughput()'s `traced`
+        (counted in their kind's wall time, left out of the policy's)."""
         from deltaserve.engine.api import HOST_PARTS, STEP_KINDS
 
         assert self.engine is not None and self.before is not None, "steps() before a run"
@@ -129,7 +128,6 @@ class Engine(Ours):
             }
         if self._drafts_s:
             out["draft_ms"] = round(1e3 * sum(self._drafts_s) / len(self._drafts_s), 2)
-        out["traced_steps"] = after.traced - before.traced
         spec = self.engine.speculation
         out["break_even"] = spec.break_even() if spec is not None else None
         return out
@@ -273,18 +271,9 @@ def compare(
 
 
 def _steady(impl: Engine, shape: tuple) -> dict:
-    """throughput() (a warm-up, then the measured run) again until its measured run
-    traces no compiled shape, at most RUNS times; `runs` says how many it took. An engine
-    traces a shape once in its life (a server meets it once), but a speculating engine's
-    shapes (verify and draft widths, row buckets, store capacities) follow which drafts
-    land and when rows pause, so one warm-up on the same workload need not meet them all
-    (bench/README.md: traced steps in measured runs above one row)."""
-    row: dict = {}
-    for runs in range(1, RUNS + 1):
-        row = throughput(impl, *shape) | impl.steps() | {"runs": runs}
-        if not row["traced_steps"]:
-            break
-    return row
+    """bench.engine_throughput's `steady` on the same prompts each time (the forced drafts
+    are the plain run's outputs for them), with the last run's steps (Engine.steps)."""
+    return steady(impl, shape, shift=False) | impl.steps()
 
 
 def table(rows: list[dict]) -> str:
@@ -313,7 +302,7 @@ def table(rows: list[dict]) -> str:
 def steps_table(rows: list[dict]) -> str:
     """A markdown table of each row's steps by kind: count, mean wall ms, and the host's
     mean ms building and submitting the forward, sampling and applying the tokens; the
-    run's steps that traced a shape (any kind), the runs it took (_steady) and the
+    run's steps that traced a shape (any kind), the runs it took (`steady`) and the
     break-even on each line."""
     out = [
         "| B | mode | kind | steps | wall ms | build | submit | sample | update | draft ms "
@@ -331,7 +320,7 @@ def steps_table(rows: list[dict]) -> str:
                 f"| {r['batch']} | {r['mode']} | {kind} | {r[f'{kind}_steps']} | "
                 f"{r[f'{kind}_ms']:.2f} | {host['build']:.2f} | {host['submit']:.2f} | "
                 f"{host['sample']:.2f} | {host['update']:.2f} | "
-                f"{'' if draft is None else f'{draft:.2f}'} | {r['traced_steps']} | "
+                f"{'' if draft is None else f'{draft:.2f}'} | {r['traced']} | "
                 f"{r['runs']} | {'' if even is None else f'{even:.2f}'} |"
             )
     return "\n".join(out)

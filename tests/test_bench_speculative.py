@@ -41,26 +41,32 @@ def test_forced_drafts_keep_output_and_set_acceptance(monkeypatch: pytest.Monkey
     # traced steps (none on the CPU: nothing compiled, one run), then the break-even
     # (None here: the floor)
     assert 0 < perfect["draft_ms"] < perfect["verify_ms"] and "draft_ms" not in plain
-    assert perfect["traced_steps"] == 0 and perfect["runs"] == 1
+    assert perfect["traced"] == 0 and perfect["runs"] == 1
     draft = f"{perfect['draft_ms']:.2f}"
     assert len(verify) == 1 and verify[0].endswith(f"| {draft} | 0 | 1 |  |")
 
 
-@pytest.mark.parametrize(("traced", "runs"), [([0], 1), ([3, 1, 0], 3), ([2, 2, 2, 0], 3)])
-def test_a_measured_run_that_traced_runs_again(
-    monkeypatch: pytest.MonkeyPatch, traced: list[int], runs: int
+def test_a_measured_run_that_traced_runs_again_on_the_same_prompts(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """_steady runs the warm-up and measured pair again while the measured run traced
-    a compiled shape, at most RUNS times, and says how many it took."""
+    """_steady: bench.engine_throughput's steady without shifted prompts (the forced
+    drafts are the plain run's outputs for them), with the last run's steps."""
+    import bench.engine_throughput as et
     import bench.speculative as spec
 
-    calls = iter(traced)
-    monkeypatch.setattr(spec, "throughput", lambda impl, *shape: {"tok_s": 1.0})
+    calls = iter([3, 1, 0])
+    shifts: list[int] = []
+
+    def fake(impl: object, *shape: int, shift: int = 0) -> dict:
+        shifts.append(shift)
+        return {"tok_s": 1.0, "traced": next(calls)}
+
+    monkeypatch.setattr(et, "throughput", fake)
 
     class Impl:
         def steps(self) -> dict:
-            return {"traced_steps": next(calls)}
+            return {"decode_steps": 5}
 
     row = spec._steady(Impl(), (1, 2, 2, 4, 4, 2))  # type: ignore[arg-type]
-    assert spec.RUNS == 3 and row["runs"] == runs
-    assert row["traced_steps"] == traced[runs - 1] and row["tok_s"] == 1.0
+    assert row["runs"] == 3 and row["traced"] == 0 and row["decode_steps"] == 5
+    assert shifts == [0, 0, 0]
