@@ -17,8 +17,9 @@
 #   call 3:              bash bench/gpu_session.sh handoff9b    (issue 30's p99 gap at 9B: the engine
 #                        thread waiting for the event loop to write each step's tokens,
 #                        --stream-handoff, off / on / off / on; then handoff08)
-#   call 4:              bash bench/gpu_session.sh specparts    (issue 32: a verify step's draft
-#                        chain timed apart, 9B B = 1 float32 and bf16, 0.8B B = 8)
+#   call 4:              bash bench/gpu_session.sh specfirst    (issue 32: a verify step's draft
+#                        chain queued before the verify forward is built, on / off / on,
+#                        then the chain timed apart; specparts has the rest of it)
 #   call 5:              bash bench/gpu_session.sh serve08      (the 0.8B headline at HEAD)
 #   call 6:              bash bench/gpu_session.sh share        (the server against its engine
 #                        in-process, both workloads: 2026-12-07 101% / 64%, the headline's
@@ -800,6 +801,25 @@ specparts() {  # issue 32: a verify step's draft chain timed apart (--time-draft
     timeout 60 python3 -m bench.deltanet_slots --shape 9B >"$OUT/slots9b.log" 2>&1
     timeout 60 python3 -m bench.deltanet_slots --shape 9B --dtype float32 >>"$OUT/slots9b.log" 2>&1
     grep '^|' "$OUT/slots9b.log"
+}
+specfirst() {  # issue 32: a verify step's draft chain queued before its verify forward is
+    # built (submit_decode_first, the GPU's default since this change) against queued with it
+    # (--no-submit-first), 9B B = 1 float32 (TF32 off: forced drafts match) in turn on / off
+    # / on, then the chain timed apart in bf16 (--time-drafts). 2026-12-07 (76a5314, before
+    # the change): verify 25.6 ms against decode 11.7, 1.20x at forced 80%
+    need9b
+    local run=0 mode flag
+    for mode in on off on; do
+        run=$((run + 1))
+        flag=""
+        [ "$mode" = off ] && flag="--no-submit-first"
+        MLX_ENABLE_TF32=0 timeout 150 python3 -m bench.speculative --checkpoint 9B --batches 1 \
+            --dtype float32 --accept 0.8 $flag >"$OUT/specfirst9b_${run}_$mode.log" 2>&1
+        grep -E '^\| 1 \|' "$OUT/specfirst9b_${run}_$mode.log" | sed "s/^/$run $mode /"
+    done
+    timeout 120 python3 -m bench.speculative --checkpoint 9B --batches 1 --accept 0.8 --always \
+        --time-drafts >"$OUT/specparts9b_bf16.log" 2>&1
+    grep '^|' "$OUT/specparts9b_bf16.log" | tail -3
 }
 
 servechat() {  # 0.8B, each client's 3 requests the turns of one chat (history resent)

@@ -359,6 +359,12 @@ def main() -> None:
         help="synchronise around each verify step's draft chain and report its mean time "
         "(draft ms): the head's share of a verify step (the chain no longer overlaps)",
     )
+    ap.add_argument(
+        "--no-submit-first",
+        action="store_true",
+        help="submit_decode_first off: a verify step queues its draft chain together with the "
+        "verify forward, not before building it (the A/B of that switch)",
+    )
     ap.add_argument("--budget", type=int, default=1024, help="per-step token budget")
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk")
     args = ap.parse_args()
@@ -374,7 +380,10 @@ def main() -> None:
     # throughput() on the same prompts (the forced drafts are the plain run's outputs for
     # them), and a repeat that resumed them from the cache would prefill less than the
     # first run did
-    ours = Ours(path, args.budget, args.chunk, float32=args.dtype == "float32", prefix_cache=False)
+    ours = Ours(
+        path, args.budget, args.chunk, float32=args.dtype == "float32", prefix_cache=False,
+        **({"submit_decode_first": False} if args.no_submit_first else {}),
+    )  # fmt: skip
     if ours.loaded.mtp is None:
         raise SystemExit(f"{args.checkpoint} has no MTP head: nothing to speculate with")
     rows = []

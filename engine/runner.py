@@ -169,7 +169,8 @@ class ModelRunner:
         """vision: the image work of prompts with images (None: text only). masks: the
         grammar hook of constrained rows (None: none). drafter: speculative decoding's
         (None: no row speculates). submit_decode_first: a step with prompt work queues
-        the compiled decode forward before building the prompts' (EngineConfig's).
+        the compiled decode forward before building the prompts', and a verify step its
+        draft chain before building the verify forward (EngineConfig's).
         pack_mixed: a step with decode rows and prompt work runs them as one eager
         forward whose groups share each weight's matmul (the model's pack_token_wise)
         instead of the compiled decode and prompt forwards, which read every weight
@@ -228,6 +229,10 @@ class ModelRunner:
         if plan.decode_row_ids and decode_logits is None:
             groups.append(self._decode_group(plan))
         verify_drafts = self._drafts(plan)
+        if verify_drafts is not None and self.submit_decode_first:
+            # the device computes the drafts (and the last verify's rollback) while the
+            # verify forward is built and queued behind them
+            mx.async_eval(*verify_drafts.arrays(), *store_arrays(self.states.verify))
         compiled_verify = self._compiled_verify(plan, verify_drafts)
         if verify_drafts is not None and compiled_verify is None:
             groups.append(self._verify_group(plan, verify_drafts))

@@ -110,6 +110,10 @@ class DraftRound:
     # them warped: their q); None: the drafts are certain (q one-hot on each)
     logits: mx.array | None
 
+    def arrays(self) -> list[mx.array]:
+        """The arrays to evaluate (mx.async_eval)."""
+        return [self.tokens] if self.logits is None else [self.tokens, self.logits]
+
 
 @dataclass(frozen=True)
 class VerifyStep:

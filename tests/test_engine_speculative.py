@@ -207,12 +207,14 @@ def test_pipelined_steps_still_speculate(loaded: LoadedModel) -> None:
     read back before the next plan, so it does draft: every accepted count 0..k is seen
     and the output is that of a pipelined engine without speculation. (A pipelined step's
     token is still in flight when the next plan is made, and such a row cannot draft:
-    before, a row drafted on a GPU only after a step that happened to run in lockstep.)"""
-    config = dataclasses.replace(SMALL, pipeline_steps=True)
+    before, a row drafted on a GPU only after a step that happened to run in lockstep.)
+    With submit_decode_first, as on a GPU, each verify step queues its draft chain
+    before its verify forward is built."""
+    config = dataclasses.replace(SMALL, pipeline_steps=True, submit_decode_first=True)
     joins = _joins(_prompts(6, seed=4), _greedy(max_tokens=16))
     plain = _drive(LLMEngine(loaded, config), joins)
     engine = LLMEngine(loaded, _spec(config))
-    assert engine.pipeline
+    assert engine.pipeline and engine.runner.submit_decode_first
     seen = force_drafts(engine, _oracle(loaded, joins), _cycle)
     assert _drive(engine, joins) == plain
     assert seen == set(range(K + 1)), seen
