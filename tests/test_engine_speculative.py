@@ -252,8 +252,11 @@ def test_compiled_verify_keeps_tokens(loaded: LoadedModel, kv: KVCacheConfig) ->
     joins = _joins(prompts, _greedy(max_tokens=20))
     aborts = {7: ["r2"]}
     plain = _drive(LLMEngine(loaded, config), joins, aborts)
-    # with a GPU's mixed steps: decode rows' tokens drawn and read back ahead of prompts
-    gpu = dataclasses.replace(config, compile_decode=True, publish_decode_first=True)
+    # with a GPU's mixed steps (decode rows' tokens drawn and read back ahead of prompts)
+    # and verify steps (the draft chain queued before the verify forward is built)
+    gpu = dataclasses.replace(
+        config, compile_decode=True, publish_decode_first=True, submit_decode_first=True
+    )
     engine = LLMEngine(loaded, _spec(gpu))
     compiled = engine.runner.compiled
     assert compiled is not None
