@@ -230,7 +230,7 @@ class ModelRunner:
             groups.append(self._decode_group(plan))
         verify_drafts = self._drafts(plan)
         if verify_drafts is not None and self.submit_decode_first:
-            # the device computes the drafts (and the last verify's rollback) while the
+            # the device computes the drafts (and the head's store they wrote) while the
             # verify forward is built and queued behind them
             mx.async_eval(*verify_drafts.arrays(), *store_arrays(self.states.verify))
         compiled_verify = self._compiled_verify(plan, verify_drafts)
