@@ -27,7 +27,9 @@
 #   (2026-12-07, H100, three sessions: serve08 twice, inproc08, ahead08, gil08; serve9b,
 #   specsteps, proc9b, chunk9b, spec9b, tests; first9b, share, smallm, spec9b, specbf16,
 #   serve9b; share2, proc9b, prof08, serve9b, inproc2, share, tests3: bench/README.md)
-#   then, as time allows: tests2 (the engine-level GPU tests; tests3's part of it passed
+#   then, as time allows: specparts (the draft chain timed apart at 9B float32 and 0.8B
+#                        B = 8, and the verify's DeltaNet kernel), tests2 (the engine-level
+#                        GPU tests; tests3's part of it passed
 #                        47 of 47 on 2026-12-07), spec35 then serve35 (issue 30's third
 #                        shape), mixedc; `ptxsave` at a call's end when the next lease
 #                        can carry it
