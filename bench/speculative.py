@@ -362,8 +362,9 @@ def main() -> None:
     ap.add_argument(
         "--no-submit-first",
         action="store_true",
-        help="submit_decode_first off: a verify step queues its draft chain together with the "
-        "verify forward, not before building it (the A/B of that switch)",
+        help="submit_decode_first off, in both engines: a verify step queues its draft chain "
+        "together with the verify forward, not before building it (and a mixed step its decode "
+        "forward with the prompts'): the A/B of that switch",
     )
     ap.add_argument("--budget", type=int, default=1024, help="per-step token budget")
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk")
