@@ -231,8 +231,10 @@ class ModelRunner:
         verify_drafts = self._drafts(plan)
         if verify_drafts is not None and self.submit_decode_first:
             # the device computes the drafts (and the head's store they wrote) while the
-            # verify forward is built and queued behind them
-            mx.async_eval(*verify_drafts.arrays(), *store_arrays(self.states.verify))
+            # verify forward is built and queued behind them (the trunk's rollback was
+            # queued at read-back)
+            head = self.states.verify.draft
+            mx.async_eval(*verify_drafts.arrays(), *(head.state_arrays() if head else []))
         compiled_verify = self._compiled_verify(plan, verify_drafts)
         if verify_drafts is not None and compiled_verify is None:
             groups.append(self._verify_group(plan, verify_drafts))

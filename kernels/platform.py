@@ -98,7 +98,7 @@ class Platform:
     compile_prefill: bool = False  # DeltaNet's prompt-chunk core compiled
     batch_prefill: bool = False  # prompt chunks of several requests as one padded group
     pipeline_steps: bool = False  # step N+1 queued before step N is read back
-    submit_decode_first: bool = False  # a mixed step's decode forward queued first
+    submit_decode_first: bool = False  # a mixed step's decode forward (a verify's drafts) first
     publish_decode_first: bool = False  # and its decode rows' tokens read back first
     stream_handoff: bool = False  # the engine thread waits for a step's tokens to be written
     pack_token_wise: bool = False  # token-wise layers over all groups' tokens at once
