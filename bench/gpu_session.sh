@@ -14,14 +14,16 @@
 #   call 2 (carry .wb):  bash bench/gpu_session.sh setup start9b warm08  (~3 min on a fresh
 #                        machine: warm08 is one unmeasured server run while MLX builds its
 #                        kernels; without a carried ptx cache a first server takes ~150 s)
-#   call 3:              bash bench/gpu_session.sh handoff9b    (issue 30's p99 gap at 9B: the engine
+#   call 3:              bash bench/gpu_session.sh chain9b      (issue 32: verify steps chained
+#                        onto the one computing, on / off / on at 9B B = 1; then chain08)
+#   call 4:              bash bench/gpu_session.sh handoff9b    (issue 30's p99 gap at 9B: the engine
 #                        thread waiting for the event loop to write each step's tokens,
 #                        --stream-handoff, off / on / off / on; then handoff08)
-#   call 4:              bash bench/gpu_session.sh specfirst    (issue 32: a verify step's draft
+#   call 5:              bash bench/gpu_session.sh specfirst    (issue 32: a verify step's draft
 #                        chain queued before the verify forward is built, on / off / on,
 #                        then the chain timed apart; specparts has the rest of it)
-#   call 5:              bash bench/gpu_session.sh serve08      (the 0.8B headline at HEAD)
-#   call 6:              bash bench/gpu_session.sh share        (the server against its engine
+#   call 6:              bash bench/gpu_session.sh serve08      (the 0.8B headline at HEAD)
+#   call 7:              bash bench/gpu_session.sh share        (the server against its engine
 #                        in-process, both workloads: 2026-12-07 101% / 64%, the headline's
 #                        schedule capping any server at 76%)
 #   (2026-12-07, H100, three sessions: serve08 twice, inproc08, ahead08, gil08; serve9b,
@@ -822,6 +824,37 @@ specfirst() {  # issue 32: a verify step's draft chain queued before its verify 
     timeout 120 python3 -m bench.speculative --checkpoint 9B --batches 1 --accept 0.8 --always \
         --time-drafts >"$OUT/specparts9b_bf16.log" 2>&1
     grep '^|' "$OUT/specparts9b_bf16.log" | tail -3
+}
+
+chain9b() {  # issue 32: verify steps chained (pipeline_verify, the GPU's default since this
+    # change: the next verify built and queued while the one before computes, its inputs
+    # and rollback lazy from that one's acceptance) against lockstep (--no-pipeline-verify),
+    # 9B B = 1 float32, TF32 off, forced 80%, on / off / on; then bf16 at B = 1 and 16, on.
+    # 2026-12-07 (lockstep): verify 25.6 ms against decode 11.7, 1.20x at forced 80%
+    need9b
+    local run=0 mode flag
+    for mode in on off on; do
+        run=$((run + 1))
+        flag=""
+        [ "$mode" = off ] && flag="--no-pipeline-verify"
+        MLX_ENABLE_TF32=0 timeout 150 python3 -m bench.speculative --checkpoint 9B --batches 1 \
+            --dtype float32 --accept 0.8 $flag >"$OUT/chain9b_${run}_$mode.log" 2>&1
+        grep -E '^\| 1 \|' "$OUT/chain9b_${run}_$mode.log" | sed "s/^/$run $mode /"
+    done
+    timeout 150 python3 -m bench.speculative --checkpoint 9B --batches 1 16 --accept 0.8 \
+        >"$OUT/chain9b_bf16.log" 2>&1
+    grep '^|' "$OUT/chain9b_bf16.log" | tail -6
+}
+chain08() {  # the same at 0.8B float32, B = 1, 8 and 64, chained / lockstep / chained
+    local run=0 mode flag
+    for mode in on off on; do
+        run=$((run + 1))
+        flag=""
+        [ "$mode" = off ] && flag="--no-pipeline-verify"
+        MLX_ENABLE_TF32=0 timeout 150 python3 -m bench.speculative --checkpoint 0.8B \
+            --batches 1 8 64 --dtype float32 --accept 0.8 $flag >"$OUT/chain08_${run}_$mode.log" 2>&1
+        grep -E '^\| (1|8|64) \|' "$OUT/chain08_${run}_$mode.log" | sed "s/^/$run $mode /"
+    done
 }
 
 servechat() {  # 0.8B, each client's 3 requests the turns of one chat (history resent)

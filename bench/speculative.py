@@ -191,6 +191,16 @@ class Engine(Ours):
             raise SystemExit("forced drafts need an MTP head and the plain run's outputs")
         draft, k, vocab = drafter.draft, drafter.num_draft, self.loaded.config.vocab_size
         rng, accept, runs = random.Random(self.seed), self.accept, self.oracle
+        width = max(len(t) for run in runs for t in run.values()) + 2 * (k + 1)
+        # each request's oracle tokens as an array, past max_tokens its last + 1
+        tables: dict[tuple[int, int], mx.array] = {}
+
+        def table(run: int, i: int) -> mx.array:
+            if (run, i) not in tables:
+                true = runs[run][i]
+                fill = [(true[-1] if true else 0) + 1] * (width - len(true))
+                tables[run, i] = mx.array(true + fill, dtype=mx.int32)
+            return tables[run, i]
 
         def forced(
             row_ids: list[str], state: BatchState, last: mx.array, sampling: list[SamplingRow]
@@ -199,16 +209,19 @@ class Engine(Ours):
             # the plain engine's outputs of the same run (the warm-up has its own prompts:
             # drafts from the measured run's outputs would teach the policy a 0% rate);
             # throughput() runs its warm-up then its measured run, however often called
-            oracle = runs[(len(self.runs) - 1) % 2]
-            rows = []
-            for row_id in row_ids:
-                emitted = len(engine.runner.rows.output_ids[row_id])
-                true = oracle[int(row_id.split("/")[0])][emitted : emitted + k]
-                true += [(true[-1] if true else 0) + 1] * (k - len(true))  # past max_tokens
-                rows.append([t if rng.random() < accept else (t + 1) % vocab for t in true])
+            run = (len(self.runs) - 1) % 2
+            true = mx.stack([table(run, int(r.split("/")[0])) for r in row_ids])
+            runner = engine.runner
+            emitted = mx.array([len(runner.rows.output_ids[r]) for r in row_ids])
+            before = runner.chain_source  # a chained verify's: what the one before keeps
+            if before is not None:
+                emitted = emitted + before.num_accepted + 1
+            true = mx.take_along_axis(true, emitted[:, None] + mx.arange(k)[None], axis=1)
+            keep = mx.array([[rng.random() < accept for _ in range(k)] for _ in row_ids])
+            drafts = mx.where(keep, true, (true + 1) % vocab).astype(mx.int32)
             # the head's drafts stay in the graph (always >= 0), so their cost is paid; the
             # forced drafts are certain (q one-hot on each): greedy rows accept by argmax
-            return DraftRound(mx.where(head >= 0, mx.array(rows, dtype=mx.int32), head), None)
+            return DraftRound(mx.where(head >= 0, drafts, head), None)
 
         drafter.draft = forced  # type: ignore[method-assign]
 
@@ -366,6 +379,13 @@ def main() -> None:
         "together with the verify forward, not before building it (and a mixed step its decode "
         "forward with the prompts'): the A/B of that switch",
     )
+    ap.add_argument(
+        "--no-pipeline-verify",
+        action="store_true",
+        help="pipeline_verify off, in both engines: every verify step runs in lockstep (its "
+        "acceptance read back before the next step is planned), not chained onto the one "
+        "computing: the A/B of that switch",
+    )
     ap.add_argument("--budget", type=int, default=1024, help="per-step token budget")
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk")
     args = ap.parse_args()
@@ -384,6 +404,7 @@ def main() -> None:
     ours = Ours(
         path, args.budget, args.chunk, float32=args.dtype == "float32", prefix_cache=False,
         **({"submit_decode_first": False} if args.no_submit_first else {}),
+        **({"pipeline_verify": False} if args.no_pipeline_verify else {}),
     )  # fmt: skip
     if ours.loaded.mtp is None:
         raise SystemExit(f"{args.checkpoint} has no MTP head: nothing to speculate with")

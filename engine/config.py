@@ -77,6 +77,12 @@ class EngineConfig:
     # the CPU, where the two share the cores (small shape, 32 rows: 72 vs 74 ms a step) and
     # a request that arrives mid-step waited for the step already queued behind it
     pipeline_steps: bool | None = None  # plan step N+1 before N is read back; unset = GPU only
+    # With pipeline_steps, a speculative verify step of the same greedy rows is built and
+    # queued while the verify before it computes, its rows' last tokens, positions and
+    # rollback taken lazily from that verify's acceptance (engine/speculative.py); off, a
+    # verify step runs in lockstep: its acceptance is read back before the next step is
+    # planned. Unset: on for Metal/CUDA (with pipeline_steps), off on the CPU
+    pipeline_verify: bool | None = None
     # In a step with prompt work, the compiled decode batch's forward is queued
     # (mx.async_eval) before the prompts' graphs are built, so the device computes it
     # while Python builds them: such a step runs in lockstep, and its prompt forwards'

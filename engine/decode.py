@@ -138,10 +138,11 @@ class CompiledDecode:
         return logits
 
     def verify(
-        self, tokens: mx.array, offsets: Sequence[int], state: BatchState
+        self, tokens: mx.array, offsets: Sequence[int] | mx.array, state: BatchState
     ) -> tuple[mx.array, mx.array]:
         """A speculative verify: tokens [B, L] int32 (each row's last token and its
-        drafts), offsets each row's first position; dead rows as in __call__. Returns the
+        drafts), offsets each row's first position (a lazy [B] int32 array for a verify
+        chained onto one not read back yet); dead rows as in __call__. Returns the
         final-normed hidden states [B, L, H] and logits [B, L, V]; stores the new state
         arrays in `state` with each DeltaNet layer's state after every column as its
         `slots`, as an eager forward with ForwardGroup.state_slots does
@@ -218,15 +219,23 @@ class CompiledDecode:
         return hidden
 
     def _run(
-        self, tokens: mx.array, offsets: Sequence[int], state: BatchState, verify: bool
+        self,
+        tokens: mx.array,
+        offsets: Sequence[int] | mx.array,
+        state: BatchState,
+        verify: bool,
     ) -> tuple[mx.array, mx.array | None]:
         """Flatten the stores' arrays, call the traced decode (or verify) body, store the
         new arrays it returns; returns its first output (and the verify's logits) for the
-        live rows. Dead rows after them run on token 0 from position 0."""
+        live rows. Dead rows after them run on token 0 from position 0. The KV rows'
+        left pads go in as an array, a pending rollback's included (KVStore.pad_array)."""
         live, rows = tokens.shape[0], state.num_rows
+        if not isinstance(offsets, mx.array):
+            offsets = mx.array(list(offsets), dtype=mx.int32)
         if rows > live:  # dead rows that hold the batch at its bucket size (RowStates)
             dead = mx.zeros((rows - live, tokens.shape[1]), tokens.dtype)
-            tokens, offsets = mx.concatenate([tokens, dead]), [*offsets, *[0] * (rows - live)]
+            tokens = mx.concatenate([tokens, dead])
+            offsets = mx.concatenate([offsets, mx.zeros((rows - live,), offsets.dtype)])
         stores = state.layers
         kv = [s for s in stores if isinstance(s, KVStore)]
         ssm = [s for s in stores if isinstance(s, SSMState)]
@@ -240,12 +249,12 @@ class CompiledDecode:
             "KV stores of one batch disagree on their columns"
         )
         flat = [a for s in kv for a in s.arrays] + [a for s in ssm for a in (s.conv, s.ssm)]
-        left_pad = mx.array(kv[0].left_pad if kv else [0] * state.num_rows, dtype=mx.int32)
+        left_pad = kv[0].pad_array() if kv else mx.zeros((state.num_rows,), mx.int32)
         self._stores = stores
         self.shapes.add((verify, tuple(tokens.shape), tuple(flat[0].shape) if kv else ()))
         fn = self._verify_fn if verify else self._fn
         first, *new = fn(
-            tokens, mx.array(offsets, dtype=mx.int32), left_pad, mx.array([size], mx.int32), *flat
+            tokens, offsets.astype(mx.int32), left_pad, mx.array([size], mx.int32), *flat
         )
         second = new.pop(0) if verify else None
         for store in kv:

@@ -185,6 +185,7 @@ class LLMEngine:
             loaded.model, self.states, sampler, compiled, batch_prefill, vision,
             self.constraints, self.compiled_prompts, drafter, chunks is not None,
             self.platform.submit_decode_first, pack_mixed, self.platform.publish_decode_first,
+            self.pipeline and self.platform.pipeline_verify,
         )  # fmt: skip
         warm = self.config.warm_up_seconds
         warm = (WARM_UP_GPU_SECONDS if gpu else 0.0) if warm is None else warm
@@ -354,14 +355,13 @@ class LLMEngine:
         start, self._waited = time.perf_counter(), 0.0
         self._parts = dict.fromkeys(HOST_PARTS, 0.0)
         with self._guard():
-            plan = self.scheduler.schedule()
-            self._parts["schedule"] = time.perf_counter() - start
+            plan, early = self._schedule(publish)
             if self.leader is not None:
                 self.leader.publish(plan)
             if self._overlaps(plan):
-                deltas = self._pipelined(plan)
+                deltas = early + self._pipelined(plan)
             else:
-                deltas = self._lockstep(plan, publish)
+                deltas = early + self._lockstep(plan, publish)
         if not plan.is_empty:
             host = time.perf_counter() - start - self._waited
             self.scheduler.step_times.observe_host(plan.kind, host, self._parts)
@@ -380,6 +380,30 @@ class LLMEngine:
             plan.step, 1e3 * host, " / ".join(HOST_PARTS), parts, 1e3 * self._waited,
             mx.get_active_memory() / 2**20, mx.get_cache_memory() / 2**20,
         )  # fmt: skip
+
+    def _schedule(
+        self, publish: Callable[[list[RequestOutput]], None] | None
+    ) -> tuple[StepPlan, list[RequestOutput]]:
+        """The next plan, and the deltas read back before it was made. A verify step in
+        flight (pipeline_verify) has the next verify step chained onto it where the
+        scheduler and the runner allow (Scheduler.chained_plan, ModelRunner.chains);
+        otherwise it is read back first (its deltas to `publish`, else returned), so
+        the plan knows what it accepted."""
+        inflight, deltas, start = self._inflight, [], time.perf_counter()
+        if inflight is not None and inflight.plan.verify_row_ids:
+            if self.runner.chains(inflight.plan):
+                chained = self.scheduler.chained_plan()
+                if chained is not None:
+                    self._parts["schedule"] = time.perf_counter() - start
+                    return chained, []
+            deltas = self._drain()
+            if publish is not None and deltas:
+                publish(deltas)
+                deltas = []
+            start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        self._parts["schedule"] += time.perf_counter() - start
+        return plan, deltas
 
     def _lockstep(
         self, plan: StepPlan, publish: Callable[[list[RequestOutput]], None] | None = None
@@ -455,8 +479,12 @@ class LLMEngine:
         (submit_decode_first)."""
         first = any(c.sample_row_ids for c in plan.prefill)
         # a speculating row's next step needs its acceptance (and a fresh row's drafts),
-        # and a row that may draft next needs its token (plan.read_back)
-        if plan.verify_row_ids or plan.read_back:
+        # unless a verify may be chained onto it (pipeline_verify; else the next call
+        # reads it back before planning), and a row that may draft next needs its token
+        # (plan.read_back)
+        if plan.verify_row_ids:
+            return plan.verify_chained or (self.pipeline and self.runner.chains(plan))
+        if plan.read_back:
             return False
         return self.pipeline and not (plan.prefill and (plan.decode_row_ids or first))
 

@@ -81,11 +81,17 @@ class StepPlan:
     # Rows that speculate this step (engine/speculative.py), in verify-batch order: each
     # runs its last token and num_draft drafts the worker made (the plan never carries
     # drafts), as inputs at verify_positions[i] .. + num_draft. Their last token ids are
-    # known (such a step follows a read-back step: never pending).
+    # known (such a step follows a read-back step: never pending), unless verify_chained.
     verify_row_ids: tuple[str, ...] = ()
     verify_token_ids: tuple[int, ...] = ()
     verify_positions: tuple[int, ...] = ()
     num_draft: int = 0
+    # The verify batch is the previous plan's, a verify step still in flight, and this
+    # step runs nothing else: its rows' last tokens and positions are what that step
+    # accepts (the runner takes them from its acceptance, lazily; verify_token_ids and
+    # verify_positions are empty), and a row that finished there computes this step in
+    # vain (Scheduler.chained_plan)
+    verify_chained: bool = False
     # Some decode row may speculate next step, so this step's tokens are read back before
     # the next plan (not pipelined): a row whose last token is in flight cannot draft.
     read_back: bool = False

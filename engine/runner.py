@@ -165,6 +165,7 @@ class ModelRunner:
         submit_decode_first: bool = False,
         pack_mixed: bool = False,
         draw_decode_first: bool = False,
+        chain_verify: bool = False,
     ) -> None:
         """vision: the image work of prompts with images (None: text only). masks: the
         grammar hook of constrained rows (None: none). drafter: speculative decoding's
@@ -181,7 +182,9 @@ class ModelRunner:
         with prompt work run in lockstep, every earlier token known): such a step with a
         compiled decode batch queues its forward and its rows' draws before the prompts'
         graphs are built (ModelOutput.first), so that those tokens can be read back while
-        the prompt forward computes."""
+        the prompt forward computes.
+        chain_verify (EngineConfig.pipeline_verify): a verify step of the same rows may
+        be built while the verify before it computes (`chains`; StepPlan.verify_chained)."""
         self.model = model
         self.states = states
         self.sampler = sampler
@@ -196,6 +199,11 @@ class ModelRunner:
         self.submit_decode_first = submit_decode_first
         self.pack_mixed = pack_mixed
         self.draw_decode_first = draw_decode_first
+        self.chain_verify = chain_verify and compiled is not None and drafter is not None
+        # the last verify step's acceptance (sample writes it): a chained verify's inputs
+        self._verdicts: Verdicts | None = None
+        # the verify a chained one rolled back already (read_back settles it instead)
+        self._chained: VerifyStep | None = None
         self._saved: list[mx.array] = []  # prefix-cache copies not yet started
         self._last_tokens: mx.array | None = None  # the last sampled step's tokens [N]
         # step -> compiled shapes it traced, until read back (a follower rank never reads
@@ -228,16 +236,18 @@ class ModelRunner:
         groups = []
         if plan.decode_row_ids and decode_logits is None:
             groups.append(self._decode_group(plan))
-        verify_drafts = self._drafts(plan)
+        verify_last, verify_positions = self._verify_inputs(plan)
+        verify_drafts = self._drafts(plan, verify_last)
         if verify_drafts is not None and self.submit_decode_first:
             # the device computes the drafts (and the head's store they wrote) while the
             # verify forward is built and queued behind them (the trunk's rollback was
             # queued at read-back)
             head = self.states.verify.draft
             mx.async_eval(*verify_drafts.arrays(), *(head.state_arrays() if head else []))
-        compiled_verify = self._compiled_verify(plan, verify_drafts)
+        compiled_verify = self._compiled_verify(verify_last, verify_positions, verify_drafts)
         if verify_drafts is not None and compiled_verify is None:
-            groups.append(self._verify_group(plan, verify_drafts))
+            assert not plan.verify_chained, "a chained verify runs compiled"
+            groups.append(self._verify_group(plan, verify_last, verify_drafts))
         # cohorts run by a compiled forward (fresh prompts' first chunks, later chunks),
         # the others eagerly
         cohorts: list[_Cohort] = []
@@ -266,14 +276,13 @@ class ModelRunner:
             else:
                 verified = hidden[len(groups) - len(eager) - 1]  # [B, k + 1, H]
                 logits_v = self.model.logits(verified)
-            positions = plan.verify_positions
             verify = VerifyStep(
                 plan.verify_row_ids,
                 verify_drafts.tokens,
                 verify_drafts.logits,
                 verified,
                 logits_v,
-                positions,
+                verify_positions,
             )
         logits = self.model.logits(mx.concatenate(last, axis=0)) if last else None
         if decode_logits is not None and first is None:
@@ -350,6 +359,7 @@ class ModelRunner:
             verify = self._processed(output.verify, verify_rows)
             verdicts = self.drafter.accept(verify, verify_rows)
             mx.async_eval(*verdicts.arrays())
+            self._verdicts = verdicts
         # the step's tokens in plan order (a later pipelined step's pending inputs)
         first = output.first.batch if output.first is not None else None
         tokens = [first.tokens] if first is not None else []
@@ -430,11 +440,15 @@ class ModelRunner:
             return ()
         assert self.drafter is not None, "verdicts without a drafter"
         rows = self.rows.sampling_rows(verdicts.step.row_ids)
-        runs = self.drafter.read_back(verdicts, self.states.verify, rows)
+        chained = self._chained is verdicts.step
+        runs = self.drafter.read_back(verdicts, self.states.verify, rows, chained)
         self.rows.extend(runs)
         if self.masks is not None and len(self.masks):
             self.masks.accept_runs([(run.row_id, run.token_ids) for run in runs])
-        mx.async_eval(*store_arrays(self.states.verify))
+        if chained:  # the chained verify computing now holds the rolled-back states
+            self._chained = None
+        else:
+            mx.async_eval(*store_arrays(self.states.verify))
         return tuple(runs)
 
     def flush_saves(self) -> None:
@@ -454,6 +468,7 @@ class ModelRunner:
         is reset with the states)."""
         self._saved = []
         self._last_tokens = None
+        self._verdicts = self._chained = None
         self._traced.clear()
         self.rows.clear()
         self.states.reset()
@@ -493,36 +508,92 @@ class ModelRunner:
             offsets += [0] * dead
         return ForwardGroup(tokens, text_positions(offsets, 1), self.states.decode.layers)
 
-    def _drafts(self, plan: StepPlan) -> DraftRound | None:
-        """The verify batch's drafts (None: no row speculates). Its rows' tokens are all
-        read back (a verify step follows a read-back step), so their noise keys are."""
+    @property
+    def chain_source(self) -> Verdicts | None:
+        """While a chained verify is built, the acceptance of the verify it follows (not
+        read back: its rows' tokens are the host's plus what this keeps); else None."""
+        return self._verdicts if self._chained is not None else None
+
+    def chains(self, plan: StepPlan) -> bool:
+        """Whether a verify step may be chained onto `plan`, a verify step, while it
+        computes (StepPlan.verify_chained): chain_verify is on, `plan` runs nothing but
+        its verify batch, through the compiled verify and draft chain (greedy rows over
+        stores that have traced forms), and nothing reads a row's tokens to build the
+        next step (no grammar, logit_bias or penalties: their masks and processing are
+        computed from the tokens on the host)."""
+        if not (self.chain_verify and plan.verify_row_ids) or plan.prefill or plan.decode_row_ids:
+            return False
+        assert self.compiled is not None and self.drafter is not None
+        state = self.states.verify
+        if self.drafter.compiled is None or state.draft is None or state.draft.arrays is None:
+            return False
+        if not self.compiled.supports(state) or self.masks is not None and len(self.masks):
+            return False
+        params = [self.rows.rows[r].params for r in plan.verify_row_ids]
+        return all(p.is_greedy and not _processes(p) for p in params)
+
+    def _verify_inputs(self, plan: StepPlan) -> tuple[mx.array | None, tuple[int, ...] | mx.array]:
+        """The verify batch's last tokens [B] and first positions (None, (): no row
+        speculates). A chained verify's come from the acceptance of the verify before
+        it, still computing: each row's last kept token and its position, lazily; that
+        verify's rollback is queued here too (BatchState.keep_verified_pending), and
+        read_back settles it."""
         if not plan.verify_row_ids:
+            return None, ()
+        if not plan.verify_chained:
+            return mx.array(plan.verify_token_ids, dtype=mx.int32), plan.verify_positions
+        before = self._verdicts
+        assert before is not None and before.step.row_ids == plan.verify_row_ids, (
+            "a chained verify follows a verify of the same rows"
+        )
+        state, k = self.states.verify, plan.num_draft
+        accepted = before.num_accepted
+        dead = state.num_rows - len(plan.verify_row_ids)
+        kept = accepted + 1
+        if dead:  # a bucketed batch's dead rows keep one column
+            kept = mx.concatenate([kept, mx.ones((dead,), kept.dtype)])
+        state.keep_verified_pending(kept.astype(mx.int32), k + 1)
+        self._chained = before.step
+        last = mx.take_along_axis(before.tokens, accepted[:, None], axis=1)[:, 0]
+        first = before.step.positions
+        first = first if isinstance(first, mx.array) else mx.array(first, dtype=mx.int32)
+        return last.astype(mx.int32), (first + kept[: len(plan.verify_row_ids)]).astype(mx.int32)
+
+    def _drafts(self, plan: StepPlan, last: mx.array | None) -> DraftRound | None:
+        """The verify batch's drafts (None: no row speculates) from its rows' last tokens
+        `last` [B]. Their earlier tokens are all read back (a verify step follows a
+        read-back step, or is chained onto a verify of greedy rows), so their noise keys
+        are."""
+        if last is None:
             return None
         assert self.drafter is not None and plan.num_draft == self.drafter.num_draft
-        last = mx.array(plan.verify_token_ids, dtype=mx.int32)
         rows = self.rows.sampling_rows(plan.verify_row_ids)
         return self.drafter.draft(plan.verify_row_ids, self.states.verify, last, rows)
 
     def _compiled_verify(
-        self, plan: StepPlan, drafts: DraftRound | None
+        self,
+        last: mx.array | None,
+        positions: tuple[int, ...] | mx.array,
+        drafts: DraftRound | None,
     ) -> tuple[mx.array, mx.array] | None:
         """The verify batch's hidden [B, k + 1, H] and logits through the compiled verify
         (CompiledDecode.verify), or None when it does not apply (no row speculates,
         compiling off, or a store kind it lacks): the verify then runs as a group."""
-        if drafts is None or self.compiled is None:
+        if last is None or drafts is None or self.compiled is None:
             return None
         if not self.compiled.supports(self.states.verify):
             return None
-        tokens = _verify_tokens(plan, drafts)
-        return self.compiled.verify(tokens, plan.verify_positions, self.states.verify)
+        tokens = _verify_tokens(last, drafts)
+        return self.compiled.verify(tokens, positions, self.states.verify)
 
-    def _verify_group(self, plan: StepPlan, drafts: DraftRound) -> ForwardGroup:
+    def _verify_group(self, plan: StepPlan, last: mx.array, drafts: DraftRound) -> ForwardGroup:
         """[B, k + 1]: each speculating row's last token and its drafts, unpadded, with
         DeltaNet state kept after every column (BatchState.keep_verified picks one)."""
         state = self.states.verify
         assert state.num_rows == len(plan.verify_row_ids), "dead rows only when compiled"
         positions = text_positions(list(plan.verify_positions), plan.num_draft + 1)
-        return ForwardGroup(_verify_tokens(plan, drafts), positions, state.layers, state_slots=True)
+        tokens = _verify_tokens(last, drafts)
+        return ForwardGroup(tokens, positions, state.layers, state_slots=True)
 
     def _prompt_pairs(
         self,
@@ -789,10 +860,9 @@ def _decode_tokens(plan: StepPlan, prev_tokens: mx.array | None) -> mx.array:
     return mx.where(pending, prev_tokens.astype(mx.int32)[sources], known)[:, None]
 
 
-def _verify_tokens(plan: StepPlan, drafts: DraftRound) -> mx.array:
+def _verify_tokens(last: mx.array, drafts: DraftRound) -> mx.array:
     """[B, k + 1] int32: each speculating row's last token, then its drafts."""
-    last = mx.array(plan.verify_token_ids, dtype=mx.int32)[:, None]
-    return mx.concatenate([last, drafts.tokens], axis=1)
+    return mx.concatenate([last[:, None], drafts.tokens.astype(mx.int32)], axis=1)
 
 
 def _processes(params: SamplingParams) -> bool:

@@ -8,6 +8,17 @@ the drafts it accepts, plus one token after them. `BatchState.keep_verified` the
 forgets the rejected columns (KV) and takes the DeltaNet state after the last kept one:
 no forward is replayed.
 
+Chained verifies (EngineConfig.pipeline_verify; StepPlan.verify_chained): a verify step
+of the same greedy rows may be built and queued while the one before it computes, as a
+pipelined decode step is. Nothing it needs is then known on the host: each row's last
+token, its first position, the rollback (`BatchState.keep_verified_pending`: every KV row
+shifted right by its own rejected count, so shapes stay what the host knows; the DeltaNet
+slot picked by an array) and the head's pairs (`_VerifiedPairs` with lazy counts) all
+come from the acceptance as arrays, and the compiled verify and draft chain take them as
+such. Read back, the counts settle the host's left pads (`KVStore.settle`). On a GPU a
+lockstep verify waits for the device after building its graph; chained, the next one's
+building overlaps it.
+
 Greedy rows draft the head's argmax and accept the leading drafts that equal the
 trunk's argmax (sampling/speculative.py's accept_greedy), so greedy output equals plain
 decoding token for token. "The trunk's" logits are the sampler's processed ones: a row
@@ -72,31 +83,41 @@ class _Pairs:
 @dataclass(frozen=True)
 class _VerifiedPairs:
     """A verify batch's kept columns, still batched: row b's pairs are columns
-    0 .. counts[b] - 1 of hidden and tokens."""
+    0 .. counts[b] - 1 of hidden and tokens. Until the verify is read back its counts
+    (and a chained verify's positions) are lazy arrays: a verify chained onto it drafts
+    from them before they are known (`aligned`); read back, they are host values."""
 
     row_ids: tuple[str, ...]
     hidden: mx.array  # [B, k + 1, H]: the verify's final-normed hidden states
     tokens: mx.array  # [B, k + 1] int32: the emitted tokens (each kept column's next)
-    first: tuple[int, ...]  # each row's first column's position
-    counts: tuple[int, ...]  # kept columns per row (its accepted drafts + 1)
+    first: tuple[int, ...] | mx.array  # each row's first column's position ([B] int32)
+    counts: tuple[int, ...] | mx.array  # kept columns per row (its accepted drafts + 1)
 
     def row(self, b: int) -> _Pairs:
-        """Row b's pairs on their own."""
+        """Row b's pairs on their own (once read back)."""
+        assert isinstance(self.counts, tuple) and isinstance(self.first, tuple), "lazy pairs"
         n, first = self.counts[b], self.first[b]
         positions = mx.broadcast_to(mx.arange(first, first + n, dtype=mx.int32), (3, n))
         return _Pairs(self.hidden[b, :n], positions, self.tokens[b, :n])
 
-    def aligned(self) -> tuple[mx.array, mx.array, mx.array, list[int]]:
-        """Every row's pairs right-aligned to the longest, by one gather each: hidden
-        [B, W, H], tokens [B, W], positions [3, B, W] and each row's padding columns
-        (which hold copies of its first pair, masked as padding by the head)."""
-        width = max(self.counts)
-        pads = [width - n for n in self.counts]
-        shift = mx.array(pads, dtype=mx.int32)[:, None]
+    def aligned(self) -> tuple[mx.array, mx.array, mx.array, list[int] | mx.array]:
+        """Every row's pairs right-aligned to the longest (lazy counts: to all k + 1
+        columns), by one gather each: hidden [B, W, H], tokens [B, W], positions
+        [3, B, W] and each row's padding columns (which hold copies of its first pair,
+        masked as padding by the head; a [B] int32 array where the counts are lazy)."""
+        if isinstance(self.counts, tuple):
+            width = max(self.counts)
+            pads: list[int] | mx.array = [width - n for n in self.counts]
+            shift = mx.array(pads, dtype=mx.int32)[:, None]
+        else:
+            width = self.hidden.shape[1]
+            pads = width - self.counts
+            shift = pads[:, None]
         source = mx.maximum(mx.arange(width, dtype=mx.int32)[None] - shift, 0)  # [B, W]
         hidden = mx.take_along_axis(self.hidden, source[..., None], axis=1)
         tokens = mx.take_along_axis(self.tokens, source, axis=1)
-        first = mx.array(self.first, dtype=mx.int32)[:, None]
+        first = self.first if isinstance(self.first, mx.array) else mx.array(self.first)
+        first = first.astype(mx.int32)[:, None]
         positions = mx.broadcast_to((first + source)[None], (3, *source.shape))
         return hidden, tokens, positions, pads
 
@@ -124,7 +145,9 @@ class VerifyStep:
     draft_logits: mx.array | None  # [B, k, V]: DraftRound.logits
     hidden: mx.array  # [B, k + 1, H]: the trunk's final-normed hidden at each input
     logits: mx.array  # [B, k + 1, V]
-    positions: tuple[int, ...]  # each row's first input position
+    # each row's first input position ([B] int32, lazy: a verify chained onto one that
+    # was not read back yet)
+    positions: tuple[int, ...] | mx.array
 
 
 @dataclass(frozen=True)
@@ -185,25 +208,35 @@ class CompiledDraft:
         hidden: mx.array,
         tokens: mx.array,
         positions: mx.array,
-        pads: Sequence[int],
+        pads: Sequence[int] | mx.array,
         store: KVStore,
     ) -> mx.array:
         """The drafts [B, k] of right-aligned pairs (as `draft` takes them, pads[b]
         padding columns in row b); the store keeps the real pairs, as after `draft` and
-        the rollback of its k - 1 speculative pairs."""
+        the rollback of its k - 1 speculative pairs. Lazy pads ([B] int32: a chained
+        verify's) become the store's pending padding (KVStore.pending), which the
+        drafter settles once they are read back."""
         width, k = hidden.shape[1], self.num_draft
         store.reserve(width + k - 1)
         size = store.size
         self.shapes.add((tuple(hidden.shape[:2]), store.capacity))
         # rows with stored tokens move them right over the padding; empty rows just pad
-        moved = [p if lp != size else 0 for p, lp in zip(pads, store.left_pad, strict=True)]
-        left_pad = [lp + p for lp, p in zip(store.left_pad, pads, strict=True)]
+        if isinstance(pads, mx.array):
+            assert store.pending is None, "the head store's last pads are not settled"
+            old = mx.array(store.left_pad, dtype=mx.int32)
+            moved, left_pad = mx.where(old != size, pads, 0), old + pads
+            store.pending = pads
+        else:
+            pairs = list(zip(pads, store.left_pad, strict=True))
+            moved = mx.array([p if lp != size else 0 for p, lp in pairs], dtype=mx.int32)
+            store.left_pad = [lp + p for p, lp in pairs]
+            left_pad = mx.array(store.left_pad, dtype=mx.int32)
         self._store = store
         drafts, *arrays = self._fn(
-            hidden, tokens, positions, mx.array(moved, dtype=mx.int32),
-            mx.array(left_pad, dtype=mx.int32), mx.array([size], dtype=mx.int32), *store.arrays,
+            hidden, tokens, positions, moved.astype(mx.int32), left_pad.astype(mx.int32),
+            mx.array([size], dtype=mx.int32), *store.arrays,
         )  # fmt: skip
-        store.arrays, store.left_pad, store.size = list(arrays), left_pad, size + width
+        store.arrays, store.size = list(arrays), size + width
         return drafts
 
     def _chain(
@@ -236,6 +269,12 @@ class Drafter:
         self.compiled = CompiledDraft(model, head, num_draft) if compiled else None
         self._pending: dict[str, _Pairs] = {}
         self._verified: _VerifiedPairs | None = None  # the last verify batch's pairs
+        # A chained verify's draft (lazy pads): the head store, the chain's width and its
+        # dead rows, until the verify before it is read back and settles the store
+        self._unsettled: tuple[KVStore, int, int] | None = None
+        # The first positions of the chained verify in flight, known on the host once
+        # the verify before it is read back (its own are lazy)
+        self._chain_first: tuple[int, ...] | None = None
 
     # -- rows -----------------------------------------------------------------------------
     def forget(self, row_ids: Sequence[str]) -> None:
@@ -257,6 +296,8 @@ class Drafter:
     def clear(self) -> None:
         self._pending.clear()
         self._verified = None
+        self._unsettled = None
+        self._chain_first = None
 
     def _unbatch(self) -> None:
         """The last verify batch's pairs become per-row pairs (its rows changed)."""
@@ -318,6 +359,8 @@ class Drafter:
         if batch is not None and batch.row_ids == tuple(row_ids):
             self._verified = None  # the same rows as the last verify: one gather
             hidden, tokens, positions, pads = batch.aligned()
+            if isinstance(pads, mx.array):  # chained: the head store settles at read-back
+                self._unsettled = (store, hidden.shape[1], state.num_rows - len(row_ids))
             return self._chain(state, store, hidden, tokens, positions, pads, rows)
         self._unbatch()
         pairs = [self._pending.pop(r, None) for r in row_ids]
@@ -349,20 +392,22 @@ class Drafter:
         hidden: mx.array,
         tokens: mx.array,
         positions: mx.array,
-        pads: list[int],
+        pads: list[int] | mx.array,
         rows: Sequence[SamplingRow],
     ) -> DraftRound:
         """The head's k drafts from the live rows' right-aligned pairs (hidden [B, W, H],
-        tokens [B, W], positions [3, B, W], pads per row); dead rows after them (a
-        bucketed batch) draft from nothing and are not returned."""
+        tokens [B, W], positions [3, B, W], pads per row: a lazy array for a chained
+        verify's, which only the compiled chain takes); dead rows after them (a bucketed
+        batch) draft from nothing and are not returned."""
         k, live = self.num_draft, hidden.shape[0]
         dead = state.num_rows - live
         extra = chain_width(state.num_rows, hidden.shape[1], k + 1) - hidden.shape[1]
+        lazy = isinstance(pads, mx.array)
         if extra:  # the rows' pairs right-aligned at the chain's width
             hidden = mx.pad(hidden, [(0, 0), (extra, 0), (0, 0)])
             tokens = mx.pad(tokens, [(0, 0), (extra, 0)])
             positions = mx.pad(positions, [(0, 0), (0, 0), (extra, 0)])
-            pads = [p + extra for p in pads]
+            pads = pads + extra if isinstance(pads, mx.array) else [p + extra for p in pads]
         if dead:
             width = hidden.shape[1]
             hidden = mx.concatenate([hidden, mx.zeros((dead, *hidden.shape[1:]), hidden.dtype)])
@@ -370,11 +415,15 @@ class Drafter:
             positions = mx.concatenate(
                 [positions, mx.zeros((3, dead, width), positions.dtype)], axis=1
             )
-            pads = [*pads, *[width] * dead]
+            if isinstance(pads, mx.array):
+                pads = mx.concatenate([pads, mx.full((dead,), width, pads.dtype)])
+            else:
+                pads = [*pads, *[width] * dead]
             rows = [*rows, *[rows[-1]] * dead]  # dead rows draw as a live one, unread
         if self.compiled is not None and self.compiled.supports(store, rows):
             tokens = self.compiled(hidden, tokens, positions, pads, store)
             return DraftRound(tokens[:live] if dead else tokens, None)
+        assert not lazy and isinstance(pads, list), "a chained verify drafts compiled"
         drafts = draft(
             self.model,
             self.head,
@@ -403,6 +452,10 @@ class Drafter:
         count = verdict.num_accepted[:, None]
         padded = mx.concatenate([step.drafts, verdict.next_token[:, None]], axis=1)
         tokens = mx.where(column < count, padded, verdict.next_token[:, None])
+        # the kept columns are the next draft's pairs: lazy until read back, so that a
+        # verify chained onto this one drafts from them before they are known
+        kept = verdict.num_accepted + 1
+        self._verified = _VerifiedPairs(step.row_ids, step.hidden, tokens, step.positions, kept)
         top = max((p.top_logprobs for p in params if p.logprobs), default=0)
         if not any(p.logprobs for p in params):
             return Verdicts(step, verdict.num_accepted, tokens, None, None, None)
@@ -418,22 +471,41 @@ class Drafter:
         return Verdicts(step, verdict.num_accepted, tokens, token_lp, top_ids, top_lps)
 
     def read_back(
-        self, verdicts: Verdicts, state: BatchState, rows: Sequence[SamplingRow]
+        self,
+        verdicts: Verdicts,
+        state: BatchState,
+        rows: Sequence[SamplingRow],
+        chained: bool = False,
     ) -> list[VerifiedRun]:
         """Wait for the verdicts; roll the verify batch back to each row's kept columns;
-        the kept columns' hidden states become the rows' pending pairs."""
+        the kept columns' hidden states become the rows' pending pairs. chained: a
+        verify chained onto this one has rolled the batch back and drafted from those
+        pairs already, with the counts still lazy (BatchState.keep_verified_pending):
+        the counts read back settle the trunk's and the head's stores instead. Reads
+        back only what this step computed: a chained verify may be computing behind it."""
         step, k = verdicts.step, verdicts.step.drafts.shape[1]
         counts = verdicts.num_accepted.tolist()
         tokens = verdicts.tokens.tolist()
         dead = state.num_rows - len(counts)  # a bucketed batch's dead rows keep one
-        state.keep_verified([a + 1 for a in counts] + [1] * dead, k + 1)
+        kept = tuple(a + 1 for a in counts)
+        first = step.positions if isinstance(step.positions, tuple) else self._chain_first
+        assert first is not None, "a chained verify's positions were never settled"
+        if chained:
+            state.settle_verified([*kept, *[1] * dead], k + 1)
+            assert self._unsettled is not None, "a chained verify drafted from no pairs"
+            store, width, dead_rows = self._unsettled
+            store.settle([width - n for n in kept] + [width] * dead_rows)
+            self._unsettled = None
+            self._chain_first = tuple(f + n for f, n in zip(first, kept, strict=True))
+        else:
+            state.keep_verified([*kept, *[1] * dead], k + 1)
+            self._verified = _VerifiedPairs(
+                step.row_ids, step.hidden, verdicts.tokens, tuple(first), kept
+            )
+            self._chain_first = None
         lps = verdicts.logprobs.tolist() if verdicts.logprobs is not None else None
         ids = verdicts.top_ids.tolist() if verdicts.top_ids is not None else None
         vals = verdicts.top_logprobs.tolist() if verdicts.top_logprobs is not None else None
-        kept = tuple(a + 1 for a in counts)
-        self._verified = _VerifiedPairs(
-            step.row_ids, step.hidden, verdicts.tokens, step.positions, kept
-        )
         for row_id in step.row_ids:
             self._pending.pop(row_id, None)
         runs = []

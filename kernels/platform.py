@@ -50,6 +50,7 @@ GPU_DEFAULT_ON = (
     "compile_prefill",
     "batch_prefill",
     "pipeline_steps",
+    "pipeline_verify",
     "submit_decode_first",
 )
 # Step shapes whose default is off on every device: a mixed step's decode rows' tokens
@@ -69,6 +70,7 @@ class PlatformSwitches(Protocol):
     compile_prefill: bool | None
     batch_prefill: bool | None
     pipeline_steps: bool | None
+    pipeline_verify: bool | None
     submit_decode_first: bool | None
     publish_decode_first: bool | None
     stream_handoff: bool | None
@@ -98,6 +100,7 @@ class Platform:
     compile_prefill: bool = False  # DeltaNet's prompt-chunk core compiled
     batch_prefill: bool = False  # prompt chunks of several requests as one padded group
     pipeline_steps: bool = False  # step N+1 queued before step N is read back
+    pipeline_verify: bool = False  # and a verify step chained onto the one computing
     submit_decode_first: bool = False  # a mixed step's decode forward (a verify's drafts) first
     publish_decode_first: bool = False  # and its decode rows' tokens read back first
     stream_handoff: bool = False  # the engine thread waits for a step's tokens to be written

@@ -22,6 +22,7 @@ import pytest
 from test_engine_batching import _drive as drive
 from test_engine_images import image, prompt_with
 
+from deltaserve.engine.cache import kv as kv_module
 from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.config import EngineConfig, KVCacheConfig
 from deltaserve.engine.engine import LLMEngine
@@ -97,7 +98,9 @@ def force_drafts(
     """Make the engine's drafter propose each row's true continuation (oracle[row_id],
     the greedy tokens after its prompt) with draft wrong(row, round, k) corrupted (index k:
     none), as certain drafts (q one-hot on each); the head still runs, so its store is
-    kept as usual. Returns the accepted counts seen, filled as the engine runs."""
+    kept as usual. Returns the accepted counts seen, filled as the engine runs. A chained
+    verify's drafts (pipeline_verify) are gathered lazily: its rows' tokens read back so
+    far, plus those the verify before it keeps, still computing."""
     drafter = engine.runner.drafter
     assert drafter is not None
     draft, read_back, seen = drafter.draft, drafter.read_back, set()
@@ -108,17 +111,23 @@ def force_drafts(
         row_ids: list[str], state: BatchState, last: mx.array, rows: list[SamplingRow]
     ) -> DraftRound:
         draft(row_ids, state, last, rows)
-        out = []
+        runner = engine.runner
+        before = runner.chain_source  # a chained verify's: the acceptance it follows
+        width = max(len(oracle[r]) for r in row_ids) + 2 * (k + 1)
+        table = mx.array([oracle[r] + [0] * (width - len(oracle[r])) for r in row_ids])
+        emitted = mx.array([len(runner.rows.output_ids[r]) for r in row_ids])
+        if before is not None:
+            emitted = emitted + before.num_accepted + 1
+        true = mx.take_along_axis(table, emitted[:, None] + mx.arange(k)[None], axis=1)
+        bad = []
         for row_id in row_ids:
-            emitted = len(engine.runner.rows.output_ids[row_id])
-            true = (oracle[row_id] + [0] * (k + 1))[emitted : emitted + k]
-            bad = wrong(row_id, rounds.get(row_id, 0), k)
+            bad.append(wrong(row_id, rounds.get(row_id, 0), k))
             rounds[row_id] = rounds.get(row_id, 0) + 1
-            out.append([t + 1 if i == bad else t for i, t in enumerate(true)])
-        return DraftRound(mx.array(out, dtype=mx.int32), None)
+        corrupt = mx.arange(k)[None] == mx.array(bad)[:, None]
+        return DraftRound((true + corrupt).astype(mx.int32), None)
 
-    def recording(verdicts, state, rows):  # type: ignore[no-untyped-def]
-        runs = read_back(verdicts, state, rows)
+    def recording(verdicts, state, rows, *chained):  # type: ignore[no-untyped-def]
+        runs = read_back(verdicts, state, rows, *chained)
         seen.update(len(r.token_ids) - 1 for r in runs)
         return runs
 
@@ -218,6 +227,122 @@ def test_pipelined_steps_still_speculate(loaded: LoadedModel) -> None:
     seen = force_drafts(engine, _oracle(loaded, joins), _cycle)
     assert _drive(engine, joins) == plain
     assert seen == set(range(K + 1)), seen
+
+
+def _chaining(config: EngineConfig) -> EngineConfig:
+    """A GPU's verify steps on the CPU: compiled, pipelined, chained (pipeline_verify)."""
+    return dataclasses.replace(
+        config, compile_decode=True, pipeline_steps=True, pipeline_verify=True,
+        submit_decode_first=True,
+    )  # fmt: skip
+
+
+def _count_chained(engine: LLMEngine) -> list[int]:
+    """The engine's chained verify plans, counted as it runs (their rows per step)."""
+    counts: list[int] = []
+    chained_plan = engine.scheduler.chained_plan
+
+    def counting() -> object:
+        plan = chained_plan()
+        if plan is not None:
+            counts.append(len(plan.verify_row_ids))
+        return plan
+
+    engine.scheduler.chained_plan = counting  # type: ignore[method-assign]
+    return counts
+
+
+@pytest.mark.parametrize("kv", KV_KINDS, ids=["fp", "affine8", "turboquant"])
+def test_chained_verifies_keep_greedy_output(loaded: LoadedModel, kv: KVCacheConfig) -> None:
+    """pipeline_verify (the GPU's default): a verify step of the same rows is built while
+    the one before computes, its last tokens, positions and rollback lazy. Per KV kind,
+    with every accepted count 0..k, rows joining (the chain breaks for their prompts and
+    resumes), an abort and rows ending at max_tokens or a stop token: the tokens equal
+    the plain engine's, chained verifies ran, and every row's state is freed."""
+    config = dataclasses.replace(SMALL, kv_cache=kv)
+    prompts = _prompts(6, seed=5)
+    oracle = _oracle(loaded, _joins(prompts, _greedy(max_tokens=30)), config=config)
+    joins = _joins(prompts, _greedy(max_tokens=30))
+    # r1 ends at a stop token inside a run (chained onto or chained after), r3 earlier
+    r1, r3 = joins[0][1], joins[1][1]
+    joins[0][1] = dataclasses.replace(r1, params=_greedy(30, stop_token_ids=(oracle["r1/0"][17],)))
+    joins[1][1] = dataclasses.replace(r3, params=_greedy(23))
+    aborts = {12: ["r4"]}
+    plain = _drive(LLMEngine(loaded, config), joins, aborts)
+    engine = LLMEngine(loaded, _spec(_chaining(config)))
+    assert engine.runner.chain_verify
+    chained = _count_chained(engine)
+    seen = force_drafts(engine, oracle, _cycle)
+    got = _drive(engine, joins, aborts)
+    assert {r: t for r, t in got.items() if r[0] != "r4"} == {
+        r: t for r, t in plain.items() if r[0] != "r4"
+    }
+    assert len(got[("r4", 0)]) < 30 and len(got[("r1", 0)]) == 18
+    assert seen == set(range(K + 1)), seen
+    assert len(chained) >= 3 and max(chained) > 1, chained
+    assert not engine.scheduler.rows and engine.states.verify.num_rows == 0
+
+
+def test_a_chained_batch_drops_the_padding_its_rejections_leave(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch that keeps verifying chained grows by k + 1 columns a step, its rejected
+    drafts becoming left padding (KVStore.rollback_pending); once every row has
+    COMPACT_PAD of it, settle drops it: with a small COMPACT_PAD the stores compact
+    mid-chain, rows with all drafts wrong, and the tokens still equal the plain engine's."""
+    monkeypatch.setattr(kv_module, "COMPACT_PAD", 4)
+    prompts = _prompts(2, seed=6)
+    joins = {0: [GenerationRequest(f"r{i}", tuple(p), _greedy(40)) for i, p in enumerate(prompts)]}
+    plain = _drive(LLMEngine(loaded, SMALL), joins)
+    oracle = _oracle(loaded, joins)
+    engine = LLMEngine(loaded, _spec(_chaining(SMALL)))
+    chained = _count_chained(engine)
+    pads: list[int] = []
+    settle = kv_module.KVStore.settle
+
+    def recording(self: kv_module.KVStore, drop: list[int]) -> None:
+        settle(self, drop)
+        pads.append(min(self.left_pad))
+
+    monkeypatch.setattr(kv_module.KVStore, "settle", recording)
+    force_drafts(engine, oracle, lambda row, r, k: 0 if r % 2 else k)  # all wrong, all right
+    assert _drive(engine, joins) == plain
+    assert len(chained) >= 5 and pads and max(pads) < 4 + 2 * K, pads
+    assert any(p == 0 for p in pads) and any(p > 0 for p in pads), pads
+
+
+def test_a_request_arriving_mid_chain_breaks_it(loaded: LoadedModel) -> None:
+    """Chained verifies run while nothing else waits: a request arriving reads the verify
+    in flight back first (its prompt then runs beside the rows as usual), and the chain
+    resumes once every row decodes again; tokens as the plain engine's."""
+    prompts = _prompts(3, seed=7)
+    joins = {
+        0: [GenerationRequest("r0", tuple(prompts[0]), _greedy(36))],
+        12: [GenerationRequest("r1", tuple(prompts[1]), _greedy(20))],
+        13: [GenerationRequest("r2", tuple(prompts[2]), _greedy(20))],
+    }
+    plain = _drive(LLMEngine(loaded, SMALL), joins)
+    oracle = _oracle(loaded, joins)
+    engine = LLMEngine(loaded, _spec(_chaining(SMALL)))
+    chained = _count_chained(engine)
+    force_drafts(engine, oracle, lambda row, r, k: k)
+    assert _drive(engine, joins) == plain
+    assert 1 in chained and any(c > 1 for c in chained), chained
+
+
+def test_rows_a_chain_cannot_take_verify_in_lockstep(loaded: LoadedModel) -> None:
+    """Sampled rows (and rows with penalties or a grammar) read their tokens on the host
+    to build the next verify, so no verify is chained onto theirs (ModelRunner.chains):
+    a seeded sampled row writes the same text with pipeline_verify on or off."""
+    prompts = _prompts(2, seed=8)
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True)
+    joins = {0: [GenerationRequest(f"r{i}", tuple(p), params) for i, p in enumerate(prompts)]}
+    base = dataclasses.replace(_chaining(SMALL), pipeline_verify=False)
+    unchained = _drive(LLMEngine(loaded, _spec(base)), joins)
+    engine = LLMEngine(loaded, _spec(_chaining(SMALL)))
+    chained = _count_chained(engine)
+    assert _drive(engine, joins) == unchained
+    assert not chained
 
 
 @pytest.mark.parametrize("kv", KV_KINDS, ids=["fp", "affine8", "turboquant"])

@@ -43,6 +43,7 @@ STEP_SHAPES = (
     "compile_prefill",
     "batch_prefill",
     "pipeline_steps",
+    "pipeline_verify",
     "submit_decode_first",
 )
 

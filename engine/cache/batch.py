@@ -92,6 +92,24 @@ class BatchState:
             else:
                 layer.rollback(drop)
 
+    def keep_verified_pending(self, kept: mx.array, fed: int) -> None:
+        """keep_verified with counts still computing (kept: [B] int32, lazy; a verify
+        chained onto this one is being built): KV layers roll back pending
+        (KVStore.rollback_pending) until `settle_verified` gets the counts read back."""
+        for layer in self.layers:
+            if isinstance(layer, SSMState):
+                layer.select_slots(kept - 1)
+            else:
+                assert isinstance(layer, KVStore), "a pending rollback of a PrefixKV"
+                layer.rollback_pending(fed - kept)
+
+    def settle_verified(self, kept: list[int], fed: int) -> None:
+        """The counts of keep_verified_pending, read back."""
+        drop = [fed - k for k in kept]
+        for layer in self.layers:
+            if isinstance(layer, KVStore):
+                layer.settle(drop)
+
     def pad_rows(self, count: int) -> None:
         """Append `count` dead rows to every layer (KVStore and SSMState only)."""
         draft = self.aligned_draft()

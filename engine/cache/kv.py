@@ -9,7 +9,8 @@ Row ops (all return or keep an independent store, never a view of another batch)
           every row of a side shares
   filter  keep some rows; drop leading columns that are padding for every survivor
   extract copy one row out as a B=1 store with no padding
-  rollback forget each row's own number of newest tokens (rejected speculative drafts)
+  rollback forget each row's own number of newest tokens (rejected speculative drafts);
+          `rollback_pending` does it with counts still computing (a chained verify)
 
 A step may pad a row that already holds tokens (the MTP head's chunks of uneven length):
 that row's tokens then move right over the padding, which joins its left pad.
@@ -30,6 +31,8 @@ from deltaserve.kernels.quant_attention import fold_queries
 # appends write in place and copy the whole batch only when a row crosses a step. Stable
 # capacities also keep the compiled decode step (engine/decode.py) on few shapes.
 _GROW = 256
+# Left padding every row of a store must have before settle drops it (rollback_pending)
+COMPACT_PAD = _GROW
 
 
 def round_capacity(columns: int) -> int:
@@ -72,6 +75,9 @@ class KVStore:
         self.arrays: list[mx.array] | None = None  # each [B, Hkv, capacity, X]
         self.left_pad: list[int] = []  # per row, columns of padding before its tokens
         self.size = 0  # used columns (shared right edge)
+        # [B] int32, lazy: padding a rollback_pending added to each row that left_pad does
+        # not hold yet (settle adds it, read back); None: left_pad is every row's pad
+        self.pending: mx.array | None = None
 
     # -- encoding, implemented by subclasses ------------------------------------------
     def encode(self, keys: mx.array, values: mx.array) -> list[mx.array]:
@@ -106,6 +112,12 @@ class KVStore:
     def lengths(self) -> list[int]:
         """Real tokens stored per row."""
         return [self.size - p for p in self.left_pad]
+
+    def pad_array(self) -> mx.array:
+        """[B] int32: each row's left pad, a pending rollback's included (the compiled
+        forwards take it as an array)."""
+        pads = mx.array(self.left_pad, dtype=mx.int32)
+        return pads if self.pending is None else pads + self.pending
 
     def attend(
         self,
@@ -207,6 +219,7 @@ class KVStore:
     # -- row ops ------------------------------------------------------------------------
     def filter(self, keep: list[int]) -> None:
         """Keep rows `keep` (in that order); trim padding every survivor shares."""
+        assert self.pending is None, "rows change only once a rollback is settled"
         if not keep:
             self.arrays, self.left_pad, self.size = None, [], 0
             return
@@ -248,6 +261,7 @@ class KVStore:
         reservation holds only while it prefills."""
         if other.num_rows == 0:
             return
+        assert self.pending is None and other.pending is None, "a rollback is pending"
         if self.num_rows == 0:
             self.arrays, self.left_pad, self.size = other.arrays, list(other.left_pad), other.size
             trim = min(self.left_pad)
@@ -303,16 +317,42 @@ class KVStore:
             self._move_right(extra, [self.size] * len(extra))
         self.left_pad = [p + e for p, e in zip(self.left_pad, extra, strict=True)]
 
-    def _move_right(self, shift: list[int], stop: list[int]) -> None:
-        """Row b's columns below stop[b] take the values shift[b] columns to their left
-        (what moves in from beyond the row's pad is padding: the caller grows left_pad by
-        shift[b]); columns from stop[b] on stay. One gather per stored array, over the
-        columns that hold any row's tokens."""
+    def rollback_pending(self, drop: mx.array) -> None:
+        """rollback with counts that are still computing (drop: [B] int32, lazy): a verify
+        chained onto the one whose drafts they rejected is built before they are read
+        back (engine/speculative.py). Nothing is known on the host, so the shared right
+        edge stays and every row shifts right by its whole drop (rows that drop the same
+        count gather too); the new padding is `pending` until `settle` gets the counts.
+        A batch that keeps verifying this way gathers left padding (the drafts it
+        rejected), dropped by settle once every row has enough of it."""
+        assert self.pending is None, "a rollback is pending already"
+        self._move_right(drop, None)
+        self.pending = drop
+
+    def settle(self, drop: list[int]) -> None:
+        """The pending rollback's counts, read back: left_pad holds them. Once every row
+        has COMPACT_PAD columns of padding, they are dropped (one copy, as filter does),
+        so a batch that keeps verifying does not grow by its rejected drafts."""
+        assert self.pending is not None and len(drop) == self.num_rows, "nothing pending"
+        self.left_pad = [p + d for p, d in zip(self.left_pad, drop, strict=True)]
+        self.pending = None
+        if self.left_pad and min(self.left_pad) >= COMPACT_PAD:
+            self.filter(list(range(self.num_rows)))
+
+    def _move_right(self, shift: list[int] | mx.array, stop: list[int] | None) -> None:
+        """Row b's columns below stop[b] (None: every column in use) take the values
+        shift[b] columns to their left (what moves in from beyond the row's pad is
+        padding: the caller grows left_pad by shift[b]); columns from stop[b] on stay.
+        One gather per stored array, over the columns that hold any row's tokens."""
         if self.arrays is None:
             return
         lo = min(self.left_pad)  # columns before lo are padding for every row
-        by = mx.array(shift, dtype=mx.int32)[:, None, None, None]
-        end = mx.array(stop, dtype=mx.int32)[:, None, None, None]
+        by = mx.array(shift, dtype=mx.int32) if isinstance(shift, list) else shift
+        by = by.astype(mx.int32)[:, None, None, None]
+        end = mx.array(
+            stop if stop is not None else [self.size] * len(self.left_pad), dtype=mx.int32
+        )
+        end = end[:, None, None, None]
         cols = mx.arange(lo, self.size, dtype=mx.int32)[None, None, :, None]
         src = mx.where(cols < end, mx.maximum(cols - by, lo), cols) - lo  # [B, 1, n, 1]
         for a in self.arrays:

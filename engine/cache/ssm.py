@@ -43,14 +43,17 @@ class SSMState:
         self.conv = take_rows(self.conv, keep)
         self.ssm = take_rows(self.ssm, keep)
 
-    def select_slots(self, slot: list[int]) -> None:
+    def select_slots(self, slot: list[int] | mx.array) -> None:
         """After a verify forward: row b takes its state after column slot[b] (it kept
-        slot[b] + 1 of the columns; the rest were rejected drafts). One gather per
+        slot[b] + 1 of the columns; the rest were rejected drafts), slot a list or a
+        lazy [B] int32 array (a chained verify's, not read back yet). One gather per
         array; the slots are dropped."""
         assert self.slots is not None, "select_slots without a verify forward"
         conv, ssm = self.slots
-        assert len(slot) == conv.shape[0] and all(0 <= s < conv.shape[1] for s in slot), slot
-        rows, picked = mx.arange(len(slot)), mx.array(slot, dtype=mx.int32)
+        if isinstance(slot, list):
+            assert len(slot) == conv.shape[0] and all(0 <= s < conv.shape[1] for s in slot)
+            slot = mx.array(slot, dtype=mx.int32)
+        rows, picked = mx.arange(conv.shape[0]), slot
         self.conv, self.ssm = conv[rows, picked], ssm[rows, picked]
         self.slots = None
 

@@ -109,6 +109,8 @@ class Scheduler:
         self._pending: dict[str, int] = {}  # row -> index in the last step's samples
         self._num_steps = 0
         self._pending_step = -1  # the step whose samples `_pending` refers to
+        # a verify-only step planned and not updated yet: (its step, its verify rows)
+        self._verify_in_flight: tuple[int, tuple[str, ...]] | None = None
         self._clock = clock
         self._timer = StepTimer()
         self.step_times = StepHistogram()  # every step's wall time, for /metrics
@@ -200,6 +202,36 @@ class Scheduler:
         self._commit(out)
         return out
 
+    def chained_plan(self) -> StepPlan | None:
+        """A verify step of the verify step in flight's rows, planned before that step
+        is read back (StepPlan.verify_chained: the worker takes each row's last token
+        and position from its acceptance), or None where the next step must know what
+        it accepted: any other work (a waiting request, a prompt, a row freed or
+        promoted), a row that would not speculate, or one within reach of its limits
+        (Speculation.speculates with the k + 1 tokens in flight). A row that finishes in
+        the step in flight (an end-of-sequence token) computes the chained step in vain;
+        its tokens are dropped (update)."""
+        spec, st, inflight = self.speculation, self.state, self._verify_in_flight
+        if spec is None or inflight is None:
+            return None
+        if st.waiting or st.prefilling or self._promote_next or st.table.has_freed():
+            return None
+        if st.new_rows or st.forks or st.saves:
+            return None
+        rows = st.decoding
+        if tuple(r.row_id for r in rows) != inflight[1]:
+            return None
+        ahead, step = spec.num_draft + 1, self._num_steps
+        if not all(spec.speculates(r, step, ahead) for r in rows):
+            return None
+        if len(rows) * ahead > self.config.max_num_batched_tokens:
+            return None
+        started = self._clock()
+        out = self._plan([], rows, set(inflight[1]), chained=True)
+        self._timer.planned(out.step, started)
+        self._commit(out)
+        return out
+
     @property
     def _num_draft(self) -> int:
         return self.speculation.num_draft if self.speculation is not None else 0
@@ -229,9 +261,14 @@ class Scheduler:
         return spec is not None and any(spec.speculates(r, self._num_steps + 1) for r in decoding)
 
     def _plan(
-        self, chunks: list[PrefillChunk], decoding: list[Request], verifying: set[str]
+        self,
+        chunks: list[PrefillChunk],
+        decoding: list[Request],
+        verifying: set[str],
+        chained: bool = False,
     ) -> StepPlan:
-        """The step's plan, with everything gathered for it since the last one."""
+        """The step's plan, with everything gathered for it since the last one (chained:
+        chained_plan's, whose verify rows' tokens and positions are still computing)."""
         st, prefix = self.state, self.prefix
         verify = [r for r in decoding if r.row_id in verifying]
         decoding = [r for r in decoding if r.row_id not in verifying]
@@ -249,9 +286,12 @@ class Scheduler:
             decode_positions=tuple(r.num_computed + r.rope_delta for r in decoding),
             decode_rows_wait=bool(st.decoding) and not decoding and not verify,
             verify_row_ids=tuple(r.row_id for r in verify),
-            verify_token_ids=tuple(r.output_ids[-1] for r in verify),
-            verify_positions=tuple(r.num_computed + r.rope_delta for r in verify),
+            verify_token_ids=() if chained else tuple(r.output_ids[-1] for r in verify),
+            verify_positions=()
+            if chained
+            else tuple(r.num_computed + r.rope_delta for r in verify),
             num_draft=k,
+            verify_chained=chained,
             read_back=self._may_speculate_next(decoding),
             prefill=tuple(chunks),
             num_tokens=len(decoding) + (k + 1) * len(verify) + sum(c.length for c in chunks),
@@ -275,6 +315,8 @@ class Scheduler:
                 self._promote_next.append(req)
         self._pending = {r: i for i, r in enumerate(out.sample_row_ids)}
         self._pending_step = self._num_steps
+        verify_only = out.verify_row_ids and not out.decode_row_ids and not out.prefill
+        self._verify_in_flight = (out.step, out.verify_row_ids) if verify_only else None
         self._num_steps += 1
 
     # -- after the forward ----------------------------------------------------------------
@@ -288,6 +330,8 @@ class Scheduler:
         self._observe_step_time(out, result.traced)
         if out.step == self._pending_step:
             self._pending = {}  # planned and updated in lockstep: every token is known
+        if self._verify_in_flight is not None and self._verify_in_flight[0] == out.step:
+            self._verify_in_flight = None  # read back: a next verify plans as usual
         outputs = self._append_sampled(result)
         for run in result.verified:
             delta = self._verified(out, run)

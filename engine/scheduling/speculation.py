@@ -118,15 +118,17 @@ class Speculation:
         below = list(accumulate(unit for _, unit in ratios))  # weight up to each ratio
         return max(ratios[bisect_left(below, below[-1] / 2)][0], 0.0)
 
-    def speculates(self, req: Request, step: int) -> bool:
+    def speculates(self, req: Request, step: int, ahead: int = 0) -> bool:
         """Whether `req`'s row drafts in `step`: it may, is not paused, has more than one
         token left to write (a last token gains nothing from drafts), and none of the
-        k + 1 it could write is forced (a thinking budget's close)."""
+        k + 1 it could write is forced (a thinking budget's close); `ahead`: tokens the
+        row may have written in a step not read back yet, counted as written."""
         if not req.speculative:
             return False
-        if req.params.may_force_within(req.output_ids, self.num_draft + 1):
+        if req.params.may_force_within(req.output_ids, self.num_draft + 1 + ahead):
             return False
         left = min(req.params.max_tokens - len(req.output_ids), req.max_context - req.num_tokens)
+        left -= ahead
         record = self._rows.get(req.row_id)
         if record is None:
             # a new row where verifies are measured not to pay (no k drafts repay one)
