@@ -849,7 +849,7 @@ chaintests() {  # the chained verify's tests on the GPU (compiled verify and dra
     # lazy rollback and settle, every KV kind, joins, aborts, stops, compaction)
     MLX_ENABLE_TF32=0 timeout "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider -vv \
         --tb=short -rfE --timeout 120 tests/test_engine_speculative.py \
-        -k "chained or mid_chain or a_chain_cannot" >"$OUT/gpu_chaintests.log" 2>&1
+        -k "chained or mid_chain or a_chain or beside_a_chain" >"$OUT/gpu_chaintests.log" 2>&1
     grep -E "passed|failed|FAILED|ERROR" "$OUT/gpu_chaintests.log" | tail -20
 }
 chain08() {  # the same at 0.8B float32, B = 1, 8 and 64, chained / lockstep / chained

@@ -478,14 +478,15 @@ class LLMEngine:
         (bench/README.md, 43e410d); the decode rows' forward is queued first instead
         (submit_decode_first)."""
         first = any(c.sample_row_ids for c in plan.prefill)
-        # a speculating row's next step needs its acceptance (and a fresh row's drafts),
-        # unless a verify may be chained onto it (pipeline_verify; else the next call
-        # reads it back before planning), and a row that may draft next needs its token
-        # (plan.read_back)
-        if plan.verify_row_ids:
-            return plan.verify_chained or (self.pipeline and self.runner.chains(plan))
+        if plan.verify_chained:  # built on the step in flight, which it has rolled back
+            return True
+        # a row that may draft next needs its token (plan.read_back), and a speculating
+        # row's next step its acceptance (and a fresh row's drafts), unless a verify may
+        # be chained onto it (pipeline_verify; else the next call reads it back first)
         if plan.read_back:
             return False
+        if plan.verify_row_ids:
+            return self.pipeline and self.runner.chains(plan)
         return self.pipeline and not (plan.prefill and (plan.decode_row_ids or first))
 
     def _pipelined(self, plan: StepPlan) -> list[RequestOutput]:

@@ -86,11 +86,11 @@ class StepPlan:
     verify_token_ids: tuple[int, ...] = ()
     verify_positions: tuple[int, ...] = ()
     num_draft: int = 0
-    # The verify batch is the previous plan's, a verify step still in flight, and this
-    # step runs nothing else: its rows' last tokens and positions are what that step
+    # The verify batch is the previous plan's, a step still in flight, and this step
+    # has no prompt work: its rows' last tokens and positions are what that step
     # accepts (the runner takes them from its acceptance, lazily; verify_token_ids and
     # verify_positions are empty), and a row that finished there computes this step in
-    # vain (Scheduler.chained_plan)
+    # vain (Scheduler.chained_plan); decode rows take pending inputs as usual
     verify_chained: bool = False
     # Some decode row may speculate next step, so this step's tokens are read back before
     # the next plan (not pipelined): a row whose last token is in flight cannot draft.

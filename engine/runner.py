@@ -516,12 +516,13 @@ class ModelRunner:
 
     def chains(self, plan: StepPlan) -> bool:
         """Whether a verify step may be chained onto `plan`, a verify step, while it
-        computes (StepPlan.verify_chained): chain_verify is on, `plan` runs nothing but
-        its verify batch, through the compiled verify and draft chain (greedy rows over
-        stores that have traced forms), and nothing reads a row's tokens to build the
-        next step (no grammar, logit_bias or penalties: their masks and processing are
-        computed from the tokens on the host)."""
-        if not (self.chain_verify and plan.verify_row_ids) or plan.prefill or plan.decode_row_ids:
+        computes (StepPlan.verify_chained): chain_verify is on, `plan` has no prompt work,
+        its verify batch runs through the compiled verify and draft chain (greedy rows
+        over stores that have traced forms), and nothing reads a row's tokens to build
+        the next step (no grammar, logit_bias or penalties: their masks and processing
+        are computed from the tokens on the host). Its plain decode rows decode on, from
+        its sampled tokens, as in any pipelined step."""
+        if not (self.chain_verify and plan.verify_row_ids) or plan.prefill:
             return False
         assert self.compiled is not None and self.drafter is not None
         state = self.states.verify

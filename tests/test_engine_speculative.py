@@ -330,6 +330,34 @@ def test_a_request_arriving_mid_chain_breaks_it(loaded: LoadedModel) -> None:
     assert 1 in chained and any(c > 1 for c in chained), chained
 
 
+def test_plain_rows_decode_beside_a_chain(loaded: LoadedModel) -> None:
+    """Rows that do not speculate (their request turned it off) decode beside chained
+    verifies, their inputs the step in flight's sampled tokens: tokens as the plain
+    engine's, and chained steps had both kinds of rows."""
+    prompts = _prompts(4, seed=10)
+    plain_params = _greedy(24, speculative=False)
+    joins = {0: [
+        GenerationRequest(f"r{i}", tuple(p), plain_params if i % 2 else _greedy(24))
+        for i, p in enumerate(prompts)
+    ]}  # fmt: skip
+    plain = _drive(LLMEngine(loaded, SMALL), joins)
+    oracle = _oracle(loaded, joins)
+    engine = LLMEngine(loaded, _spec(_chaining(SMALL)))
+    mixed: list[int] = []
+    chained_plan = engine.scheduler.chained_plan
+
+    def counting() -> object:
+        plan = chained_plan()
+        if plan is not None and plan.decode_row_ids:
+            mixed.append(len(plan.decode_row_ids))
+        return plan
+
+    engine.scheduler.chained_plan = counting  # type: ignore[method-assign]
+    force_drafts(engine, oracle, _cycle)
+    assert _drive(engine, joins) == plain
+    assert len(mixed) >= 3 and max(mixed) == 2, mixed
+
+
 def test_rows_a_chain_cannot_take_verify_in_lockstep(loaded: LoadedModel) -> None:
     """Sampled rows (and rows with penalties or a grammar) read their tokens on the host
     to build the next verify, so no verify is chained onto theirs (ModelRunner.chains):

@@ -203,14 +203,15 @@ class Scheduler:
         return out
 
     def chained_plan(self) -> StepPlan | None:
-        """A verify step of the verify step in flight's rows, planned before that step
-        is read back (StepPlan.verify_chained: the worker takes each row's last token
-        and position from its acceptance), or None where the next step must know what
-        it accepted: any other work (a waiting request, a prompt, a row freed or
-        promoted), a row that would not speculate, or one within reach of its limits
-        (Speculation.speculates with the k + 1 tokens in flight). A row that finishes in
-        the step in flight (an end-of-sequence token) computes the chained step in vain;
-        its tokens are dropped (update)."""
+        """A verify step of the verify step in flight's rows (and its plain decode rows,
+        decoding on), planned before that step is read back (StepPlan.verify_chained:
+        the worker takes each row's last token and position from its acceptance), or
+        None where the next step must know what it accepted: any other work (a waiting
+        request, a prompt, a row freed or promoted), a verifying row that would not
+        speculate, or one within reach of its limits (Speculation.speculates with the
+        k + 1 tokens in flight), or a plain row that may draft next. A row that finishes
+        in the step in flight (an end-of-sequence token) computes the chained step in
+        vain; its tokens are dropped (update)."""
         spec, st, inflight = self.speculation, self.state, self._verify_in_flight
         if spec is None or inflight is None:
             return None
@@ -218,16 +219,22 @@ class Scheduler:
             return None
         if st.new_rows or st.forks or st.saves:
             return None
-        rows = st.decoding
-        if tuple(r.row_id for r in rows) != inflight[1]:
+        verifying = set(inflight[1])
+        verify = [r for r in st.decoding if r.row_id in verifying]
+        decode = [r for r in st.decoding if r.row_id not in verifying]
+        if tuple(r.row_id for r in verify) != inflight[1]:
             return None
         ahead, step = spec.num_draft + 1, self._num_steps
-        if not all(spec.speculates(r, step, ahead) for r in rows):
+        if not all(spec.speculates(r, step, ahead) for r in verify):
             return None
-        if len(rows) * ahead > self.config.max_num_batched_tokens:
+        # the plain rows decode on from the step in flight's tokens; one that may draft
+        # next needs its token read back first (StepPlan.read_back: a lockstep step)
+        if self._may_speculate_next(decode):
+            return None
+        if len(decode) + len(verify) * ahead > self.config.max_num_batched_tokens:
             return None
         started = self._clock()
-        out = self._plan([], rows, set(inflight[1]), chained=True)
+        out = self._plan([], st.decoding, verifying, chained=True)
         self._timer.planned(out.step, started)
         self._commit(out)
         return out
@@ -315,8 +322,8 @@ class Scheduler:
                 self._promote_next.append(req)
         self._pending = {r: i for i, r in enumerate(out.sample_row_ids)}
         self._pending_step = self._num_steps
-        verify_only = out.verify_row_ids and not out.decode_row_ids and not out.prefill
-        self._verify_in_flight = (out.step, out.verify_row_ids) if verify_only else None
+        chainable = out.verify_row_ids and not out.prefill
+        self._verify_in_flight = (out.step, out.verify_row_ids) if chainable else None
         self._num_steps += 1
 
     # -- after the forward ----------------------------------------------------------------
