@@ -46,8 +46,10 @@ KINDS = {
 # matmul; a DeltaNet probe agreed to 5e-4 there against 3e-7 on the CPU,
 # ../shared/DESIGN.md), and a compiled graph fuses and pads differently from the eager
 # one: the hidden and row states agree to this on a GPU (the H100, 2026-12-05: one of
-# 1,536 KV values of a first chunk 2.1e-3 apart at 2e-3).
-TOL = 2e-4 if mx.default_device() == mx.cpu else 5e-3
+# 1,536 KV values of a first chunk 2.1e-3 apart at 2e-3). On the CPU the BLAS's kernels
+# depend on the processor: an AMD EPYC's OpenBLAS (2026-12-07) put one of the 128 hidden
+# values of tiny-moe's affine8 prompt 3.0e-4 from the eager forward's, at 2e-4.
+TOL = 5e-4 if mx.default_device() == mx.cpu else 5e-3
 
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-moe"])
