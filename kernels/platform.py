@@ -56,7 +56,8 @@ GPU_DEFAULT_ON = (
 # Step shapes whose default is off on every device: a mixed step's decode rows' tokens
 # read back while its prompt forward computes made an H100's mixed steps and the
 # streams' longest gaps longer at 9B (bench/README.md); the engine thread waiting for the
-# event loop to write a step's tokens is not yet measured on a GPU
+# event loop to write a step's tokens left an H100's p99 gap at 9B where it was (both:
+# bench/README.md)
 DEFAULT_OFF = ("publish_decode_first", "stream_handoff")
 
 
