@@ -109,7 +109,8 @@ class Scheduler:
         self._pending: dict[str, int] = {}  # row -> index in the last step's samples
         self._num_steps = 0
         self._pending_step = -1  # the step whose samples `_pending` refers to
-        # a verify-only step planned and not updated yet: (its step, its verify rows)
+        # a verify step without prompt work, planned and not updated yet: (its step, its
+        # verify rows), onto which chained_plan may chain the next
         self._verify_in_flight: tuple[int, tuple[str, ...]] | None = None
         self._clock = clock
         self._timer = StepTimer()
@@ -290,13 +291,11 @@ class Scheduler:
                 -1 if r.row_id in self._pending else r.output_ids[-1] for r in decoding
             ),
             decode_sources=tuple(self._pending.get(r.row_id, -1) for r in decoding),
-            decode_positions=tuple(r.num_computed + r.rope_delta for r in decoding),
+            decode_positions=_positions(decoding),
             decode_rows_wait=bool(st.decoding) and not decoding and not verify,
             verify_row_ids=tuple(r.row_id for r in verify),
             verify_token_ids=() if chained else tuple(r.output_ids[-1] for r in verify),
-            verify_positions=()
-            if chained
-            else tuple(r.num_computed + r.rope_delta for r in verify),
+            verify_positions=() if chained else _positions(verify),
             num_draft=k,
             verify_chained=chained,
             read_back=self._may_speculate_next(decoding),
@@ -505,6 +504,7 @@ class Scheduler:
         outputs = [self._finish(r, "error", error) for r in victims if not r.is_finished]
         st.table.forget_workers()
         st.prefilling, st.decoding, self._pending, self._promote_next = [], [], {}, []
+        self._verify_in_flight = None
         st.clear_plan()
         return outputs
 
@@ -516,3 +516,8 @@ def _pieces(out: StepPlan) -> str:
     later = sum(c.start > 0 for c in out.prefill)
     longest = max((c.length for c in out.prefill), default=0)
     return f"{len(out.prefill)} chunks ({later} later, longest {longest})"
+
+
+def _positions(rows: list[Request]) -> tuple[int, ...]:
+    """Each row's next input's rotary position."""
+    return tuple(r.num_computed + r.rope_delta for r in rows)
