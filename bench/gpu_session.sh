@@ -14,18 +14,16 @@
 #   call 2 (carry .wb):  bash bench/gpu_session.sh setup start9b warm08  (~3 min on a fresh
 #                        machine: warm08 is one unmeasured server run while MLX builds its
 #                        kernels; without a carried ptx cache a first server takes ~150 s)
-#   call 3:              bash bench/gpu_session.sh chain9b      (issue 32: verify steps chained
-#                        onto the one computing, on / off / on at 9B B = 1; then chain08)
-#   call 4:              bash bench/gpu_session.sh handoff9b    (issue 30's p99 gap at 9B: the engine
-#                        thread waiting for the event loop to write each step's tokens,
-#                        --stream-handoff, off / on / off / on; then handoff08)
-#   call 5:              bash bench/gpu_session.sh specfirst    (issue 32: a verify step's draft
-#                        chain queued before the verify forward is built, on / off / on,
-#                        then the chain timed apart; specparts has the rest of it)
+#   call 3:              bash bench/gpu_session.sh specparts    (issue 32: where a verify step's
+#                        device time goes: the draft chain timed apart at 9B float32 and
+#                        0.8B B = 8; a chained 9B verify is device-bound at ~22 ms against
+#                        a decode step's ~11.7, 2026-12-07)
+#   call 4:              bash bench/gpu_session.sh chain08      (verify steps chained, on /
+#                        off / on at 0.8B B = 1, 8 and 64 with the policy: its B = 8
+#                        verify steps took 43.6 ms there, 13.8 ms drafting every step)
+#   call 5:              bash bench/gpu_session.sh serve9b      (issue 30's 9B headline at HEAD)
 #   call 6:              bash bench/gpu_session.sh serve08      (the 0.8B headline at HEAD)
-#   call 7:              bash bench/gpu_session.sh share        (the server against its engine
-#                        in-process, both workloads: 2026-12-07 101% / 64%, the headline's
-#                        schedule capping any server at 76%)
+#   (2026-12-07, twenty-eighth session: chaintests, chain9b, handoff9b: bench/README.md)
 #   (2026-12-07, H100, three sessions: serve08 twice, inproc08, ahead08, gil08; serve9b,
 #   specsteps, proc9b, chunk9b, spec9b, tests; first9b, share, smallm, spec9b, specbf16,
 #   serve9b; share2, proc9b, prof08, serve9b, inproc2, share, tests3: bench/README.md)
@@ -806,41 +804,39 @@ specparts() {  # issue 32: a verify step's draft chain timed apart (--time-draft
     timeout 60 python3 -m bench.deltanet_slots --shape 9B --dtype float32 >>"$OUT/slots9b.log" 2>&1
     grep '^|' "$OUT/slots9b.log"
 }
+spec_ab() {  # a switch's A/B in bench.speculative, float32, TF32 off, forced 80%, runs
+    # on / off / on in turn. $1: the logs' name, $2: the checkpoint, $3: the flag that turns
+    # the switch off, $4: the batch sizes, $5: the time limit of a run (s)
+    local run=0 mode flag
+    for mode in on off on; do
+        run=$((run + 1))
+        flag=""
+        [ "$mode" = off ] && flag="$3"
+        # shellcheck disable=SC2086  # $4: several batch sizes
+        MLX_ENABLE_TF32=0 timeout "$5" python3 -m bench.speculative --checkpoint "$2" \
+            --batches $4 --dtype float32 --accept 0.8 $flag >"$OUT/$1_${run}_$mode.log" 2>&1
+        grep -E "^\| (${4// /|}) \|" "$OUT/$1_${run}_$mode.log" | sed "s/^/$run $mode /"
+    done
+}
 specfirst() {  # issue 32: a verify step's draft chain queued before its verify forward is
     # built (submit_decode_first, the GPU's default since this change) against queued with it
     # (--no-submit-first), 9B B = 1 float32 (TF32 off: forced drafts match) in turn on / off
     # / on, then the chain timed apart in bf16 (--time-drafts). 2026-12-07 (76a5314, before
     # the change): verify 25.6 ms against decode 11.7, 1.20x at forced 80%
     need9b
-    local run=0 mode flag
-    for mode in on off on; do
-        run=$((run + 1))
-        flag=""
-        [ "$mode" = off ] && flag="--no-submit-first"
-        MLX_ENABLE_TF32=0 timeout 150 python3 -m bench.speculative --checkpoint 9B --batches 1 \
-            --dtype float32 --accept 0.8 $flag >"$OUT/specfirst9b_${run}_$mode.log" 2>&1
-        grep -E '^\| 1 \|' "$OUT/specfirst9b_${run}_$mode.log" | sed "s/^/$run $mode /"
-    done
+    spec_ab specfirst9b 9B --no-submit-first 1 150
     timeout 120 python3 -m bench.speculative --checkpoint 9B --batches 1 --accept 0.8 --always \
         --time-drafts >"$OUT/specparts9b_bf16.log" 2>&1
     grep '^|' "$OUT/specparts9b_bf16.log" | tail -3
 }
 
-chain9b() {  # issue 32: verify steps chained (pipeline_verify, the GPU's default since this
-    # change: the next verify built and queued while the one before computes, its inputs
-    # and rollback lazy from that one's acceptance) against lockstep (--no-pipeline-verify),
-    # 9B B = 1 float32, TF32 off, forced 80%, on / off / on; then bf16 at B = 1 and 16, on.
-    # 2026-12-07 (lockstep): verify 25.6 ms against decode 11.7, 1.20x at forced 80%
+chain9b() {  # issue 32: verify steps chained (pipeline_verify, the GPU's default: the next
+    # verify built and queued while the one before computes, its inputs and rollback lazy
+    # from that one's acceptance) against lockstep (--no-pipeline-verify), 9B B = 1, on /
+    # off / on; then bf16 at B = 1 and 16, on. 2026-12-07 (c57a312): verify 22.2 ms against
+    # 25.0, 1.28x against 1.23x (bench/README.md)
     need9b
-    local run=0 mode flag
-    for mode in on off on; do
-        run=$((run + 1))
-        flag=""
-        [ "$mode" = off ] && flag="--no-pipeline-verify"
-        MLX_ENABLE_TF32=0 timeout 150 python3 -m bench.speculative --checkpoint 9B --batches 1 \
-            --dtype float32 --accept 0.8 $flag >"$OUT/chain9b_${run}_$mode.log" 2>&1
-        grep -E '^\| 1 \|' "$OUT/chain9b_${run}_$mode.log" | sed "s/^/$run $mode /"
-    done
+    spec_ab chain9b 9B --no-pipeline-verify 1 150
     timeout 150 python3 -m bench.speculative --checkpoint 9B --batches 1 16 --accept 0.8 \
         >"$OUT/chain9b_bf16.log" 2>&1
     grep '^|' "$OUT/chain9b_bf16.log" | tail -6
@@ -852,16 +848,8 @@ chaintests() {  # the chained verify's tests on the GPU (compiled verify and dra
         -k "chained or mid_chain or a_chain or beside_a_chain" >"$OUT/gpu_chaintests.log" 2>&1
     grep -E "passed|failed|FAILED|ERROR" "$OUT/gpu_chaintests.log" | tail -20
 }
-chain08() {  # the same at 0.8B float32, B = 1, 8 and 64, chained / lockstep / chained
-    local run=0 mode flag
-    for mode in on off on; do
-        run=$((run + 1))
-        flag=""
-        [ "$mode" = off ] && flag="--no-pipeline-verify"
-        MLX_ENABLE_TF32=0 timeout 150 python3 -m bench.speculative --checkpoint 0.8B \
-            --batches 1 8 64 --dtype float32 --accept 0.8 $flag >"$OUT/chain08_${run}_$mode.log" 2>&1
-        grep -E '^\| (1|8|64) \|' "$OUT/chain08_${run}_$mode.log" | sed "s/^/$run $mode /"
-    done
+chain08() {  # the same at 0.8B, B = 1, 8 and 64, chained / lockstep / chained
+    spec_ab chain08 0.8B --no-pipeline-verify "1 8 64" 150
 }
 
 servechat() {  # 0.8B, each client's 3 requests the turns of one chat (history resent)
