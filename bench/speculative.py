@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # MLX is imported after ensure_openblas (main), so lazily bel
     from deltaserve.engine.cache.batch import BatchState
     from deltaserve.engine.config import EngineConfig
     from deltaserve.engine.engine import LLMEngine
+    from deltaserve.engine.plan import StepPlan
     from deltaserve.engine.sampling.sampler import SamplingRow
     from deltaserve.engine.speculative import DraftRound
     from deltaserve.engine.types import RequestOutput
@@ -76,6 +77,7 @@ class Engine(Ours):
         self.accept, self.oracle, self.seed = accept, oracle, seed
         self.always, self.time_drafts = always, time_drafts
         self._drafts_s: list[float] = []  # each draft chain's time, this run
+        self._chained = 0  # verify steps chained onto the one computing, this run
         self.outputs: dict[int, list[int]] = {}
         self.runs: list[dict[int, list[int]]] = []  # each run's outputs (warm-up first)
         self._counts: dict[int, int] = {}  # tokens per request in the last step
@@ -90,7 +92,7 @@ class Engine(Ours):
         running server."""
         from deltaserve.engine.scheduling.speculation import SpeculationStats
 
-        self.outputs, self._counts, self._drafts_s = {}, {}, []
+        self.outputs, self._counts, self._drafts_s, self._chained = {}, {}, [], 0
         self.runs.append(self.outputs)
         if self.engine is None:
             self.engine = self._build()
@@ -128,6 +130,7 @@ class Engine(Ours):
             }
         if self._drafts_s:
             out["draft_ms"] = round(1e3 * sum(self._drafts_s) / len(self._drafts_s), 2)
+        out["chained_steps"] = self._chained
         spec = self.engine.speculation
         out["break_even"] = spec.break_even() if spec is not None else None
         return out
@@ -140,6 +143,14 @@ class Engine(Ours):
             self._force(engine)
         if self.time_drafts and engine.runner.drafter is not None:
             self._time_drafts(engine)
+        chained_plan = engine.scheduler.chained_plan
+
+        def counting() -> StepPlan | None:  # verify steps chained (pipeline_verify)
+            plan = chained_plan()
+            self._chained += plan is not None
+            return plan
+
+        engine.scheduler.chained_plan = counting  # type: ignore[method-assign]
         if self.always and engine.speculation is not None:
             # a break-even of 0: no row ever pauses, so every step verifies
             engine.speculation.break_even = lambda: 0.0  # type: ignore[method-assign]
@@ -315,12 +326,13 @@ def table(rows: list[dict]) -> str:
 def steps_table(rows: list[dict]) -> str:
     """A markdown table of each row's steps by kind: count, mean wall ms, and the host's
     mean ms building and submitting the forward, sampling and applying the tokens; the
-    run's steps that traced a shape (any kind), the runs it took (`steady`) and the
-    break-even on each line."""
+    verify steps chained onto the one computing (pipeline_verify); the run's steps that
+    traced a shape (any kind), the runs it took (`steady`) and the break-even on each
+    line."""
     out = [
         "| B | mode | kind | steps | wall ms | build | submit | sample | update | draft ms "
-        "| traced | runs | break-even |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| chained | traced | runs | break-even |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         for kind in ("decode", "verify"):
@@ -329,11 +341,12 @@ def steps_table(rows: list[dict]) -> str:
             host = r[f"{kind}_host_ms"]
             even = r.get("break_even")
             draft = r.get("draft_ms") if kind == "verify" else None
+            chained = r.get("chained_steps", 0) if kind == "verify" else ""
             out.append(
                 f"| {r['batch']} | {r['mode']} | {kind} | {r[f'{kind}_steps']} | "
                 f"{r[f'{kind}_ms']:.2f} | {host['build']:.2f} | {host['submit']:.2f} | "
                 f"{host['sample']:.2f} | {host['update']:.2f} | "
-                f"{'' if draft is None else f'{draft:.2f}'} | {r['traced']} | "
+                f"{'' if draft is None else f'{draft:.2f}'} | {chained} | {r['traced']} | "
                 f"{r['runs']} | {'' if even is None else f'{even:.2f}'} |"
             )
     return "\n".join(out)

@@ -37,13 +37,31 @@ def test_forced_drafts_keep_output_and_set_acceptance(monkeypatch: pytest.Monkey
     assert 0 < perfect["verify_steps"] < perfect["tokens"]
     assert set(perfect["verify_host_ms"]) == {"schedule", "build", "submit", "sample", "update"}
     verify = [ln for ln in steps_table([plain, perfect]).splitlines() if "| verify |" in ln]
-    # the draft chains' mean time (timed apart, within the verify step's), the run's
-    # traced steps (none on the CPU: nothing compiled, one run), then the break-even
-    # (None here: the floor)
+    # the draft chains' mean time (timed apart, within the verify step's), the verify
+    # steps chained (none: the CPU runs steps in lockstep), the run's traced steps (none
+    # on the CPU: nothing compiled, one run), then the break-even (None here: the floor)
     assert 0 < perfect["draft_ms"] < perfect["verify_ms"] and "draft_ms" not in plain
     assert perfect["traced"] == 0 and perfect["runs"] == 1
     draft = f"{perfect['draft_ms']:.2f}"
-    assert len(verify) == 1 and verify[0].endswith(f"| {draft} | 0 | 1 |  |")
+    assert len(verify) == 1 and verify[0].endswith(f"| {draft} | 0 | 0 | 1 |  |")
+
+
+def test_forced_drafts_of_chained_verifies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a GPU's verify steps (compiled, pipelined, chained: pipeline_verify) the
+    forced drafts of a chained verify are gathered from what the verify before it keeps,
+    still computing: all right (100%), the output stays the plain run's, nearly every
+    draft is accepted, and the steps table counts the chained verifies."""
+    monkeypatch.setattr(Speculation, "break_even", lambda self: None)
+    gpu = {"compile_decode": True, "pipeline_steps": True, "pipeline_verify": True}
+    ours = Ours(str(cached_checkpoint("tiny")), 256, 128, **gpu)
+    args = argparse.Namespace(
+        gen=24, prompt=16, k=2, accept=["1.0"], seed=0, always=False, time_drafts=False
+    )
+    plain, perfect = compare(ours.loaded, ours.config, 1, args, random_weights=True)
+    assert perfect["same_output"] and perfect["acceptance"] > 0.9
+    assert perfect["chained_steps"] > 0 and perfect["verify_steps"] > perfect["chained_steps"]
+    verify = [ln for ln in steps_table([plain, perfect]).splitlines() if "| verify |" in ln]
+    assert f" | {perfect['chained_steps']} | 0 | " in verify[0]
 
 
 def test_a_measured_run_that_traced_runs_again_on_the_same_prompts(
