@@ -695,15 +695,19 @@ def test_forcing_window_of_a_verify() -> None:
     assert not SamplingParams().may_force_within([], 100)
 
 
-def test_logprobs_per_accepted_token(loaded: LoadedModel) -> None:
-    """Each accepted token carries its own logprob and top logprobs, as without."""
+@pytest.mark.parametrize("chained", [False, True], ids=["lockstep", "chained"])
+def test_logprobs_per_accepted_token(loaded: LoadedModel, chained: bool) -> None:
+    """Each accepted token carries its own logprob and top logprobs, as without; also
+    where verify steps are chained (pipeline_verify), their logprobs lazy like the rest."""
     prompts = _prompts(3, seed=5)
-    params = _greedy(max_tokens=9, logprobs=True, top_logprobs=2)
+    params = _greedy(max_tokens=32, logprobs=True, top_logprobs=2)
     plain = LLMEngine(loaded, SMALL).generate(prompts, params)
-    engine = LLMEngine(loaded, _spec())
+    engine = LLMEngine(loaded, _spec(_chaining(SMALL) if chained else SMALL))
+    counts = _count_chained(engine)
     oracle = {f"gen-{i}/0": c.token_ids + [0] * (K + 1) for i, c in enumerate(plain)}
     force_drafts(engine, oracle, _cycle)
     got = engine.generate(prompts, params)
+    assert bool(counts) == chained
     for a, b in zip(got, plain, strict=True):
         assert a.token_ids == b.token_ids
         assert len(a.logprobs) == len(b.logprobs) == len(b.token_ids)
