@@ -403,6 +403,7 @@ class Drafter:
         dead = state.num_rows - live
         extra = chain_width(state.num_rows, hidden.shape[1], k + 1) - hidden.shape[1]
         lazy = isinstance(pads, mx.array)
+        assert not (lazy and extra), "lazy pairs come at the chain's width (k + 1)"
         if extra:  # the rows' pairs right-aligned at the chain's width
             hidden = mx.pad(hidden, [(0, 0), (extra, 0), (0, 0)])
             tokens = mx.pad(tokens, [(0, 0), (extra, 0)])
@@ -445,7 +446,9 @@ class Drafter:
         """Each row's accepted drafts and next token (the module docstring), with
         logprobs of the emitted tokens for rows that ask (queued, lazy). `step.logits`
         are processed already (the runner applies logit_bias and penalties per column);
-        the logprobs are their log-softmax at temperature 1, as the sampler reports them."""
+        the logprobs are their log-softmax at temperature 1, as the sampler reports them.
+        The kept columns become the batch's pairs for its next draft, lazy until read
+        back (a chained verify drafts from them as they are)."""
         k, params = step.drafts.shape[1], [r.params for r in rows]
         verdict = verify_verdict(step, rows)
         column = mx.arange(k + 1, dtype=mx.int32)[None]
