@@ -241,7 +241,7 @@ class ModelRunner:
         if verify_drafts is not None and self.submit_decode_first:
             # the device computes the drafts (and the head's store they wrote) while the
             # verify forward is built and queued behind them (the trunk's rollback was
-            # queued at read-back)
+            # queued at read-back; a chained verify's is queued with its forward)
             head = self.states.verify.draft
             mx.async_eval(*verify_drafts.arrays(), *(head.state_arrays() if head else []))
         compiled_verify = self._compiled_verify(verify_last, verify_positions, verify_drafts)
