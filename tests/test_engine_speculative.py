@@ -652,35 +652,42 @@ def test_max_tokens_and_stop_tokens_inside_an_accepted_run(loaded: LoadedModel) 
     assert seen == {K}
 
 
+@pytest.mark.parametrize("chained", [False, True], ids=["lockstep", "chained"])
 def test_thinking_budget_rows_speculate_around_their_forced_close(
-    loaded: LoadedModel,
+    loaded: LoadedModel, chained: bool
 ) -> None:
     """Rows with a thinking budget draft (every draft right) except in steps whose k + 1
     tokens could reach the forced close: their output, the forced "\n</think>\n\n"
     included at the budget, is the plain engine's, and they did speculate before and
-    after it (budgets 3 and 7 put the close at different offsets of a verify run)."""
+    after it (budgets 3 and 7 put the close at different offsets of a verify run).
+    Chained (pipeline_verify; budgets 15 and 19, room to chain before the close), a
+    verify is chained only where the tokens still in flight could not reach it."""
     prompts = _prompts(2, seed=6)
     close = (198, 151668, 271)
+    budgets, max_tokens = ((15, 19), 40) if chained else ((3, 7), 16)
 
-    def params(budget: int, max_tokens: int = 16) -> SamplingParams:
+    def params(budget: int, max_tokens: int = max_tokens) -> SamplingParams:
         return _greedy(
             max_tokens=max_tokens, max_thinking_tokens=budget, thinking_close_ids=close,
             thinking_end_id=close[1],
         )  # fmt: skip
 
-    joins = {0: [GenerationRequest(f"r{i}", tuple(p), params(3 + 4 * i))
+    joins = {0: [GenerationRequest(f"r{i}", tuple(p), params(budgets[i]))
                  for i, p in enumerate(prompts)]}  # fmt: skip
-    longer = {0: [dataclasses.replace(r, params=params(r.params.max_thinking_tokens, 16 + K + 1))
+    longer = {0: [dataclasses.replace(r, params=params(r.params.max_thinking_tokens,
+                                                        max_tokens + K + 1))
                   for r in joins[0]]}  # fmt: skip
     plain_engine = LLMEngine(loaded, SMALL)
     oracle = {f"{rid}/{i}": t for (rid, i), t in _drive(plain_engine, longer).items()}
     plain = _drive(LLMEngine(loaded, SMALL), joins)
-    for i, budget in enumerate((3, 7)):
+    for i, budget in enumerate(budgets):
         assert tuple(plain[(f"r{i}", 0)][budget : budget + 3]) == close  # forced there
-    engine = LLMEngine(loaded, _spec())
+    engine = LLMEngine(loaded, _spec(_chaining(SMALL) if chained else SMALL))
+    counts = _count_chained(engine)
     seen = force_drafts(engine, oracle, lambda row, r, k: k)  # never corrupted
     assert _drive(engine, joins) == plain
     assert seen == {K} and engine.speculation.stats.num_drafted >= 4 * K
+    assert bool(counts) == chained
 
 
 def test_forcing_window_of_a_verify() -> None:
