@@ -87,8 +87,9 @@ class EngineConfig:
     # (mx.async_eval) before the prompts' graphs are built, so the device computes it
     # while Python builds them: such a step runs in lockstep, and its prompt forwards'
     # building and submission are the largest of any step's. A speculative verify step
-    # (lockstep too: its acceptance decides the next step) likewise queues its rows'
-    # draft chain before building the verify forward. Unset: on for Metal/CUDA
+    # likewise queues its rows' draft chain before building the verify forward (in
+    # lockstep, or chained onto the verify computing: pipeline_verify). Unset: on for
+    # Metal/CUDA
     submit_decode_first: bool | None = None
     # In such a step the compiled decode rows' tokens are also drawn before the prompts'
     # graphs are built, and read back and handed to their streams once the prompt forward
