@@ -385,17 +385,16 @@ class LLMEngine:
         self, publish: Callable[[list[RequestOutput]], None] | None
     ) -> tuple[StepPlan, list[RequestOutput]]:
         """The next plan, and the deltas read back before it was made. A verify step in
-        flight (pipeline_verify) has the next verify step chained onto it where the
-        scheduler and the runner allow (Scheduler.chained_plan, ModelRunner.chains);
-        otherwise it is read back first (its deltas to `publish`, else returned), so
-        the plan knows what it accepted."""
+        flight (one the runner can chain onto: `_overlaps`) has the next verify step
+        chained onto it where the scheduler allows (Scheduler.chained_plan); otherwise
+        it is read back first (its deltas to `publish`, else returned), so the plan
+        knows what it accepted."""
         inflight, deltas, start = self._inflight, [], time.perf_counter()
         if inflight is not None and inflight.plan.verify_row_ids:
-            if self.runner.chains(inflight.plan):
-                chained = self.scheduler.chained_plan()
-                if chained is not None:
-                    self._parts["schedule"] = time.perf_counter() - start
-                    return chained, []
+            chained = self.scheduler.chained_plan()
+            if chained is not None:
+                self._parts["schedule"] = time.perf_counter() - start
+                return chained, []
             deltas = self._drain()
             if publish is not None and deltas:
                 publish(deltas)

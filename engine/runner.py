@@ -863,7 +863,7 @@ def _decode_tokens(plan: StepPlan, prev_tokens: mx.array | None) -> mx.array:
 
 def _verify_tokens(last: mx.array, drafts: DraftRound) -> mx.array:
     """[B, k + 1] int32: each speculating row's last token, then its drafts."""
-    return mx.concatenate([last[:, None], drafts.tokens.astype(mx.int32)], axis=1)
+    return mx.concatenate([last[:, None], drafts.tokens], axis=1)
 
 
 def _processes(params: SamplingParams) -> bool:

@@ -349,12 +349,12 @@ class KVStore:
         lo = min(self.left_pad)  # columns before lo are padding for every row
         by = mx.array(shift, dtype=mx.int32) if isinstance(shift, list) else shift
         by = by.astype(mx.int32)[:, None, None, None]
-        end = mx.array(
-            stop if stop is not None else [self.size] * len(self.left_pad), dtype=mx.int32
-        )
-        end = end[:, None, None, None]
         cols = mx.arange(lo, self.size, dtype=mx.int32)[None, None, :, None]
-        src = mx.where(cols < end, mx.maximum(cols - by, lo), cols) - lo  # [B, 1, n, 1]
+        src = mx.maximum(cols - by, lo)
+        if stop is not None:
+            end = mx.array(stop, dtype=mx.int32)[:, None, None, None]
+            src = mx.where(cols < end, src, cols)
+        src = src - lo  # [B, 1, n, 1]
         for a in self.arrays:
             index = mx.broadcast_to(src, (a.shape[0], a.shape[1], src.shape[2], a.shape[3]))
             a[:, :, lo : self.size] = mx.take_along_axis(a[:, :, lo : self.size], index, axis=2)
