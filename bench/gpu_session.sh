@@ -796,14 +796,15 @@ specbf16() {  # issue 32: the steps table of specsteps at 9B B = 1 in the checkp
 }
 
 specparts() {  # issue 32: a verify step's draft chain timed apart (--time-drafts: the device
-    # synchronised around it), rows drafting every step: 9B B = 1 float32 (TF32 off) and
-    # bf16, 0.8B B = 8. 2026-12-07 (76a5314): a 9B B = 1 verify 25.6 ms against a decode
-    # step's 11.7 (float32), 12.6 against 7.9 (bf16), while its matmuls at M = 3 cost only
-    # 1.1-1.5x M = 1 (smallm): is the rest the head's chain or the verify forward?
+    # synchronised around it), rows drafting every step: 9B B = 1 and 16 float32 (TF32 off),
+    # B = 1 bf16, 0.8B B = 8. 2026-12-07 (76a5314): a 9B B = 1 verify 25.6 ms against a
+    # decode step's 11.7 (float32), 12.6 against 7.9 (bf16), while its matmuls at M = 3 cost
+    # only 1.1-1.5x M = 1 (smallm): is the rest the head's chain or the verify forward? At
+    # c57a312 a 9B bf16 B = 16 verify took 116 ms against a decode step's 12.5
     need9b
-    MLX_ENABLE_TF32=0 timeout 200 python3 -m bench.speculative --checkpoint 9B --batches 1 \
+    MLX_ENABLE_TF32=0 timeout 300 python3 -m bench.speculative --checkpoint 9B --batches 1 16 \
         --dtype float32 --accept 0.8 --always --time-drafts >"$OUT/specparts9b.log" 2>&1
-    grep '^|' "$OUT/specparts9b.log" | tail -3
+    grep '^|' "$OUT/specparts9b.log" | tail -6
     timeout 150 python3 -m bench.speculative --checkpoint 9B --batches 1 --accept 0.8 --always \
         --time-drafts >"$OUT/specparts9b_bf16.log" 2>&1
     grep '^|' "$OUT/specparts9b_bf16.log" | tail -3
