@@ -24,6 +24,7 @@ from deltaserve.engine.cache.factory import (
     kv_prefix_tokens,
     kv_store_factory,
 )
+from deltaserve.engine.cache.kv import COMPACT_PAD
 from deltaserve.engine.cache.rows import RowStates
 from deltaserve.engine.compiled_prefill import CompiledPrefill
 from deltaserve.engine.config import EngineConfig
@@ -139,12 +140,15 @@ class LLMEngine:
         costs = StateCosts.for_model(cfg, pair, dtype_size, kv_prefix_tokens(kv))
         # a compiled decode step holds the batch at bucket sizes: the budget counts dead rows
         held = partial(decode_bucket, max_rows=self.config.max_num_seqs) if compiled else None
-        self.budget = MemoryBudget(self._budget_bytes(), costs, held)
+        self.speculation = self._speculation()
+        # chained verify steps leave each row's rejected drafts as padding (KVStore.settle)
+        chained = self.pipeline and self.platform.pipeline_verify and compiled is not None
+        pad = COMPACT_PAD + self.speculation.num_draft + 1 if self.speculation and chained else 0
+        self.budget = MemoryBudget(self._budget_bytes(), costs, held, pad)
         self._log_budget()
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.prefix_cache = self._prefix_index()
         self.constraints = RowConstraints(self.grammar_compiler(), cfg.vocab_size, self.eos_ids)
-        self.speculation = self._speculation()
         # An eager DeltaNet prefill keeps a snapshot's state mid-chunk at the cost of one
         # more core call; compiled, the snapshot ends the chunk (the compiled call stays one)
         in_chunk = not self.platform.compile_prefill

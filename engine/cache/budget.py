@@ -7,9 +7,11 @@ holds rows x the longest row's columns: `padding` charges that difference for th
 running now (the scheduler sets it as rows come and go), so one long row makes short
 rows cost what they really cost. The prefix cache reserves here too. A row that may
 speculate also holds the MTP head's KV (one full-precision full-attention layer, a
-column per token: engine/speculative.py), reserved with it. What a row holds only while
-its prompt is prefilled (the vision tower's activations, a compiled later chunk's KV
-capacity bucket) is reserved until its prefill ends (Admission.prefill_bytes).
+column per token: engine/speculative.py), reserved with it, and where verify steps are
+chained, the left padding their rejected drafts leave (`draft_pad_columns`). What a row
+holds only while its prompt is prefilled (the vision tower's activations, a compiled
+later chunk's KV capacity bucket) is reserved until its prefill ends
+(Admission.prefill_bytes).
 With the compiled decode step, the decode batch is held at a bucket size with dead
 rows (engine/shapes.py decode_bucket): `padding` counts them too (the longest row's
 KV columns and a DeltaNet state each).
@@ -103,13 +105,22 @@ class MemoryBudget:
     """Reserve/release bytes against a fixed total."""
 
     def __init__(
-        self, total: int, costs: StateCosts, held_rows: Callable[[int], int] | None = None
+        self,
+        total: int,
+        costs: StateCosts,
+        held_rows: Callable[[int], int] | None = None,
+        draft_pad_columns: int = 0,
     ) -> None:
         """held_rows: how many rows a decode batch of n live rows is held at (the compiled
-        decode step's buckets, engine/shapes.py decode_bucket; None: n)."""
+        decode step's buckets, engine/shapes.py decode_bucket; None: n).
+        draft_pad_columns: KV columns of left padding a speculating row may hold beyond
+        the longest row's (chained verify steps: each row's rejected drafts stay as its
+        padding until every row of the store has COMPACT_PAD of them, engine/cache/kv.py
+        settle), in the trunk's store and the head's."""
         self.total = total
         self.costs = costs
         self.held_rows = held_rows
+        self.draft_pad_columns = draft_pad_columns
         self.reserved = 0
         self.padding = 0  # KV of left padding the running rows may need (padding_bytes)
 
@@ -128,11 +139,12 @@ class MemoryBudget:
 
     def row_bytes(self, num_tokens: int, drafts: bool = False) -> int:
         """A row's worst case at `num_tokens` tokens; `drafts`: it may speculate, so it
-        also holds the MTP head's KV of those tokens."""
+        also holds the MTP head's KV of those tokens, and draft_pad_columns more of both."""
         fixed = self.costs.ssm_bytes_per_row + self.costs.kv_prefix_bytes_per_row
         per_token = self.costs.kv_bytes_per_token
         if drafts:
             per_token += self.costs.draft_kv_bytes_per_token
+            num_tokens += self.draft_pad_columns
         return fixed + num_tokens * per_token
 
     def rows_of(self, num_tokens: int) -> int:
