@@ -14,26 +14,21 @@
 #   call 2 (carry .wb):  bash bench/gpu_session.sh setup start9b warm08  (~3 min on a fresh
 #                        machine: warm08 is one unmeasured server run while MLX builds its
 #                        kernels; without a carried ptx cache a first server takes ~150 s)
-#   call 3:              bash bench/gpu_session.sh serve9b      (issue 30's 9B headline at HEAD)
-#   call 4:              bash bench/gpu_session.sh cap9b        (issue 30's p99 gap at 9B: half-
-#                        size prompt chunks against the default, ours alone)
-#   call 5:              bash bench/gpu_session.sh specparts    (issue 32: where a verify step's
-#                        device time goes: the draft chain timed apart at 9B float32 and
-#                        0.8B B = 8; a chained 9B verify is device-bound at ~22 ms against
-#                        a decode step's ~11.7, 2026-12-07)
-#   call 6:              bash bench/gpu_session.sh serve08      (the 0.8B headline at HEAD)
-#   then chain08         (verify steps chained, on / off / on at 0.8B B = 1, 8 and 64 with
-#                        the policy: its B = 8 verify steps took 43.6 ms there, 13.8 ms
-#                        drafting every step)
+#   call 3:              bash bench/gpu_session.sh serve08      (the 0.8B headline at HEAD)
+#   call 4:              bash bench/gpu_session.sh chain08      (verify steps chained, on /
+#                        off / on at 0.8B B = 1, 8 and 64 with the policy: its B = 8
+#                        verify steps took 43.6 ms there, 13.8 ms drafting every step)
+#   call 5:              bash bench/gpu_session.sh spec35 serve35  (issue 30's third shape
+#                        on a warm start: its only run was the machine's first start of it)
+#   (2026-12-07, twenty-ninth session: cap9b, specparts, serve9b: bench/README.md)
 #   (2026-12-07, twenty-eighth session: chaintests, chain9b, handoff9b: bench/README.md)
 #   (2026-12-07, H100, three sessions: serve08 twice, inproc08, ahead08, gil08; serve9b,
 #   specsteps, proc9b, chunk9b, spec9b, tests; first9b, share, smallm, spec9b, specbf16,
 #   serve9b; share2, proc9b, prof08, serve9b, inproc2, share, tests3: bench/README.md)
 #   then, as time allows: tests2 (the engine-level GPU tests; tests3's part of it passed
-#                        47 of 47 on 2026-12-07), spec35 then serve35 (issue 30's third
-#                        shape), mixedc; `ptxsave` at a call's end when the next lease
-#                        can carry it
-#   older steps:         tests, scan, tune, hostcost, chunk, slots, nodecost, graphs08,
+#                        47 of 47 on 2026-12-07), mixedc; `ptxsave` at a call's end when
+#                        the next lease can carry it
+#   older steps:         specparts, cap9b, tests, scan, tune, hostcost, chunk, slots, nodecost, graphs08,
 #                        budget08, inproc08, forwards64, cap08, policy08, policy9b, fault9b,
 #                        servechat, packed, steps9b, packmix, servepack9b, gap9b
 # A session's 30 device minutes hold calls 1-4 or 1-5 (2026-12-05: calls 1, 2, tests,
