@@ -14,11 +14,13 @@
 #   call 2 (carry .wb):  bash bench/gpu_session.sh setup start9b warm08  (~3 min on a fresh
 #                        machine: warm08 is one unmeasured server run while MLX builds its
 #                        kernels; without a carried ptx cache a first server takes ~150 s)
-#   call 3:              bash bench/gpu_session.sh serve08      (the 0.8B headline at HEAD)
-#   call 4:              bash bench/gpu_session.sh chain08      (verify steps chained, on /
+#   call 3:              bash bench/gpu_session.sh imposed9b    (issue 32 in bf16, the users'
+#                        dtype: acceptance imposed at 80%, speed only, 9B B = 1 and 16)
+#   call 4:              bash bench/gpu_session.sh serve08      (the 0.8B headline at HEAD)
+#   call 5:              bash bench/gpu_session.sh chain08      (verify steps chained, on /
 #                        off / on at 0.8B B = 1, 8 and 64 with the policy: its B = 8
 #                        verify steps took 43.6 ms there, 13.8 ms drafting every step)
-#   call 5:              bash bench/gpu_session.sh spec35 serve35  (issue 30's third shape
+#   call 6:              bash bench/gpu_session.sh spec35 serve35  (issue 30's third shape
 #                        on a warm start: its only run was the machine's first start of it)
 #   (2026-12-07, twenty-ninth session: cap9b, specparts, serve9b: bench/README.md)
 #   (2026-12-07, twenty-eighth session: chaintests, chain9b, handoff9b: bench/README.md)
@@ -810,6 +812,19 @@ specparts() {  # issue 32: a verify step's draft chain timed apart (--time-draft
     timeout 60 python3 -m bench.deltanet_slots --shape 9B >"$OUT/slots9b.log" 2>&1
     timeout 60 python3 -m bench.deltanet_slots --shape 9B --dtype float32 >>"$OUT/slots9b.log" 2>&1
     grep '^|' "$OUT/slots9b.log"
+}
+imposed9b() {  # issue 32 in the checkpoint's bf16 (users' dtype), where forced drafts stop
+    # matching after a near tie: the acceptance imposed on each verify's drafts instead
+    # (bench.speculative --imposed: speed only), 80%, 9B B = 1 and 16, with the policy and
+    # with rows drafting every step. 2026-12-07 (6f770bd): float32 with TF32 off, the exact
+    # mode, made a B = 16 verify compute-bound (78 ms against a decode step's 26.7)
+    need9b
+    timeout 280 python3 -m bench.speculative --checkpoint 9B --batches 1 16 --accept 0.8 \
+        --imposed >"$OUT/imposed9b.log" 2>&1
+    grep '^|' "$OUT/imposed9b.log"
+    timeout 280 python3 -m bench.speculative --checkpoint 9B --batches 1 16 --accept 0.8 \
+        --imposed --always >"$OUT/imposed9b_always.log" 2>&1
+    grep '^|' "$OUT/imposed9b_always.log"
 }
 spec_ab() {  # a switch's A/B in bench.speculative, float32, TF32 off, forced 80%, runs
     # on / off / on in turn. $1: the logs' name, $2: the checkpoint, $3: the flag that turns

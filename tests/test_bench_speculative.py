@@ -22,7 +22,7 @@ def test_forced_drafts_keep_output_and_set_acceptance(monkeypatch: pytest.Monkey
     ours = Ours(str(cached_checkpoint("tiny")), 256, 128)
     args = argparse.Namespace(
         gen=24, prompt=16, k=2, accept=["real", "1.0", "0.5"], seed=0, always=False,
-        time_drafts=True,
+        time_drafts=True, imposed=False,
     )  # fmt: skip
     plain, real, perfect, half = compare(ours.loaded, ours.config, 2, args, random_weights=True)
     assert plain["mode"] == "no speculation" and "random weights" in real["mode"]
@@ -55,13 +55,41 @@ def test_forced_drafts_of_chained_verifies(monkeypatch: pytest.MonkeyPatch) -> N
     gpu = {"compile_decode": True, "pipeline_steps": True, "pipeline_verify": True}
     ours = Ours(str(cached_checkpoint("tiny")), 256, 128, **gpu)
     args = argparse.Namespace(
-        gen=24, prompt=16, k=2, accept=["1.0"], seed=0, always=False, time_drafts=False
-    )
+        gen=24, prompt=16, k=2, accept=["1.0"], seed=0, always=False, time_drafts=False,
+        imposed=False,
+    )  # fmt: skip
     plain, perfect = compare(ours.loaded, ours.config, 1, args, random_weights=True)
     assert perfect["same_output"] and perfect["acceptance"] > 0.9
     assert perfect["chained_steps"] > 0 and perfect["verify_steps"] > perfect["chained_steps"]
     verify = [ln for ln in steps_table([plain, perfect]).splitlines() if "| verify |" in ln]
     assert f" | {perfect['chained_steps']} | 0 | " in verify[0]
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["lockstep", "chained"])
+def test_imposed_acceptance_sets_the_rate_in_any_dtype(
+    monkeypatch: pytest.MonkeyPatch, gpu: bool
+) -> None:
+    """--imposed: each verify keeps its leading run of drafts kept with the given share,
+    whatever the drafts were (the head's, random weights': ~0% on their own), in lockstep
+    and chained verifies alike; every request still gets its tokens, and the output is
+    reported as not comparable (speed only)."""
+    monkeypatch.setattr(Speculation, "break_even", lambda self: None)
+    flags = {"compile_decode": True, "pipeline_steps": True, "pipeline_verify": True}
+    ours = Ours(str(cached_checkpoint("tiny")), 256, 128, **(flags if gpu else {}))
+    args = argparse.Namespace(
+        gen=24, prompt=16, k=2, accept=["1.0", "0.5"], seed=0, always=True, time_drafts=False,
+        imposed=True,
+    )  # fmt: skip
+    plain, every, half = compare(ours.loaded, ours.config, 2, args, random_weights=True)
+    assert every["mode"] == "imposed 100%" and half["mode"] == "imposed 50%"
+    assert every["acceptance"] == 1.0 and every["drafted"] > 0
+    # a draft after a rejected one is never accepted: p + p^2 of k = 2 at p = 0.5, 37.5%
+    assert 0.15 < half["acceptance"] < 0.6, half
+    assert plain["tokens"] == every["tokens"] == half["tokens"] == 2 * 24
+    assert every["same_output"] is None and "| 100% | n/a |" in table([plain, every])
+    assert every["verify_steps"] < half["verify_steps"]  # more tokens a verify at 100%
+    if gpu:
+        assert every["chained_steps"] > 0
 
 
 def test_a_measured_run_that_traced_runs_again_on_the_same_prompts(
