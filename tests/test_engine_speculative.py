@@ -974,14 +974,19 @@ def test_forced_drafts_at_temperature_keep_max_tokens_and_stop_tokens_exact(
     assert again == {("r3", 0): got[("r3", 0)][:cut]}
 
 
-def test_a_speculating_row_reserves_the_heads_kv(loaded: LoadedModel) -> None:
+@pytest.mark.parametrize("chained", [False, True], ids=["lockstep", "chained"])
+def test_a_speculating_row_reserves_the_heads_kv(loaded: LoadedModel, chained: bool) -> None:
     """The MTP head's KV (one full-precision layer per token) is in a speculating row's
-    budget share, and not in a row that cannot speculate."""
-    engine = LLMEngine(loaded, _spec())
+    budget share, and not in a row that cannot speculate. Where verify steps are chained,
+    a speculating row's rejected drafts stay as left padding (trunk and head) until every
+    row of its store has COMPACT_PAD of them: its share counts those columns too."""
+    engine = LLMEngine(loaded, _chaining(_spec()) if chained else _spec())
     cfg, costs = loaded.config, engine.budget.costs
     assert costs.draft_kv_bytes_per_token == 2 * cfg.num_key_value_heads * cfg.head_dim * (
         loaded.dtype.size
     )
+    pad = kv_module.COMPACT_PAD + K + 1 if chained else 0
+    assert engine.budget.draft_pad_columns == pad
     prompts = _prompts(2, seed=11)
     engine.add_request(GenerationRequest("spec", tuple(prompts[0]), _sampled(max_tokens=9)))
     engine.add_request(
@@ -991,29 +996,8 @@ def test_a_speculating_row_reserves_the_heads_kv(loaded: LoadedModel) -> None:
     rows = {r.request_id: r for r in engine.scheduler.rows.values()}
     spec, plain = rows["spec"], rows["plain"]
     assert spec.speculative and not plain.speculative
-    base = engine.budget.row_bytes(spec.max_total_tokens())
-    assert spec.reserved_bytes == base + spec.max_total_tokens() * costs.draft_kv_bytes_per_token
-    assert plain.reserved_bytes == engine.budget.row_bytes(plain.max_total_tokens())
-
-
-def test_a_chaining_row_reserves_the_padding_its_rejections_leave(loaded: LoadedModel) -> None:
-    """Where verify steps are chained, a speculating row's rejected drafts stay as left
-    padding (trunk and head) until every row of its store has COMPACT_PAD of them: its
-    budget share counts those columns; a plain row's and a lockstep engine's do not."""
-    engine = LLMEngine(loaded, _chaining(_spec()))
-    costs = engine.budget.costs
-    assert engine.budget.draft_pad_columns == kv_module.COMPACT_PAD + K + 1
-    assert LLMEngine(loaded, _spec()).budget.draft_pad_columns == 0  # lockstep (the CPU's)
-    prompts = _prompts(2, seed=11)
-    engine.add_request(GenerationRequest("spec", tuple(prompts[0]), _greedy(max_tokens=9)))
-    engine.add_request(
-        GenerationRequest("plain", tuple(prompts[1]), _greedy(max_tokens=9, speculative=False))
-    )
-    engine.step()
-    rows = {r.request_id: r for r in engine.scheduler.rows.values()}
-    spec, plain = rows["spec"], rows["plain"]
-    columns = spec.max_total_tokens() + kv_module.COMPACT_PAD + K + 1
     per_token = costs.kv_bytes_per_token + costs.draft_kv_bytes_per_token
+    columns = spec.max_total_tokens() + pad
     assert spec.reserved_bytes == costs.ssm_bytes_per_row + columns * per_token
     plain_bytes = costs.ssm_bytes_per_row + plain.max_total_tokens() * costs.kv_bytes_per_token
     assert plain.reserved_bytes == plain_bytes
