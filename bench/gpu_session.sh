@@ -30,8 +30,8 @@
 #   then, as time allows: tests2 (the engine-level GPU tests; tests3's part of it passed
 #                        47 of 47 on 2026-12-07), mixedc; `ptxsave` at a call's end when
 #                        the next lease can carry it
-#   older steps:         specparts, cap9b, tests, scan, tune, hostcost, chunk, slots, nodecost, graphs08,
-#                        budget08, inproc08, forwards64, cap08, policy08, policy9b, fault9b,
+#   older steps:         specparts, cap9b, tests, scan, tune, hostcost, chunk, slots,
+#                        nodecost, graphs08, budget08, inproc08, forwards64, cap08, policy08, policy9b, fault9b,
 #                        servechat, packed, steps9b, packmix, servepack9b, gap9b
 # A session's 30 device minutes hold calls 1-4 or 1-5 (2026-12-05: calls 1, 2, tests,
 # serve9b, spec08 in 21 minutes; a later lease: call 2 296 s on a fresh H100, start9b +

@@ -141,9 +141,10 @@ class LLMEngine:
         # a compiled decode step holds the batch at bucket sizes: the budget counts dead rows
         held = partial(decode_bucket, max_rows=self.config.max_num_seqs) if compiled else None
         self.speculation = self._speculation()
-        # chained verify steps leave each row's rejected drafts as padding (KVStore.settle)
-        chained = self.pipeline and self.platform.pipeline_verify and compiled is not None
-        pad = COMPACT_PAD + self.speculation.num_draft + 1 if self.speculation and chained else 0
+        # verify steps chained onto the one computing (the runner's compiled verify); they
+        # leave each row's rejected drafts as padding until it is settled (KVStore.settle)
+        chains = self.pipeline and self.platform.pipeline_verify and compiled is not None
+        pad = COMPACT_PAD + self.speculation.num_draft + 1 if self.speculation and chains else 0
         self.budget = MemoryBudget(self._budget_bytes(), costs, held, pad)
         self._log_budget()
         self.eos_ids = frozenset(cfg.eos_token_ids)
@@ -189,7 +190,7 @@ class LLMEngine:
             loaded.model, self.states, sampler, compiled, batch_prefill, vision,
             self.constraints, self.compiled_prompts, drafter, chunks is not None,
             self.platform.submit_decode_first, pack_mixed, self.platform.publish_decode_first,
-            self.pipeline and self.platform.pipeline_verify,
+            chains,
         )  # fmt: skip
         warm = self.config.warm_up_seconds
         warm = (WARM_UP_GPU_SECONDS if gpu else 0.0) if warm is None else warm
