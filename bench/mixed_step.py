@@ -79,12 +79,12 @@ def model_lines(loaded, sizes: list[int]) -> list[dict]:
         mx.eval(x)
 
         def one(idx: int, x=x, tokens=tokens, positions=positions) -> list[mx.array]:
-            from deltaserve.models.qwen35 import _GroupContext
+            from deltaserve.models.qwen35 import GroupContext
 
             state = BatchState.empty(loaded.config)
             group = ForwardGroup(tokens, positions, state.layers)
             layer = model.layers[idx]
-            ctx = _GroupContext(group, model._rope)
+            ctx = GroupContext.of(group, model._rope)
             h = layer.mix(x, group, ctx, state.layers[idx])
             h = layer.feed_forward(h)
             return [h, *state.layers[idx].state_arrays()]

@@ -30,7 +30,7 @@ from deltaserve.models.qwen35 import Qwen35Model
 from deltaserve.models.state import ForwardGroup
 
 
-class _FreshKV:
+class FreshKV:
     """AttentionState of fresh rows inside the trace: the chunk's encoded K/V become the
     rows' stored arrays; queries attend causally, never to a row's padding."""
 
@@ -85,40 +85,19 @@ class CompiledPrefill:
         each prompt's last token, one B=1 BatchState per prompt holding its row state
         exactly as an eager forward of that prompt alone leaves it). `template`: a fresh
         state of this engine's layer kinds (read for their kinds and encodings)."""
-        rows, longest = len(prompts), max(len(p) for p in prompts)
-        rows_b, length_b = prompt_bucket(rows, longest)
-        self.shapes.add((rows_b, length_b))
-        pads = [length_b - len(p) for p in prompts] + [length_b - 1] * (rows_b - rows)
-        ids = [[0] * pad + list(p) for pad, p in zip(pads, prompts, strict=False)]
-        ids += [[0] * length_b] * (rows_b - rows)
+        rows = len(prompts)
+        ids, pads = prompt_block(prompts)
+        self.shapes.add(tuple(ids.shape))
         self._stores = template.layers
-        hidden, *flat = self._fn(mx.array(ids, dtype=mx.int32), mx.array(pads, dtype=mx.int32))
-        states = []
-        for p, pad in enumerate(pads[:rows]):
-            layers: list[KVStore | SSMState] = []
-            rest, arity = flat, iter(self._arity)
-            for kind in template.layers:
-                if isinstance(kind, KVStore):
-                    n = next(arity)
-                    store = kind.empty_like()
-                    store.arrays = [with_headroom([a[p : p + 1, :, pad:]]) for a in rest[:n]]
-                    store.left_pad, store.size = [0], length_b - pad
-                    rest = rest[n:]
-                    layers.append(store)
-                else:
-                    ssm = SSMState()
-                    ssm.conv, ssm.ssm = rest[0][p : p + 1], rest[1][p : p + 1]
-                    rest = rest[2:]
-                    layers.append(ssm)
-            states.append(BatchState(layers))
-        return hidden[:rows], states
+        hidden, *flat = self._fn(ids, mx.array(pads, dtype=mx.int32))
+        return hidden[:rows], fresh_states(flat, pads[:rows], ids.shape[1], template, self._arity)
 
     def _forward(self, tokens: mx.array, left_pad: mx.array) -> list[mx.array]:
         """The traced body: the model over fresh views; returns the last hidden state
         followed by every layer's arrays (KV: encoded [P, Hkv, L, X]; DeltaNet: conv,
         ssm) in layer order."""
-        views: list[_FreshKV | SSMView] = [
-            _FreshKV(s, left_pad) if isinstance(s, KVStore) else SSMView(None, None)
+        views: list[FreshKV | SSMView] = [
+            FreshKV(s, left_pad) if isinstance(s, KVStore) else SSMView(None, None)
             for s in self._stores
         ]
         length = tokens.shape[1]
@@ -128,6 +107,51 @@ class CompiledPrefill:
         hidden = self.model([group])[0]
         out = [hidden]
         for view in views:
-            out += view.arrays if isinstance(view, _FreshKV) else [view.conv, view.ssm]
-        self._arity = [len(v.arrays) for v in views if isinstance(v, _FreshKV)]
+            out += view.arrays if isinstance(view, FreshKV) else [view.conv, view.ssm]
+        self._arity = [len(v.arrays) for v in views if isinstance(v, FreshKV)]
         return out
+
+
+def prompt_block(prompts: Sequence[Sequence[int]]) -> tuple[mx.array, list[int]]:
+    """Fresh prompts as their bucketed block (`prompt_bucket`): [rows_b, length_b] int32
+    ids, each prompt left-padded, dead rows after them (token 0, all padding but their
+    last column, so that no query sees no key), and every row's pad count."""
+    rows, longest = len(prompts), max(len(p) for p in prompts)
+    rows_b, length_b = prompt_bucket(rows, longest)
+    pads = [length_b - len(p) for p in prompts] + [length_b - 1] * (rows_b - rows)
+    ids = [[0] * pad + list(p) for pad, p in zip(pads, prompts, strict=False)]
+    ids += [[0] * length_b] * (rows_b - rows)
+    return mx.array(ids, dtype=mx.int32), pads
+
+
+def fresh_states(
+    flat: Sequence[mx.array],
+    pads: Sequence[int],
+    length_b: int,
+    template: BatchState,
+    arity: Sequence[int],
+) -> list[BatchState]:
+    """One B=1 BatchState per prompt row p < len(pads) from a fresh-prompt forward's
+    outputs: `flat` every layer's arrays in layer order (KV: `arity[j]` encoded arrays
+    [P, Hkv, length_b, X] for the j-th KV layer; DeltaNet: conv, ssm), row p left-padded
+    by pads[p]. Each row's KV keeps its real columns only, with free columns after them
+    (with_headroom), as an eager prefill of that prompt alone leaves its store."""
+    states = []
+    for p, pad in enumerate(pads):
+        layers: list[KVStore | SSMState] = []
+        rest, counts = list(flat), iter(arity)
+        for kind in template.layers:
+            if isinstance(kind, KVStore):
+                n = next(counts)
+                store = kind.empty_like()
+                store.arrays = [with_headroom([a[p : p + 1, :, pad:]]) for a in rest[:n]]
+                store.left_pad, store.size = [0], length_b - pad
+                rest = rest[n:]
+                layers.append(store)
+            else:
+                ssm = SSMState()
+                ssm.conv, ssm.ssm = rest[0][p : p + 1], rest[1][p : p + 1]
+                rest = rest[2:]
+                layers.append(ssm)
+        states.append(BatchState(layers))
+    return states

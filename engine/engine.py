@@ -29,6 +29,7 @@ from deltaserve.engine.cache.rows import RowStates
 from deltaserve.engine.compiled_prefill import CompiledPrefill
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.decode import CompiledDecode
+from deltaserve.engine.packed_step import PackedMixedStep
 from deltaserve.engine.parallel.step_leader import StepLeader
 from deltaserve.engine.plan import StepPlan, StepResult
 from deltaserve.engine.prefix_cache.disk import PrefixDisk, checkpoint_identity
@@ -118,15 +119,18 @@ class LLMEngine:
         compiled = self._compiled_decode()
         chunks = compiled if compiled is not None and self.platform.compile_chunks else None
         loaded.model.pack_token_wise = self.platform.pack_token_wise
-        # A GPU's mixed step runs packed where the decode step is compiled
-        # (ModelRunner.pack_mixed); the CPU's (pack_token_wise on, compiled paths off)
-        # packs its eager groups anyway, and its tests run the compiled paths beside
+        # A GPU's mixed step of decode rows and fresh prompts runs packed where both run
+        # compiled (engine/packed_step.py); the CPU's (pack_token_wise on, compiled paths
+        # off) packs its eager groups anyway, and its tests run the compiled paths beside
         # decoding rows as a GPU without packing does
-        pack_mixed = gpu and self.platform.pack_token_wise and compiled is not None
+        packs = gpu and self.platform.pack_token_wise and loaded.parallel is None
+        packed = None
+        if packs and compiled is not None and self.compiled_prompts is not None:
+            packed = PackedMixedStep(loaded.model)
         self.chunk_cost = None
         if gpu and leader is None and loaded.parallel is None:
-            packed = compiled if pack_mixed else None
-            self.chunk_cost = measure_chunk_cost(loaded, self.compiled_prompts, packed)
+            pair = (compiled, packed) if compiled is not None and packed is not None else None
+            self.chunk_cost = measure_chunk_cost(loaded, self.compiled_prompts, pair)
         measured = self.chunk_cost.budget_tokens() if self.chunk_cost is not None else 0
         self.config = config.for_device(gpu, measured)
         if self.compiled_prompts is not None:  # its calls hold at most a chunk's tokens
@@ -189,7 +193,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             loaded.model, self.states, sampler, compiled, batch_prefill, vision,
             self.constraints, self.compiled_prompts, drafter, chunks is not None,
-            self.platform.submit_decode_first, pack_mixed, self.platform.publish_decode_first,
+            self.platform.submit_decode_first, packed, self.platform.publish_decode_first,
             chains,
         )  # fmt: skip
         warm = self.config.warm_up_seconds

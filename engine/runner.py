@@ -22,6 +22,7 @@ from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.rows import RowStates
 from deltaserve.engine.compiled_prefill import CompiledPrefill
 from deltaserve.engine.decode import CompiledDecode
+from deltaserve.engine.packed_step import PackedMixedStep
 from deltaserve.engine.plan import NewRow, PrefillChunk, StepPlan, StepResult, VerifiedRun
 from deltaserve.engine.sampling.sampler import SampledBatch, Sampler, SamplingRow
 from deltaserve.engine.shapes import cohort_splits, prompt_bucket
@@ -163,7 +164,7 @@ class ModelRunner:
         drafter: Drafter | None = None,
         compile_chunks: bool = False,
         submit_decode_first: bool = False,
-        pack_mixed: bool = False,
+        packed: PackedMixedStep | None = None,
         draw_decode_first: bool = False,
         chain_verify: bool = False,
     ) -> None:
@@ -172,12 +173,11 @@ class ModelRunner:
         (None: no row speculates). submit_decode_first: a step with prompt work queues
         the compiled decode forward before building the prompts', and a verify step its
         draft chain before building the verify forward (EngineConfig's).
-        pack_mixed: a step with decode rows and prompt work runs them as one eager
-        forward whose groups share each weight's matmul (the model's pack_token_wise)
-        instead of the compiled decode and prompt forwards, which read every weight
-        once each (9B on an H100: a 256-token chunk's matmuls 7.8 ms beside 16 decode
-        rows, 1.6 ms packed with them, but the eager decode rows cost ~5 ms more host
-        time: no faster over HTTP, off by default; bench/README.md).
+        packed: a step with decode rows and one cohort of fresh prompts runs them
+        through this packed forward, whose groups share each weight's matmul, instead
+        of the compiled decode and prompt forwards, which read every weight once each
+        (9B on an H100: a 256-token chunk's matmuls 7.8 ms beside 16 decode rows, 1.6
+        ms packed with them; engine/packed_step.py).
         draw_decode_first (EngineConfig.publish_decode_first; the engine's, whose steps
         with prompt work run in lockstep, every earlier token known): such a step with a
         compiled decode batch queues its forward and its rows' draws before the prompts'
@@ -197,7 +197,7 @@ class ModelRunner:
         self.drafter = drafter
         self.compile_chunks = compile_chunks and compiled is not None
         self.submit_decode_first = submit_decode_first
-        self.pack_mixed = pack_mixed
+        self.packed = packed
         self.draw_decode_first = draw_decode_first
         self.chain_verify = chain_verify and compiled is not None and drafter is not None
         # the last verify step's acceptance (sample writes it): a chained verify's inputs
@@ -224,10 +224,11 @@ class ModelRunner:
                 self.states.restore_prefix(chunk.row_id, chunk.restore)
         rows = self.rows.rows
         features = self.vision.encode(plan.prefill, rows) if self.vision is not None else []
-        packed = self._packs(plan)
-        decode_logits = None if packed else self._compiled_decode(plan)
+        planned = self._cohorts(plan.prefill)
+        packed = self._packed(plan, planned)
+        decode_logits = packed[0] if packed is not None else self._compiled_decode(plan)
         first = None
-        ahead = decode_logits is not None and bool(plan.prefill)
+        ahead = decode_logits is not None and bool(plan.prefill) and packed is None
         if ahead and (self.submit_decode_first or self.draw_decode_first):
             # the device computes the decode rows while the prompts' graphs are built
             mx.async_eval(decode_logits, *self.states.decode.state_arrays())
@@ -252,8 +253,11 @@ class ModelRunner:
         # the others eagerly
         cohorts: list[_Cohort] = []
         runs: dict[int, tuple[mx.array, list[BatchState]]] = {}
-        for cohort in self._cohorts(plan.prefill):
-            for part, run in self._compiled_parts(plan, cohort, packed):
+        if packed is not None:  # its one cohort ran in the packed forward
+            runs[0] = packed[1]
+            cohorts = planned
+        for cohort in planned if packed is None else []:
+            for part, run in self._compiled_parts(plan, cohort):
                 if run is not None:
                     runs[len(cohorts)] = run
                 cohorts.append(part)
@@ -310,7 +314,8 @@ class ModelRunner:
             pending += [verify.logits, *_slots(self.states.verify)]
         built = time.perf_counter()
         if log.isEnabledFor(logging.DEBUG):  # what ran as which forward: its host cost
-            compiled = [("decode", plan.decode_row_ids, decode_logits is not None)]
+            name = "decode and prompts packed" if packed is not None else "decode"
+            compiled = [(name, plan.decode_row_ids, decode_logits is not None)]
             compiled.append(("verify", plan.verify_row_ids, compiled_verify is not None))
             log.debug("step %d forwards: %s", plan.step, _forwards(compiled, groups, runs))
         mx.async_eval(*pending, *([logits] if logits is not None else []))
@@ -324,11 +329,12 @@ class ModelRunner:
 
     def _shapes_run(self) -> int:
         """How many compiled shapes (decode, verify, later chunks, fresh prompts, the
-        head's draft chain) have run so far."""
+        head's draft chain, packed mixed steps) have run so far."""
         compiled = len(self.compiled.shapes) if self.compiled is not None else 0
         prompts = self.compiled_prompts
         drafts = self.drafter.compiled if self.drafter is not None else None
         compiled += len(drafts.shapes) if drafts is not None else 0
+        compiled += len(self.packed.shapes) if self.packed is not None else 0
         return compiled + (len(prompts.shapes) if prompts is not None else 0)
 
     def _apply_rows(self, plan: StepPlan) -> None:
@@ -487,14 +493,33 @@ class ModelRunner:
         tokens = _decode_tokens(plan, self._last_tokens)
         return self.compiled(tokens, plan.decode_positions, self.states.decode)
 
-    def _packs(self, plan: StepPlan) -> bool:
-        """Whether this step's decode rows and prompt chunks run as one packed eager
-        forward (pack_mixed): both are there and every chunk is text tokens (a chunk
-        with image work, or tower work alone, keeps the usual path: the packed one is
-        tested on text)."""
-        if not (self.pack_mixed and plan.decode_row_ids and plan.prefill):
-            return False
-        return all(c.length and not c.vision for c in plan.prefill)
+    def _packed(
+        self, plan: StepPlan, cohorts: list[_Cohort]
+    ) -> tuple[mx.array, tuple[mx.array, list[BatchState]]] | None:
+        """The decode batch and the step's prompt work through the packed forward
+        (pack_mixed): the decode rows' logits and the prompts' run, as the compiled
+        decode step and `_compiled_prompts` would give them; None where it does not apply
+        (no decode rows, a verify batch, or prompt work other than one cohort of fresh
+        text prompts' first chunks that the compiled prompt forward takes)."""
+        if self.packed is None or not plan.decode_row_ids or plan.verify_row_ids:
+            return None
+        if len(cohorts) != 1 or len(cohorts[0].chunk_indices) != len(plan.prefill):
+            return None
+        members = [plan.prefill[i] for i in cohorts[0].chunk_indices]
+        if not self._fresh(members):
+            return None
+        rows = self.rows.rows
+        template = self.states.prefill_state(members[0].row_id)
+        if not self.packed.supports(self.states.decode, template, len(members)):
+            return None
+        tokens = _decode_tokens(plan, self._last_tokens)
+        prompts = [rows[c.row_id].prompt_ids[: c.length] for c in members]
+        logits, hidden, states = self.packed(
+            tokens, plan.decode_positions, self.states.decode, prompts, template
+        )
+        for chunk, state in zip(members, states, strict=True):
+            self.states.prefill[chunk.row_id] = state
+        return logits, (hidden, states)
 
     def _decode_group(self, plan: StepPlan) -> ForwardGroup:
         """The decode batch as an eager group: tokens [B, 1] for its B rows, the dead
@@ -659,17 +684,16 @@ class ModelRunner:
         return cohorts
 
     def _compiled_parts(
-        self, plan: StepPlan, cohort: _Cohort, eager: bool = False
+        self, plan: StepPlan, cohort: _Cohort
     ) -> list[tuple[_Cohort, tuple[mx.array, list[BatchState]] | None]]:
         """The cohort through a compiled forward where one takes it: [(cohort, its run)],
-        or [(cohort, None)] for the eager path (every cohort with `eager`: a packed
-        step). Later chunks of several rows whose shape the chunk forward declines (not
-        traced yet) try it row by row (a row's own shape may be traced: warm-up traces
-        some), and the rest run eagerly, split by length (an eager group pads only
-        before a row's first token)."""
+        or [(cohort, None)] for the eager path. Later chunks of several rows whose shape
+        the chunk forward declines (not traced yet) try it row by row (a row's own shape
+        may be traced: warm-up traces some), and the rest run eagerly, split by length
+        (an eager group pads only before a row's first token)."""
         chunks, rows = plan.prefill, self.rows.rows
-        run = None if eager else self._compiled_prompts(plan, cohort)
-        if run is None and not eager:
+        run = self._compiled_prompts(plan, cohort)
+        if run is None:
             run = self._compiled_chunk(plan, cohort)
         members = [chunks[i] for i in cohort.chunk_indices]
         several_later = (
@@ -683,7 +707,7 @@ class ModelRunner:
         by_length: dict[int, _Cohort] = {}
         for i in cohort.chunk_indices:
             single = _Cohort([i], [chunks[i].row_id])
-            run = None if eager else self._compiled_chunk(plan, single)
+            run = self._compiled_chunk(plan, single)
             if run is not None:
                 parts.append((single, run))
                 continue

@@ -11,6 +11,8 @@ weights (0.8B, float32: ~0.3 s on a ~0.55 s step).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -61,7 +63,7 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def mix(
-        self, x: mx.array, group: ForwardGroup, ctx: _GroupContext, state, last_only: bool = False
+        self, x: mx.array, group: ForwardGroup, ctx: GroupContext, state, last_only: bool = False
     ) -> mx.array:
         """Residual + attention or DeltaNet for one group. x [B, L, H] -> [B, L, H], or
         [B, 1, H] with last_only (the last positions alone are read; every position's state
@@ -76,7 +78,7 @@ class DecoderLayer(nn.Module):
         self,
         h: mx.array,
         group: ForwardGroup,
-        ctx: _GroupContext,
+        ctx: GroupContext,
         state: LayerState,
         last_only: bool,
         residual: mx.array | None,
@@ -106,11 +108,19 @@ class DecoderLayer(nn.Module):
         return [x + self._reduce(out) for x, out in zip(xs, outs, strict=True)]
 
     def mix_packed(
-        self, xs: list[mx.array], groups: list[ForwardGroup], contexts: list, states: list
+        self,
+        xs: list[mx.array],
+        groups: list[ForwardGroup],
+        contexts: list,
+        states: list,
+        last_only: Sequence[bool] = (),
     ) -> list[mx.array]:
         """`mix` for several groups, the norm and projections over all their tokens at
-        once (each weight read once for all of them), only the core per group."""
+        once (each weight read once for all of them), only the core per group.
+        last_only[i]: group i's output is its last position alone ([B, 1, H], as `mix`
+        with last_only: a prompt that samples, in the last layer)."""
         mixer = self.self_attn if self.is_full_attention else self.linear_attn
+        last_only = list(last_only) or [False] * len(xs)
         sizes = [x.shape[0] * x.shape[1] for x in xs]
         flat = mx.concatenate([x.reshape(n, -1) for x, n in zip(xs, sizes, strict=True)])
         normed = self.input_layernorm(flat)
@@ -118,25 +128,31 @@ class DecoderLayer(nn.Module):
             projected = mixer.project(normed)  # each [N, *]
         else:
             projected = [mixer.project_whole(normed)]  # [N, P]: each group's kernels' input
-        cores, start = [], 0
-        for x, g, ctx, state, n in zip(xs, groups, contexts, states, sizes, strict=True):
+        cores, kept, start = [], [], 0
+        groups_etc = zip(xs, groups, contexts, states, sizes, last_only, strict=True)
+        for x, g, ctx, state, n, last in groups_etc:
             parts = [p[start : start + n].reshape(*x.shape[:2], -1) for p in projected]
             start += n
             if self.is_full_attention:
-                y = mixer.core(parts, ctx.rope, ctx.cos_sin, state, g.left_pad)
+                y = mixer.core(parts, ctx.rope, ctx.cos_sin, state, g.left_pad, last)
             else:
                 y = mixer.mix_whole(
                     parts[0], state, ctx.mask, g.left_pad, g.snapshot_at, g.state_slots
                 )
-            cores.append(y.reshape(n, -1))
+                y = y[:, -1:] if last else y
+            cores.append(y.reshape(-1, y.shape[-1]))
+            kept.append(x[:, -1:] if last else x)  # each group's residual
         core = mx.concatenate(cores)
+        out_sizes = [x.shape[0] * x.shape[1] for x in kept]
+        if any(last_only):
+            flat = mx.concatenate([x.reshape(n, -1) for x, n in zip(kept, out_sizes, strict=True)])
         if self.parallel is None:  # the residual inside the output projection
             out = linear_plus(mixer.output, core, flat)
-            return [o.reshape(x.shape) for x, o in zip(xs, _split(out, sizes), strict=True)]
+            return [o.reshape(x.shape) for x, o in zip(kept, _split(out, out_sizes), strict=True)]
         out = self._reduce(mixer.output(core))
-        return [x + o.reshape(x.shape) for x, o in zip(xs, _split(out, sizes), strict=True)]
+        return [x + o.reshape(x.shape) for x, o in zip(kept, _split(out, out_sizes), strict=True)]
 
-    def packable(self, group: ForwardGroup, ctx: _GroupContext) -> bool:
+    def packable(self, group: ForwardGroup, ctx: GroupContext) -> bool:
         """Whether the group's mixer input may be packed with others' (mix_packed)."""
         if self.is_full_attention:
             return True
@@ -158,13 +174,20 @@ class DecoderLayer(nn.Module):
         return partial if self.parallel is None else self.parallel.all_sum(partial)
 
 
-class _GroupContext:
-    """Per-group values computed once per forward and shared by every layer."""
+class GroupContext:
+    """Per-group values computed once per forward and shared by every layer: the rotary
+    cos / sin of its positions and its token mask (None: no padding)."""
 
-    def __init__(self, group: ForwardGroup, rope: MRoPE) -> None:
+    def __init__(
+        self, rope: MRoPE, cos_sin: tuple[mx.array, mx.array], mask: mx.array | None
+    ) -> None:
         self.rope = rope
-        self.cos_sin = rope.cos_sin(group.positions)
-        self.mask = group.token_mask()
+        self.cos_sin = cos_sin
+        self.mask = mask
+
+    @classmethod
+    def of(cls, group: ForwardGroup, rope: MRoPE) -> GroupContext:
+        return cls(rope, rope.cos_sin(group.positions), group.token_mask())
 
 
 class Qwen35Model(nn.Module):
@@ -193,7 +216,7 @@ class Qwen35Model(nn.Module):
         each group ([B, 1, H] for outputs "last", None for "none": ForwardGroup.outputs).
         Reads and writes each group's per-layer states in place."""
         hidden = [self._embed(g) for g in groups]
-        contexts = [_GroupContext(g, self._rope) for g in groups]
+        contexts = [GroupContext.of(g, self._rope) for g in groups]
         *body, last = self.layers
         for idx, layer in enumerate(body):
             hidden = self._mix(layer, idx, hidden, groups, contexts)
@@ -223,7 +246,7 @@ class Qwen35Model(nn.Module):
         idx: int,
         hidden: list[mx.array],
         groups: list[ForwardGroup],
-        contexts: list[_GroupContext],
+        contexts: list[GroupContext],
     ) -> list[mx.array]:
         """Attention / DeltaNet per group. With pack_token_wise, the groups whose mixer
         runs from its own projection (DecoderLayer.packable) share one norm and matmul

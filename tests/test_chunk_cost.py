@@ -3,9 +3,12 @@ the engine on a GPU; here on the CPU's tiny checkpoint, for its contract)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mlx.core as mx
 import pytest
 
+from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.scheduling.chunk_cost import measure_chunk_cost
 from deltaserve.models.build import load_model
@@ -25,23 +28,42 @@ def test_measures_a_line() -> None:
 
 
 def test_measures_a_packed_line() -> None:
-    """Mixed steps packed (pack_token_wise, the compiled decode step as the baseline): the
-    chunk beside a decoding row, less that row's decode step, is a line as well, and
-    the row it ran beside advanced a token a run."""
+    """Mixed steps packed (engine/packed_step.py, the compiled decode step as the
+    baseline): a first chunk through the packed step beside a decoding row, less that
+    row's decode step, is a line as well; the row it ran beside advanced a token a run,
+    through the packed step for first chunks only (a later chunk runs apart)."""
     from deltaserve.engine.decode import CompiledDecode
+    from deltaserve.engine.packed_step import PackedMixedStep
 
     loaded = load_model(str(cached_checkpoint("tiny")))
-    loaded.model.pack_token_wise = True
     calls: list[list[int]] = []
+    packed_calls: list[tuple[list[int], int]] = []
 
     class Counting(CompiledDecode):
         def __call__(self, tokens: mx.array, offsets: list[int], state: object) -> mx.array:
             calls.append(list(offsets))
             return super().__call__(tokens, offsets, state)
 
-    cost = measure_chunk_cost(loaded, None, Counting(loaded.model))
+    class CountingPacked(PackedMixedStep):
+        def __call__(
+            self,
+            tokens: mx.array,
+            offsets: Sequence[int],
+            decode: BatchState,
+            prompts: Sequence[Sequence[int]],
+            template: BatchState,
+        ) -> tuple[mx.array, mx.array, list[BatchState]]:
+            packed_calls.append((list(offsets), len(prompts[0])))
+            return super().__call__(tokens, offsets, decode, prompts, template)
+
+    pair = (Counting(loaded.model), CountingPacked(loaded.model))
+    cost = measure_chunk_cost(loaded, None, pair)
     assert cost.fixed_seconds >= 0 and cost.later_fixed_seconds >= 0 and cost.token_seconds > 0
     assert len(calls) == 4 and calls[0] < calls[-1], "the baseline decoded the row, 4 runs"
+    # 4 runs of each first-chunk length, after the baseline's: the row's position grows
+    assert [n for _, n in packed_calls] == [64] * 4 + [1024] * 4
+    positions = [o[0] for o, _ in packed_calls]
+    assert positions == sorted(positions) and positions[0] > calls[-1][0]
     assert cost.beside_decode and not measure_chunk_cost(loaded).beside_decode
 
 

@@ -208,13 +208,15 @@ def test_every_gpu_path_under_load_gives_the_plain_engines_tokens() -> None:
 
 @pytest.mark.parametrize("kernels", [False, True])
 def test_packed_mixed_steps_give_the_compiled_steps_tokens(kernels: bool) -> None:
-    """pack_mixed (a GPU's with pack_token_wise and the compiled paths on): a step
-    with decode rows and prompt chunks runs them as one eager forward whose groups
-    share each matmul (the decode batch's dead rows included), instead of the compiled
-    decode and prompt forwards;
-    same tokens as those, with the DeltaNet layers' kernel paths (decode token, prompt
-    chunk: their ops references here) on or off. Waves of prompts while rows decode,
-    with later chunks and a shared prefix."""
+    """A GPU's packed mixed step (engine/packed_step.py: pack_token_wise with the compiled
+    paths on): a step with decode rows and fresh prompts runs them as one forward whose
+    groups share each matmul (the decode batch's dead rows included), each layer a
+    compiled call of its kind's trace, instead of the compiled decode and prompt
+    forwards; same tokens as those, with the DeltaNet layers' kernel paths (decode
+    token, prompt chunk: their ops references here) on or off. Waves of prompts while
+    rows decode, with later chunks and a shared prefix (steps the packed forward does
+    not take)."""
+    from deltaserve.engine.packed_step import PackedMixedStep
     from deltaserve.models.deltanet import GatedDeltaNet
 
     loaded = load_model(str(cached_checkpoint("tiny")), dtype=mx.float32)
@@ -223,9 +225,11 @@ def test_packed_mixed_steps_give_the_compiled_steps_tokens(kernels: bool) -> Non
     shared = [rng.randrange(100, 240000) for _ in range(64)]
     requests = []
     for i in range(20):
-        rest = [rng.randrange(100, 240000) for _ in range(rng.randint(10, 150))]
+        # most prompts fit one chunk (the packed forward's), every fourth takes two
+        length = rng.randint(80, 150) if i % 4 == 1 else rng.randint(10, 60)
+        rest = [rng.randrange(100, 240000) for _ in range(length)]
         params = SamplingParams(temperature=0.0, max_tokens=rng.randint(6, 16), ignore_eos=True)
-        prompt = (shared if i % 3 == 0 else []) + rest
+        prompt = (shared if i % 5 == 0 else []) + rest
         requests.append(GenerationRequest(f"r{i}", tuple(prompt), params))
     arrivals = {0: requests[:4]} | {3 + 2 * i: [r] for i, r in enumerate(requests[4:])}
     base = EngineConfig(
@@ -238,16 +242,23 @@ def test_packed_mixed_steps_give_the_compiled_steps_tokens(kernels: bool) -> Non
         for m in mixers:
             m.fused_chunk = m.fused_decode = kernels or None
         engine = LLMEngine(loaded, dataclasses.replace(base, pack_token_wise=pack))
-        engine.runner.pack_mixed = pack  # a GPU's with pack_token_wise (the CPU's is off)
-        runner, verdicts = engine.runner, []
-        packs = runner._packs
-        runner._packs = lambda plan: verdicts.append(packs(plan)) or verdicts[-1]
+        runner, ran = engine.runner, []
+        # a GPU's with pack_token_wise (the CPU's runner has none)
+        runner.packed = PackedMixedStep(loaded.model) if pack else None
+        packed = runner._packed
+
+        def counted(plan: object, cohorts: list) -> object:
+            out = packed(plan, cohorts)
+            ran.append(out is not None)
+            return out
+
+        runner._packed = counted
         tokens = _arrive(engine, arrivals)
         for m in mixers:
             m.fused_chunk = m.fused_decode = None
-        return tokens, sum(verdicts)
+        return tokens, sum(ran)
 
     got, packed = run(True)
     want, _ = run(False)
-    assert packed > 5, "steps with decode rows and prompt work ran packed"
+    assert packed >= 3, "steps with decode rows and fresh prompts ran packed"
     assert len(got) == 20 and got == want

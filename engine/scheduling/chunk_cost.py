@@ -9,9 +9,9 @@ that also compiles their shapes) give the line t(P) = fixed + token * P
 eager path, where a first chunk may run compiled) its own fixed part. The engine sizes its
 default token budget from the first line (`ChunkCost.budget_tokens`), and the step-cost
 model uses the larger fixed part where no chunk can meet the stall bound
-(StepCostModel.prefill_allowance). Where mixed steps run packed (the runner's pack_mixed:
-the decode rows and the chunk share each weight's matmul), each forward runs beside a
-decoding row and the line is what the chunk adds to that row's step: a large model's
+(StepCostModel.prefill_allowance). Where mixed steps run packed (engine/packed_step.py:
+the decode rows and fresh prompts share each weight's matmul), each first chunk runs
+beside a decoding row and the line is what the chunk adds to that row's step: a large model's
 chunk then no longer pays a second pass over the weights. The CPU is not measured: there
 a chunk costs its arithmetic, and the online model prices it.
 """
@@ -27,6 +27,7 @@ from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.kv import KVStore
 from deltaserve.engine.compiled_prefill import CompiledPrefill
 from deltaserve.engine.decode import CompiledDecode
+from deltaserve.engine.packed_step import PackedMixedStep
 from deltaserve.engine.scheduling.step_cost import ChunkCost
 from deltaserve.models.build import LoadedModel
 from deltaserve.models.state import ForwardGroup, text_positions
@@ -39,7 +40,7 @@ RUNS = 3  # timed runs of each, after one that compiles its shapes
 def measure_chunk_cost(
     loaded: LoadedModel,
     compiled: CompiledPrefill | None = None,
-    packed: CompiledDecode | None = None,
+    packed: tuple[CompiledDecode, PackedMixedStep] | None = None,
 ) -> ChunkCost:
     """Time one fresh row's prefill forward (and its last position's logits) at each of
     LENGTHS, through `compiled` when the engine runs prompts that way: the fastest of RUNS
@@ -48,24 +49,27 @@ def measure_chunk_cost(
     row's state, eagerly: its fixed part is what a prompt split into small chunks pays for
     each next to decoding rows, where a later chunk runs compiled only at a shape already
     traced (engine/runner.py; H200, 0.8B: 17.0 ms next to 8.9 ms for a compiled first
-    chunk). `packed` (mixed steps run packed; the model's pack_token_wise on): each
-    chunk runs in one eager forward after a decoding row's next token, less what that
-    token costs through `packed`, the compiled decode step a decode-only step runs. The
-    states are thrown away."""
+    chunk). `packed` (the compiled decode step and the packed mixed step: fresh prompts
+    run packed beside decoding rows): each first chunk runs through the packed step
+    beside a decoding row's next token, less what that token costs through the decode
+    step a decode-only step runs. The states are thrown away."""
     row, alone = None, 0.0
     if packed is not None:
         row = _decoding_row(loaded)
-        alone = _fastest(lambda: _decode(packed, row))
+        alone = _fastest(lambda: _decode(packed[0], row))
+    step = packed[1] if packed is not None else None
 
     def chunk(start: int, length: int, via: CompiledPrefill | None) -> float:
+        beside = row if start == 0 else None  # a later chunk runs apart from the rows
+
         def run() -> Callable[[], None]:
             state = BatchState.empty(loaded.config)
             if start:
                 _forward(loaded, state, 0, start, None)
             mx.synchronize()
-            return lambda: _forward(loaded, state, start, length, via, row)
+            return lambda: _forward(loaded, state, start, length, via, beside, step)
 
-        return _fastest(run, prepared=True) - alone
+        return _fastest(run, prepared=True) - (alone if beside is not None else 0.0)
 
     t_short, t_long = (chunk(0, length, compiled) for length in LENGTHS)
     short, long = LENGTHS
@@ -116,23 +120,24 @@ def _forward(
     length: int,
     compiled: CompiledPrefill | None,
     beside: BatchState | None = None,
+    packed: PackedMixedStep | None = None,
 ) -> None:
     """One row's chunk of `length` tokens at `start` and its last logits, evaluated (the
     row's state advances in `state`): compiled where `compiled` takes it (a first
-    chunk), else eager; with `beside`, eagerly in one forward after that row's next
-    decode token (its state advances too)."""
+    chunk), else eager; with `beside` and `packed`, a first chunk through the packed step
+    with that row's next decode token (its state advances too)."""
     model = loaded.model
-    if start == 0 and beside is None and compiled is not None and compiled.applies(state, 1):
+    if start == 0 and beside is not None and packed is not None:
+        tokens = mx.full((1, 1), 100, mx.int32)
+        logits, hidden, states = packed(tokens, [_size(beside)], beside, [[100] * length], state)
+        mx.eval(logits, model.logits(hidden[:, -1]), *beside.state_arrays())
+        mx.eval(*states[0].state_arrays())
+        return
+    if start == 0 and compiled is not None and compiled.applies(state, 1):
         hidden, states = compiled([[100] * length], state)
         mx.eval(model.logits(hidden[:, -1]), *states[0].state_arrays())
         return
-    groups, rows = [], [state]
-    if beside is not None:
-        tokens = mx.full((1, 1), 100, mx.int32)
-        groups.append(ForwardGroup(tokens, text_positions([_size(beside)], 1), beside.layers))
-        rows.append(beside)
     tokens = mx.full((1, length), 100, mx.int32)
     positions = text_positions([start], length)
-    groups.append(ForwardGroup(tokens, positions, state.layers, outputs="last"))
-    hidden = model(groups)
-    mx.eval(*(model.logits(h[:, -1]) for h in hidden), *(a for r in rows for a in r.state_arrays()))
+    hidden = model([ForwardGroup(tokens, positions, state.layers, outputs="last")])
+    mx.eval(model.logits(hidden[0][:, -1]), *state.state_arrays())

@@ -1,0 +1,232 @@
+"""A mixed step packed and compiled: the decode batch and fresh prompts' first chunks as
+one forward whose groups share each weight's matmul, traced one layer at a time.
+
+At 9B a prompt chunk beside the decode rows reads every weight a second time (~6-7 ms of
+an H100's ~10 ms fixed part of a mixed step, bench/README.md), which one forward over
+both groups' tokens saves. Eagerly, that forward costs ~5 ms more host time than the
+compiled decode and prompt forwards it replaces; compiled as one function it would need a
+trace per (decode shape, KV capacity, prompt bucket) triple, dozens met once each under
+load, each a whole model's trace.
+
+So each decoder layer runs as a compiled call with the layer's weights as inputs: one
+traced function per layer kind (DeltaNet or attention, and the last layer, whose prompt
+rows keep only their last position) serves every layer of that kind, and a new pair of
+shapes traces a layer, not the model. DeltaNet layers' traces are keyed by the decode
+batch's and the prompt block's sizes alone; attention layers' by the decode KV capacity
+too. The embedding with the rotary tables, and the final norm with the decode rows'
+logits, are two more compiled calls.
+
+Exact against the separate compiled forwards (engine/decode.py's decode step,
+engine/compiled_prefill.py's fresh prompts) up to the order of floating-point sums:
+each group's attention and DeltaNet core are theirs; only the token-wise matmuls run over
+both groups' rows at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+from deltaserve.engine.cache.batch import BatchState
+from deltaserve.engine.cache.kv import KVStore
+from deltaserve.engine.cache.ssm import SSMState
+from deltaserve.engine.compiled_prefill import (
+    CompiledPrefill,
+    FreshKV,
+    fresh_states,
+    prompt_block,
+)
+from deltaserve.engine.decode import CompiledDecode, KVView, SSMView
+from deltaserve.models.qwen35 import DecoderLayer, GroupContext, Qwen35Model
+from deltaserve.models.state import ForwardGroup
+
+# A layer kind: (full attention?, the last layer?)
+Kind = tuple[bool, bool]
+
+
+class PackedMixedStep:
+    """The decode batch and fresh prompts' first chunks through one packed forward, each
+    layer a compiled call of its kind's traced function (see the module docstring)."""
+
+    def __init__(self, model: Qwen35Model) -> None:
+        self.model = model
+        last = len(model.layers) - 1
+        self._kinds: list[Kind] = [
+            (layer.is_full_attention, i == last) for i, layer in enumerate(model.layers)
+        ]
+        # each kind's traced body runs the first layer of that kind with another layer's
+        # weights swapped in (only while tracing: a replay reads the inputs)
+        self._template: dict[Kind, DecoderLayer] = {}
+        self._names: dict[Kind, list[str]] = {}
+        for kind, layer in zip(self._kinds, model.layers, strict=True):
+            if kind not in self._template:
+                self._template[kind] = layer
+                self._names[kind] = [name for name, _ in tree_flatten(layer.parameters())]
+        self._layer_fn = {kind: mx.compile(self._layer_body(kind)) for kind in self._template}
+        self._prepare_fn = mx.compile(self._prepare)
+        self._finish_fn = mx.compile(self._finish)
+        self._weights: list[list[mx.array]] | None = None  # per layer, read at first call
+        # read by a traced body while it traces: the layer's stores (their kinds and
+        # encodings) and how many arrays its decode state has
+        self._decode_store: KVStore | SSMState | None = None
+        self._prompt_store: KVStore | SSMState | None = None
+        self._decode_arrays = 0
+        self._arity: list[int] = []  # arrays per KV layer of a prompt row's state
+        # (decode batch shape, its first store's shape, prompt block shape) of each call:
+        # a new one traced some layer kind (the runner reports it with the step)
+        self.shapes: set[tuple] = set()
+
+    @staticmethod
+    def supports(decode: BatchState, template: BatchState, rows: int) -> bool:
+        """Whether the decode batch (every store with a traced form, state present) and
+        `rows` fresh prompts of `template`'s kinds can run packed."""
+        if not (CompiledDecode.supports(decode) and CompiledPrefill.applies(template, rows)):
+            return False
+        kv = [s for s in decode.layers if isinstance(s, KVStore)]
+        ssm = [s for s in decode.layers if isinstance(s, SSMState)]
+        return not (kv and kv[0].arrays is None) and all(s.conv is not None for s in ssm)
+
+    def __call__(
+        self,
+        tokens: mx.array,
+        offsets: Sequence[int],
+        decode: BatchState,
+        prompts: Sequence[Sequence[int]],
+        template: BatchState,
+    ) -> tuple[mx.array, mx.array, list[BatchState]]:
+        """tokens [B, 1] int32 (possibly lazy) of the decode batch's B live rows at
+        `offsets` (dead rows after them, as CompiledDecode runs them), and fresh prompts'
+        tokens from position 0 -> (the decode rows' logits [B, V] float32, each prompt's
+        last final-normed hidden state [P, 1, H], one B=1 BatchState per prompt as
+        CompiledPrefill returns them). The decode batch's new state goes into `decode`."""
+        live, rows = tokens.shape[0], decode.num_rows
+        offsets_a = mx.array(list(offsets), dtype=mx.int32)
+        if rows > live:  # dead rows that hold the batch at its bucket size (RowStates)
+            tokens = mx.concatenate([tokens, mx.zeros((rows - live, 1), tokens.dtype)])
+            offsets_a = mx.concatenate([offsets_a, mx.zeros((rows - live,), mx.int32)])
+        kv = [s for s in decode.layers if isinstance(s, KVStore)]
+        for store in kv:
+            store.reserve(1)
+        size = mx.array([kv[0].size if kv else 0], mx.int32)
+        left_pad = kv[0].pad_array() if kv else mx.zeros((rows,), mx.int32)
+        ids, pads = prompt_block(prompts)
+        pads_a = mx.array(pads, dtype=mx.int32)
+        store_shape = tuple(kv[0].arrays[0].shape) if kv else ()
+        self.shapes.add((tuple(tokens.shape), store_shape, tuple(ids.shape)))
+        if self._weights is None:
+            self._weights = self._layer_weights()
+        x_d, x_p, *tables = self._prepare_fn(tokens.astype(mx.int32), offsets_a, ids, pads_a)
+        prompt_flat: list[mx.array] = []
+        arity = []
+        layers = zip(self._kinds, decode.layers, template.layers, self._weights, strict=True)
+        for kind, store, prompt_kind, weights in layers:
+            flat = list(store.arrays) if isinstance(store, KVStore) else [store.conv, store.ssm]
+            self._decode_store, self._prompt_store = store, prompt_kind
+            self._decode_arrays = len(flat)
+            x_d, x_p, *new = self._layer_fn[kind](
+                x_d, x_p, *tables, pads_a, left_pad, size, *flat, *weights
+            )
+            if isinstance(store, KVStore):
+                store.arrays = new[: len(flat)]
+                arity.append(len(new) - len(flat))
+            else:
+                store.conv, store.ssm = new[:2]
+            prompt_flat += new[len(flat) :]
+        for store in kv:
+            store.size += 1
+        self._arity = arity
+        logits, hidden = self._finish_fn(x_d, x_p)
+        states = fresh_states(prompt_flat, pads[: len(prompts)], ids.shape[1], template, arity)
+        return logits[:live], hidden[: len(prompts)], states
+
+    def _layer_weights(self) -> list[list[mx.array]]:
+        """Each layer's parameters in its kind's order (read once the model is loaded,
+        its projections fused and its weights quantized: they do not change after)."""
+        weights = []
+        for kind, layer in zip(self._kinds, self.model.layers, strict=True):
+            named = tree_flatten(layer.parameters())
+            if [name for name, _ in named] != self._names[kind]:
+                raise ValueError("a layer's parameters differ from its kind's first layer's")
+            weights.append([value for _, value in named])
+        return weights
+
+    def _prepare(
+        self, tokens: mx.array, offsets: mx.array, ids: mx.array, pads: mx.array
+    ) -> list[mx.array]:
+        """The traced start: both groups' embeddings, rotary tables and the prompt
+        block's token mask (as the model computes them once per forward)."""
+        model = self.model
+        x_d, x_p = model.embed_tokens(tokens), model.embed_tokens(ids)
+        positions_d = mx.broadcast_to(offsets[None, :, None], (3, offsets.shape[0], 1))
+        length = ids.shape[1]
+        base = mx.arange(length, dtype=mx.int32)[None] - pads[:, None]
+        positions_p = mx.broadcast_to(mx.maximum(base, 0)[None], (3, *ids.shape))
+        cos_d, sin_d = model._rope.cos_sin(positions_d)
+        cos_p, sin_p = model._rope.cos_sin(positions_p)
+        mask_p = mx.arange(length, dtype=mx.int32)[None, :] >= pads[:, None]
+        return [x_d, x_p, cos_d, sin_d, cos_p, sin_p, mask_p]
+
+    def _finish(self, x_d: mx.array, x_p: mx.array) -> list[mx.array]:
+        """The traced end: the decode rows' logits and the prompts' last hidden states."""
+        hidden_d = self.model.norm(x_d)
+        return [self.model.logits(hidden_d[:, -1]), self.model.norm(x_p[:, -1:])]
+
+    def _layer_body(self, kind: Kind) -> Callable[..., list[mx.array]]:
+        """The traced body of one layer of `kind`: decode rows and prompt block in, both
+        out with the decode state's new arrays and the prompt rows' fresh arrays."""
+        layer, names = self._template[kind], self._names[kind]
+        attention, last = kind
+
+        def body(
+            x_d: mx.array,
+            x_p: mx.array,
+            cos_d: mx.array,
+            sin_d: mx.array,
+            cos_p: mx.array,
+            sin_p: mx.array,
+            mask_p: mx.array,
+            pads: mx.array,
+            left_pad: mx.array,
+            size: mx.array,
+            *rest: mx.array,
+        ) -> list[mx.array]:
+            n = self._decode_arrays
+            flat, weights = rest[:n], rest[n:]
+            rope = self.model._rope
+            if attention:
+                assert isinstance(self._decode_store, KVStore)
+                assert isinstance(self._prompt_store, KVStore)
+                view_d: KVView | SSMView = KVView(self._decode_store, list(flat), left_pad, size)
+                view_p: FreshKV | SSMView = FreshKV(self._prompt_store, pads)
+            else:
+                view_d, view_p = SSMView(flat[0], flat[1]), SSMView(None, None)
+            # the groups' positions are read only through their contexts' tables here
+            decode = ForwardGroup(None, cos_d, [view_d], embeds=x_d)
+            prompt = ForwardGroup(None, cos_p, [view_p], pads, embeds=x_p)
+            contexts = [
+                GroupContext(rope, (cos_d, sin_d), None),
+                GroupContext(rope, (cos_p, sin_p), mask_p),
+            ]
+            saved = layer.parameters()
+            layer.update(tree_unflatten(list(zip(names, weights, strict=True))))
+            try:
+                mixed = layer.mix_packed(
+                    [x_d, x_p], [decode, prompt], contexts, [view_d, view_p], (False, last)
+                )
+                sizes = [h.shape[0] * h.shape[1] for h in mixed]
+                flat_h = mx.concatenate([h.reshape(-1, h.shape[-1]) for h in mixed])
+                out = layer.feed_forward(flat_h)
+            finally:
+                layer.update(saved)
+            y_d = out[: sizes[0]].reshape(mixed[0].shape)
+            y_p = out[sizes[0] :].reshape(mixed[1].shape)
+            if attention:
+                new_d = view_d.arrays
+                new_p = view_p.arrays
+            else:
+                new_d, new_p = [view_d.conv, view_d.ssm], [view_p.conv, view_p.ssm]
+            return [y_d, y_p, *new_d, *new_p]
+
+        return body
