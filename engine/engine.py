@@ -205,7 +205,7 @@ class LLMEngine:
             warm_up(
                 new_state, self.compiled_prompts, compiled, chunk, max_rows, warm, columns,
                 chunks is not None, (sampler, cfg.vocab_size),
-                drafter.compiled if drafter is not None else None,
+                drafter.compiled if drafter is not None else None, packed,
             )  # fmt: skip
         self._inflight: _InFlight | None = None
         self._waited = 0.0  # seconds this step() call blocked on read-backs

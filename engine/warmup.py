@@ -29,6 +29,7 @@ from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.cache.kv import FullPrecisionKV
 from deltaserve.engine.compiled_prefill import CompiledPrefill
 from deltaserve.engine.decode import CompiledDecode
+from deltaserve.engine.packed_step import PackedMixedStep
 from deltaserve.engine.sampling.sampler import Sampler, SamplingRow
 from deltaserve.engine.shapes import MAX_ROWS, decode_bucket, prompt_bucket
 from deltaserve.engine.speculative import CompiledDraft, chain_width
@@ -76,17 +77,20 @@ def warm_up(
     chunks: bool = False,
     sampler: tuple[Sampler, int] | None = None,
     drafts: CompiledDraft | None = None,
+    packed: PackedMixedStep | None = None,
 ) -> int:
     """Run each shape of `_shapes` until `seconds` have passed; returns how many ran. The
     states are thrown away. verify_columns: a speculative verify's k + 1 (0: none);
     chunks: later chunks run through `decode`'s chunk forward; sampler: the engine's
     sampler and the vocabulary size, to draw with first (`_draws`); drafts: the MTP
-    head's compiled draft chain (speculation on a GPU), traced after the verify batch."""
+    head's compiled draft chain (speculation on a GPU), traced after the verify batch;
+    packed: the packed mixed step (pack_token_wise on a GPU), traced after the decode
+    batch's capacities."""
     start, done = time.perf_counter(), 0
     if sampler is not None:
         _draws(*sampler)
     shapes = _shapes(
-        new_state, prompts, decode, max_chunk, max_rows, verify_columns, chunks, drafts
+        new_state, prompts, decode, max_chunk, max_rows, verify_columns, chunks, drafts, packed
     )
     for run in shapes:
         if time.perf_counter() - start > seconds:
@@ -129,11 +133,14 @@ def _shapes(
     verify_columns: int = 0,
     chunks: bool = False,
     drafts: CompiledDraft | None = None,
+    packed: PackedMixedStep | None = None,
 ) -> Iterator[Callable[[], None]]:
     """Runs of one shape each, those a missing trace costs most first: the decode batch
     at its first KV capacity (a decode shape traces on first use, a stall of every
     stream), fresh prompts alone (a lone prompt's shape traces in its own step, a stall
-    of that request), the decode batch's next capacities, the verify batch and its draft
+    of that request), the decode batch's next capacities, the packed mixed step (each
+    row bucket beside one fresh prompt of each length bucket, at the first capacity: a
+    new pair traces its layer kinds, not the model), the verify batch and its draft
     chain (every number of pairs a row brings, 1 .. k + 1); then the shapes that run
     eagerly until traced (runner `_may_trace`): cohorts, later chunks. A fresh CUDA
     machine traced 8 shapes in 68 s (H100, 0.8B: each builds its kernels)."""
@@ -149,6 +156,12 @@ def _shapes(
         for tokens in DECODE_TOKENS[1:]:
             for rows in decode_sizes(max_rows):
                 yield lambda rows=rows, tokens=tokens: _decode(decode, new_state, rows, tokens)
+        can_pack = packed is not None and prompts is not None and prompts.applies(new_state(), 1)
+        for rows in decode_sizes(max_rows) if can_pack else ():
+            for length in lengths:
+                yield lambda rows=rows, length=length: _packed(
+                    packed, decode, new_state, rows, length
+                )
         for rows in decode_sizes(max_rows) if verify_columns else ():
             yield lambda rows=rows: _decode(
                 decode, new_state, rows, DECODE_TOKENS[0], verify_columns
@@ -223,6 +236,24 @@ def _decode(
     else:
         out = (decode(mx.zeros((rows, 1), mx.int32), [length] * rows, state),)
     mx.eval(*out, *state.state_arrays())
+
+
+def _packed(
+    packed: PackedMixedStep,
+    decode: CompiledDecode,
+    new_state: Callable[[], BatchState],
+    rows: int,
+    length: int,
+) -> None:
+    """The packed mixed step: `rows` decode rows at the first KV capacity beside one
+    fresh prompt of `length` tokens."""
+    state = _holding(decode, new_state, DECODE_TOKENS[0])
+    for _ in range(rows - 1):
+        state.merge(state.extract(0))
+    tokens = mx.zeros((rows, 1), mx.int32)
+    offsets = [DECODE_TOKENS[0]] * rows
+    logits, hidden, states = packed(tokens, offsets, state, [[100] * length], new_state())
+    mx.eval(logits, hidden, *state.state_arrays(), *states[0].state_arrays())
 
 
 def _draft(drafts: CompiledDraft, rows: int, length: int, width: int) -> None:

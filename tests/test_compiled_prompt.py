@@ -419,6 +419,17 @@ def test_warm_up_traces_each_shape_and_keeps_tokens(loaded: LoadedModel) -> None
     assert warm_up(new_state, None, decode, 48, 4, 600.0, 0, True) == 3 * 3 + 2
     chunk_shapes = {s for s in decode.shapes if s[0] == "chunk"}
     assert chunk_shapes == {("chunk", (1, 64), 256)}  # 48 tokens' bucket, both in 256 columns
+    # with the packed mixed step, each row bucket beside one prompt of each length bucket
+    from deltaserve.engine.packed_step import PackedMixedStep
+
+    packed = PackedMixedStep(loaded.model)
+    ran = warm_up(
+        new_state, engine.compiled_prompts, engine.runner.compiled, 48, 4, 600.0, packed=packed
+    )
+    assert ran == 3 + 3 * 3 + 3 * 3 + 1 and len(packed.shapes) == 3 * 3
+    assert {(d[0], p[1]) for d, _, p in packed.shapes} == {
+        (rows, length) for rows in (1, 2, 4) for length in (16, 32, 64)
+    }  # 48 tokens' bucket: 64
     # the sampler draws first: each way alone, then all together
     drawn = []
 
