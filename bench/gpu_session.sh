@@ -14,14 +14,19 @@
 #   call 2 (carry .wb):  bash bench/gpu_session.sh setup start9b warm08  (~3 min on a fresh
 #                        machine: warm08 is one unmeasured server run while MLX builds its
 #                        kernels; without a carried ptx cache a first server takes ~150 s)
-#   call 3:              bash bench/gpu_session.sh imposed9b    (issue 32 in bf16, the users'
+#   call 3:              bash bench/gpu_session.sh packtests packmix  (the packed mixed
+#                        step, engine/packed_step.py, thirtieth session: its tests on the
+#                        GPU, then engine-level mixed steps packed / not at 9B and 0.8B)
+#   call 4:              RUNS=1 bash bench/gpu_session.sh servepack9b  (over HTTP: default
+#                        against --pack-token-wise, 9B at 16 and 64 clients; the p99 gap)
+#   call 5:              bash bench/gpu_session.sh imposed9b    (issue 32 in bf16, the users'
 #                        dtype: acceptance imposed at 80%, speed only, 9B B = 1 and 16)
-#   call 4:              bash bench/gpu_session.sh serve08      (the 0.8B headline at HEAD)
-#   call 5:              bash bench/gpu_session.sh chain08      (verify steps chained, on /
-#                        off / on at 0.8B B = 1, 8 and 64 with the policy: its B = 8
-#                        verify steps took 43.6 ms there, 13.8 ms drafting every step)
-#   call 6:              bash bench/gpu_session.sh spec35 serve35  (issue 30's third shape
-#                        on a warm start: its only run was the machine's first start of it)
+#   call 6:              bash bench/gpu_session.sh serve08      (the 0.8B headline at HEAD)
+#   then:                chain08 (verify steps chained, on / off / on at 0.8B B = 1, 8
+#                        and 64 with the policy: its B = 8 verify steps took 43.6 ms
+#                        there, 13.8 ms drafting every step); spec35 serve35 (issue 30's
+#                        third shape on a warm start: its only run was a first start)
+#   (2026-12-07, thirtieth session: no device lent; the packed mixed step built)
 #   (2026-12-07, twenty-ninth session: cap9b, specparts, serve9b: bench/README.md)
 #   (2026-12-07, twenty-eighth session: chaintests, chain9b, handoff9b: bench/README.md)
 #   (2026-12-07, H100, three sessions: serve08 twice, inproc08, ahead08, gil08; serve9b,
@@ -617,8 +622,9 @@ packed() {  # what reading each weight once for decode rows and a prompt chunk t
     grep '^|' "$OUT/packed9b.log"
 }
 packmix() {  # a mixed step packed (pack_token_wise: decode rows and a fresh prompt chunk in
-    # one eager forward, each weight read once) against the compiled decode and prompt
-    # forwards; engine level, steps synchronised, 9B then 0.8B, 16 and 64 decode rows
+    # one forward, each weight read once, each layer a compiled call: engine/packed_step.py
+    # since the thirtieth session, an eager forward before) against the compiled decode
+    # and prompt forwards; engine level, steps synchronised, 9B then 0.8B, 16 and 64 rows
     local shape mode
     for shape in ${PACK_SHAPES:-9B 0.8B}; do
         [ "$shape" = 9B ] && need9b
@@ -635,6 +641,16 @@ for line in open(sys.argv[1]):
             grep -E "Error|error" "$OUT/packmix-$shape-$mode.log" | tail -3
         done
     done
+}
+packtests() {  # the packed mixed step's tests on the GPU: against the compiled forwards
+    # apart (every KV kind, dense and MoE), one trace per layer kind, the engine's tokens,
+    # its warm-up, the chunk cost measured through it
+    timeout 280 python3 -m pytest -q -p no:cacheprovider tests/test_packed_step.py \
+        "tests/test_engine_gpu_paths.py::test_packed_mixed_steps_give_the_compiled_steps_tokens" \
+        "tests/test_chunk_cost.py::test_measures_a_packed_line" \
+        "tests/test_compiled_prompt.py::test_warm_up_traces_each_shape_and_keeps_tokens" \
+        >"$OUT/packtests.log" 2>&1
+    tail -5 "$OUT/packtests.log"
 }
 servepack9b() {  # 9B over HTTP, ours alone at 16 and 64 clients: the default against mixed
     # steps packed (--pack-token-wise), twice each in turn

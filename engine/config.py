@@ -67,10 +67,11 @@ class EngineConfig:
     # Norms, projections and MLP over all groups' tokens at once (each weight read once a
     # step); unset: on for CPU (a small prompt group next to the decode rows cost a second
     # pass over the weights: 0.8B, 8 rows + 2 tokens 0.99 -> 0.75 s), off on Metal/CUDA.
-    # On a GPU it runs a step with decode rows and prompt work as one eager forward instead
-    # of the compiled decode and prompt forwards (engine/runner.py pack_mixed): an H100 at
-    # 9B saved ~6 ms of device time a mixed step and spent ~5 ms more host time, no faster
-    # over HTTP (bench/README.md)
+    # On a GPU it runs a step with decode rows and fresh prompts as one packed forward,
+    # each layer a compiled call (engine/packed_step.py), instead of the compiled decode and
+    # prompt forwards, which read every weight once each (~6 ms of an H100's 9B mixed step).
+    # Not yet measured on a GPU: its eager predecessor saved that device time and spent ~5
+    # ms more host time, no faster over HTTP (bench/README.md)
     pack_token_wise: bool | None = None
     # Step N+1 is planned and queued (mx.async_eval) before step N's tokens are read back,
     # overlapping Python's graph building with the device. Unset: on for Metal/CUDA; off on
