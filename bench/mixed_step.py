@@ -1,7 +1,7 @@
 """What a mixed step (decode rows + one prompt chunk) costs, and where its time goes.
 
     python -m bench.mixed_step --shape 0.8B --rows 8 64 --sizes 16 64 256 [--fresh] [--eager-chunks]
-        [--graph] [--off fused_deltanet_chunk ...]
+        [--graph] [--off fused_deltanet_chunk ...] [--packed]
 
 Model level: a fresh [1, L] prompt group through the whole model and through one layer
 of each kind, timed as graph building (the Python call until it returns lazy arrays)
@@ -136,12 +136,15 @@ def engine_lines(
     eager_chunks: bool = False,
     graph: bool = False,
     overrides: dict | None = None,
+    packed: bool = False,
 ) -> list[dict]:
     """Alternate decode-only and mixed steps while a `prompt`-token prompt prefills, or
     with `fresh`, each mixed step's chunk a new `size`-token prompt (a chat arriving:
     its first and only chunk; it samples one token and leaves). The long prompt's later
     chunks run compiled where the device's default says so (a shape traced at its first
-    use: the first pass meets them all), eagerly with `eager_chunks`."""
+    use: the first pass meets them all), eagerly with `eager_chunks`. `packed`: mixed
+    steps of decode rows and fresh prompts through engine/packed_step.py on any device
+    (a GPU's engine runs it with pack_token_wise on)."""
     from deltaserve.engine.config import EngineConfig
     from deltaserve.engine.engine import LLMEngine
     from deltaserve.engine.types import GenerationRequest, SamplingParams
@@ -153,6 +156,10 @@ def engine_lines(
         compile_chunks=False if eager_chunks else None, **(overrides or {}),
     )  # fmt: skip
     engine = LLMEngine(loaded, config)
+    if packed:  # as a GPU's engine with pack_token_wise builds it, on any device
+        from deltaserve.engine.packed_step import PackedMixedStep
+
+        engine.runner.packed = PackedMixedStep(loaded.model)
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True)
     for i in range(rows):
@@ -221,6 +228,7 @@ def engine_lines(
         line = {
             "what": "engine_step", "rows": rows, "chunk": size, "fresh": fresh,
             "compiled_chunks": engine.runner.compile_chunks,
+            "packed": engine.runner.packed is not None,
             "switches": dict(sorted((overrides or {}).items())),
             "wall_ms": round(statistics.median(walls[size]), 3),
             "execute_cpu_ms": round(statistics.median(builds[size]), 3),
@@ -266,6 +274,9 @@ def main() -> None:
     ap.add_argument(
         "--on", nargs="*", default=[], help="engine switches set True (e.g. compile_decode)"
     )
+    ap.add_argument(
+        "--packed", action="store_true", help="the packed mixed step on any device (CPU too)"
+    )
     args = ap.parse_args()
     from deltaserve.models.build import load_model
     from deltaserve.models.testing import cached_checkpoint
@@ -278,6 +289,7 @@ def main() -> None:
         engine_lines(
             path, rows, args.sizes, args.prompt, args.reps, args.fresh, args.eager_chunks,
             args.graph, {name: False for name in args.off} | {name: True for name in args.on},
+            args.packed,
         )  # fmt: skip
 
 
