@@ -14,14 +14,17 @@
 #   call 2 (carry .wb):  bash bench/gpu_session.sh setup start9b warm08  (~3 min on a fresh
 #                        machine: warm08 is one unmeasured server run while MLX builds its
 #                        kernels; without a carried ptx cache a first server takes ~150 s)
-#   call 3:              bash bench/gpu_session.sh packtests packmix  (the packed mixed
+#   call 3:              bash bench/gpu_session.sh packtests packstep  (the packed mixed
 #                        step, engine/packed_step.py, thirtieth session: its tests on the
-#                        GPU, then engine-level mixed steps packed / not at 9B and 0.8B)
-#   call 4:              RUNS=1 bash bench/gpu_session.sh servepack9b  (over HTTP: default
+#                        GPU, then its host build / submit and total against the compiled
+#                        forwards apart, 0.8B and 9B, 16 and 64 rows)
+#   call 4:              bash bench/gpu_session.sh packmix  (engine-level mixed steps
+#                        packed / not, steps synchronised, 9B and 0.8B)
+#   call 5:              RUNS=1 bash bench/gpu_session.sh servepack9b  (over HTTP: default
 #                        against --pack-token-wise, 9B at 16 and 64 clients; the p99 gap)
-#   call 5:              bash bench/gpu_session.sh imposed9b    (issue 32 in bf16, the users'
+#   call 6:              bash bench/gpu_session.sh imposed9b    (issue 32 in bf16, the users'
 #                        dtype: acceptance imposed at 80%, speed only, 9B B = 1 and 16)
-#   call 6:              bash bench/gpu_session.sh serve08      (the 0.8B headline at HEAD)
+#   call 7:              bash bench/gpu_session.sh serve08      (the 0.8B headline at HEAD)
 #   then:                chain08 (verify steps chained, on / off / on at 0.8B B = 1, 8
 #                        and 64 with the policy: its B = 8 verify steps took 43.6 ms
 #                        there, 13.8 ms drafting every step); spec35 serve35 (issue 30's
@@ -651,6 +654,16 @@ packtests() {  # the packed mixed step's tests on the GPU: against the compiled 
         "tests/test_compiled_prompt.py::test_warm_up_traces_each_shape_and_keeps_tokens" \
         >"$OUT/packtests.log" 2>&1
     tail -5 "$OUT/packtests.log"
+}
+packstep() {  # the packed mixed step against the compiled decode and prompt forwards apart:
+    # host build / submit ms and the total, 0.8B then 9B, 16 and 64 decode rows
+    timeout 150 python3 -m bench.packed_step --shape 0.8B --rows 16 64 --sizes 64 256 \
+        >"$OUT/packstep08.log" 2>&1
+    grep '^|' "$OUT/packstep08.log"; grep -E "Error|error" "$OUT/packstep08.log" | tail -3
+    need9b
+    timeout 240 python3 -m bench.packed_step --shape 9B --rows 16 64 --sizes 64 256 \
+        >"$OUT/packstep9b.log" 2>&1
+    grep '^|' "$OUT/packstep9b.log"; grep -E "Error|error" "$OUT/packstep9b.log" | tail -3
 }
 servepack9b() {  # 9B over HTTP, ours alone at 16 and 64 clients: the default against mixed
     # steps packed (--pack-token-wise), twice each in turn
