@@ -497,10 +497,12 @@ class ModelRunner:
         self, plan: StepPlan, cohorts: list[_Cohort]
     ) -> tuple[mx.array, tuple[mx.array, list[BatchState]]] | None:
         """The decode batch and the step's prompt work through the packed forward
-        (pack_mixed): the decode rows' logits and the prompts' run, as the compiled
-        decode step and `_compiled_prompts` would give them; None where it does not apply
-        (no decode rows, a verify batch, or prompt work other than one cohort of fresh
-        text prompts' first chunks that the compiled prompt forward takes)."""
+        (`packed`): the decode rows' logits and the prompts' run, as the compiled decode
+        step and `_compiled_prompts` would give them; None where it does not apply (no
+        decode rows, a verify batch, or prompt work other than one cohort of fresh text
+        prompts' first chunks that the compiled prompt forward takes). Unlike that
+        forward's, a shape not traced yet is traced here under load: a new pair of
+        shapes traces three layers, not the model (warm-up traces the common ones)."""
         if self.packed is None or not plan.decode_row_ids or plan.verify_row_ids:
             return None
         if len(cohorts) != 1 or len(cohorts[0].chunk_indices) != len(plan.prefill):
