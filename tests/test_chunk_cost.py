@@ -3,7 +3,7 @@ the engine on a GPU; here on the CPU's tiny checkpoint, for its contract)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -45,16 +45,10 @@ def test_measures_a_packed_line() -> None:
             return super().__call__(tokens, offsets, state)
 
     class CountingPacked(PackedMixedStep):
-        def __call__(
-            self,
-            tokens: mx.array,
-            offsets: Sequence[int],
-            decode: BatchState,
-            prompts: Sequence[Sequence[int]],
-            template: BatchState,
-        ) -> tuple[mx.array, mx.array, list[BatchState]]:
+        def __call__(self, *args: Any) -> tuple[mx.array, mx.array, list[BatchState]]:
+            _, offsets, _, prompts, _ = args
             packed_calls.append((list(offsets), len(prompts[0])))
-            return super().__call__(tokens, offsets, decode, prompts, template)
+            return super().__call__(*args)
 
     pair = (Counting(loaded.model), CountingPacked(loaded.model))
     cost = measure_chunk_cost(loaded, None, pair)
