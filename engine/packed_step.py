@@ -73,7 +73,6 @@ class PackedMixedStep:
         self._decode_store: KVStore | SSMState | None = None
         self._prompt_store: KVStore | SSMState | None = None
         self._decode_arrays = 0
-        self._arity: list[int] = []  # arrays per KV layer of a prompt row's state
         # (decode batch shape, its first store's shape, prompt block shape) of each call:
         # a new one traced some layer kind (the runner reports it with the step)
         self.shapes: set[tuple] = set()
@@ -119,7 +118,7 @@ class PackedMixedStep:
             self._weights = self._layer_weights()
         x_d, x_p, *tables = self._prepare_fn(tokens.astype(mx.int32), offsets_a, ids, pads_a)
         prompt_flat: list[mx.array] = []
-        arity = []
+        arity = []  # arrays per KV layer of a prompt row's state
         layers = zip(self._kinds, decode.layers, template.layers, self._weights, strict=True)
         for kind, store, prompt_kind, weights in layers:
             flat = list(store.arrays) if isinstance(store, KVStore) else [store.conv, store.ssm]
@@ -136,7 +135,6 @@ class PackedMixedStep:
             prompt_flat += new[len(flat) :]
         for store in kv:
             store.size += 1
-        self._arity = arity
         logits, hidden = self._finish_fn(x_d, x_p)
         states = fresh_states(prompt_flat, pads[: len(prompts)], ids.shape[1], template, arity)
         return logits[:live], hidden[: len(prompts)], states

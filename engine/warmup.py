@@ -157,8 +157,8 @@ def _shapes(
             for rows in decode_sizes(max_rows):
                 yield lambda rows=rows, tokens=tokens: _decode(decode, new_state, rows, tokens)
         can_pack = packed is not None and prompts is not None and prompts.applies(new_state(), 1)
-        for rows in decode_sizes(max_rows) if can_pack else ():
-            for length in lengths:
+        for length in lengths if can_pack else ():  # the shorter (cheaper, commoner) first
+            for rows in decode_sizes(max_rows):
                 yield lambda rows=rows, length=length: _packed(
                     packed, decode, new_state, rows, length
                 )
