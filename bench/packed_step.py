@@ -89,8 +89,8 @@ def _steps(
 
     def together(i: int) -> list[mx.array]:
         offsets, prompt = [HISTORY + i] * rows, [[100 + i] * size]
-        logits, hidden, fresh = packed(
-            tokens, offsets, packed_state, prompt, BatchState.empty(config)
+        logits, [(hidden, fresh)] = packed(
+            tokens, offsets, packed_state, [prompt], BatchState.empty(config)
         )
         state = [*packed_state.state_arrays(), *fresh[0].state_arrays()]
         return [logits, model.logits(hidden[:, -1]), *state]

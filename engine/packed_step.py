@@ -25,6 +25,7 @@ both groups' rows at once.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
@@ -73,6 +74,7 @@ class PackedMixedStep:
         self._decode_store: KVStore | SSMState | None = None
         self._prompt_store: KVStore | SSMState | None = None
         self._decode_arrays = 0
+        self._blocks = 0  # prompt blocks of the call
         # (decode batch shape, its first store's shape, prompt block shape) of each call:
         # a new one traced some layer kind (the runner reports it with the step)
         self.shapes: set[tuple] = set()
@@ -92,14 +94,16 @@ class PackedMixedStep:
         tokens: mx.array,
         offsets: Sequence[int],
         decode: BatchState,
-        prompts: Sequence[Sequence[int]],
+        blocks: Sequence[Sequence[Sequence[int]]],
         template: BatchState,
-    ) -> tuple[mx.array, mx.array, list[BatchState]]:
+    ) -> tuple[mx.array, list[tuple[mx.array, list[BatchState]]]]:
         """tokens [B, 1] int32 (possibly lazy) of the decode batch's B live rows at
-        `offsets` (dead rows after them, as CompiledDecode runs them), and fresh prompts'
-        tokens from position 0 -> (the decode rows' logits [B, V] float32, each prompt's
-        last final-normed hidden state [P, 1, H], one B=1 BatchState per prompt as
-        CompiledPrefill returns them). The decode batch's new state goes into `decode`."""
+        `offsets` (dead rows after them, as CompiledDecode runs them), and blocks of fresh
+        prompts' tokens from position 0 (each block one bucketed group, as one
+        CompiledPrefill call runs it) -> (the decode rows' logits [B, V] float32, per
+        block each prompt's last final-normed hidden state [P, 1, H] and one B=1
+        BatchState per prompt, as CompiledPrefill returns them). The decode batch's new
+        state goes into `decode`."""
         live, rows = tokens.shape[0], decode.num_rows
         offsets_a = mx.array(list(offsets), dtype=mx.int32)
         if rows > live:  # dead rows that hold the batch at its bucket size (RowStates)
@@ -110,34 +114,51 @@ class PackedMixedStep:
             store.reserve(1)
         size = mx.array([kv[0].size if kv else 0], mx.int32)
         left_pad = kv[0].pad_array() if kv else mx.zeros((rows,), mx.int32)
-        ids, pads = prompt_block(prompts)
-        pads_a = mx.array(pads, dtype=mx.int32)
+        padded = [prompt_block(prompts) for prompts in blocks]
+        pads_a = [mx.array(pads, dtype=mx.int32) for _, pads in padded]
         store_shape = tuple(kv[0].arrays[0].shape) if kv else ()
-        self.shapes.add((tuple(tokens.shape), store_shape, tuple(ids.shape)))
+        block_shapes = tuple(tuple(ids.shape) for ids, _ in padded)
+        self.shapes.add((tuple(tokens.shape), store_shape, block_shapes))
         if self._weights is None:
             self._weights = self._layer_weights()
-        x_d, x_p, *tables = self._prepare_fn(tokens.astype(mx.int32), offsets_a, ids, pads_a)
-        prompt_flat: list[mx.array] = []
+        inputs = [a for (ids, _), pads in zip(padded, pads_a, strict=True) for a in (ids, pads)]
+        x_d, *rest = self._prepare_fn(tokens.astype(mx.int32), offsets_a, *inputs)
+        n = len(blocks)
+        x_ps, (cos_d, sin_d), tables = rest[:n], rest[n : n + 2], rest[n + 2 :]
+        per_block = [[*tables[3 * j : 3 * j + 3], pads_a[j]] for j in range(n)]
+        block_inputs = [a for parts in per_block for a in parts]
+        block_flat: list[list[mx.array]] = [[] for _ in blocks]
         arity = []  # arrays per KV layer of a prompt row's state
+        self._blocks = n
         layers = zip(self._kinds, decode.layers, template.layers, self._weights, strict=True)
         for kind, store, prompt_kind, weights in layers:
             flat = list(store.arrays) if isinstance(store, KVStore) else [store.conv, store.ssm]
             self._decode_store, self._prompt_store = store, prompt_kind
             self._decode_arrays = len(flat)
-            x_d, x_p, *new = self._layer_fn[kind](
-                x_d, x_p, *tables, pads_a, left_pad, size, *flat, *weights
+            out = self._layer_fn[kind](
+                x_d, *x_ps, cos_d, sin_d, *block_inputs, left_pad, size, *flat, *weights
             )
+            x_d, x_ps, new = out[0], out[1 : n + 1], out[n + 1 :]
             if isinstance(store, KVStore):
                 store.arrays = new[: len(flat)]
-                arity.append(len(new) - len(flat))
             else:
                 store.conv, store.ssm = new[:2]
-            prompt_flat += new[len(flat) :]
+            fresh = new[len(flat) :]
+            width = len(fresh) // n  # each block's arrays of this layer
+            if isinstance(store, KVStore):
+                arity.append(width)
+            for j in range(n):
+                block_flat[j] += fresh[j * width : (j + 1) * width]
         for store in kv:
             store.size += 1
-        logits, hidden = self._finish_fn(x_d, x_p)
-        states = fresh_states(prompt_flat, pads[: len(prompts)], ids.shape[1], template, arity)
-        return logits[:live], hidden[: len(prompts)], states
+        logits, *hidden = self._finish_fn(x_d, *x_ps)
+        runs = []
+        for j, ((ids, pads), prompts) in enumerate(zip(padded, blocks, strict=True)):
+            states = fresh_states(
+                block_flat[j], pads[: len(prompts)], ids.shape[1], template, arity
+            )
+            runs.append((hidden[j][: len(prompts)], states))
+        return logits[:live], runs
 
     def _layer_weights(self) -> list[list[mx.array]]:
         """Each layer's parameters in its kind's order (read once the model is loaded,
@@ -150,81 +171,76 @@ class PackedMixedStep:
             weights.append([value for _, value in named])
         return weights
 
-    def _prepare(
-        self, tokens: mx.array, offsets: mx.array, ids: mx.array, pads: mx.array
-    ) -> list[mx.array]:
-        """The traced start: both groups' embeddings, rotary tables and the prompt
-        block's token mask (as the model computes them once per forward)."""
-        model = self.model
-        x_d, x_p = model.embed_tokens(tokens), model.embed_tokens(ids)
-        positions_d = mx.broadcast_to(offsets[None, :, None], (3, offsets.shape[0], 1))
-        length = ids.shape[1]
-        base = mx.arange(length, dtype=mx.int32)[None] - pads[:, None]
-        positions_p = mx.broadcast_to(mx.maximum(base, 0)[None], (3, *ids.shape))
-        cos_d, sin_d = model._rope.cos_sin(positions_d)
-        cos_p, sin_p = model._rope.cos_sin(positions_p)
-        mask_p = mx.arange(length, dtype=mx.int32)[None, :] >= pads[:, None]
-        return [x_d, x_p, cos_d, sin_d, cos_p, sin_p, mask_p]
+    def _prepare(self, tokens: mx.array, offsets: mx.array, *blocks: mx.array) -> list[mx.array]:
+        """The traced start: the decode rows' and each block's embeddings (blocks: each
+        block's ids and pads in turn), then the decode rows' rotary tables, then each
+        block's tables and token mask (as the model computes them once per forward)."""
+        rope, embed = self.model._rope, self.model.embed_tokens
+        pairs = list(zip(blocks[::2], blocks[1::2], strict=True))
+        out = [embed(tokens), *(embed(ids) for ids, _ in pairs)]
+        positions = mx.broadcast_to(offsets[None, :, None], (3, offsets.shape[0], 1))
+        out += rope.cos_sin(positions)
+        for ids, pads in pairs:
+            length = ids.shape[1]
+            base = mx.arange(length, dtype=mx.int32)[None] - pads[:, None]
+            positions = mx.broadcast_to(mx.maximum(base, 0)[None], (3, *ids.shape))
+            mask = mx.arange(length, dtype=mx.int32)[None, :] >= pads[:, None]
+            out += [*rope.cos_sin(positions), mask]
+        return out
 
-    def _finish(self, x_d: mx.array, x_p: mx.array) -> list[mx.array]:
-        """The traced end: the decode rows' logits and the prompts' last hidden states."""
+    def _finish(self, x_d: mx.array, *x_ps: mx.array) -> list[mx.array]:
+        """The traced end: the decode rows' logits and each block's last hidden states."""
         hidden_d = self.model.norm(x_d)
-        return [self.model.logits(hidden_d[:, -1]), self.model.norm(x_p[:, -1:])]
+        return [self.model.logits(hidden_d[:, -1]), *(self.model.norm(x[:, -1:]) for x in x_ps)]
 
     def _layer_body(self, kind: Kind) -> Callable[..., list[mx.array]]:
-        """The traced body of one layer of `kind`: decode rows and prompt block in, both
-        out with the decode state's new arrays and the prompt rows' fresh arrays."""
+        """The traced body of one layer of `kind` for the decode rows and `_blocks`
+        prompt blocks: inputs x_d, each block's x, the decode rows' cos / sin, each
+        block's cos / sin / mask / pads, the decode KV's left pads and size, the decode
+        state's arrays and the layer's weights; outputs the new x_d and blocks' x, the
+        decode state's new arrays, then each block's fresh arrays."""
         layer, names = self._template[kind], self._names[kind]
         attention, last = kind
 
-        def body(
-            x_d: mx.array,
-            x_p: mx.array,
-            cos_d: mx.array,
-            sin_d: mx.array,
-            cos_p: mx.array,
-            sin_p: mx.array,
-            mask_p: mx.array,
-            pads: mx.array,
-            left_pad: mx.array,
-            size: mx.array,
-            *rest: mx.array,
-        ) -> list[mx.array]:
-            n = self._decode_arrays
-            flat, weights = rest[:n], rest[n:]
+        def body(*args: mx.array) -> list[mx.array]:
+            n, arrays = self._blocks, self._decode_arrays
+            x_d, xs, (cos_d, sin_d) = args[0], list(args[1 : n + 1]), args[n + 1 : n + 3]
+            blocks = [args[n + 3 + 4 * j : n + 7 + 4 * j] for j in range(n)]
+            left_pad, size, *rest = args[5 * n + 3 :]
+            flat, weights = rest[:arrays], rest[arrays:]
             rope = self.model._rope
+            views: list[KVView | FreshKV | SSMView]
             if attention:
                 assert isinstance(self._decode_store, KVStore)
                 assert isinstance(self._prompt_store, KVStore)
-                view_d: KVView | SSMView = KVView(self._decode_store, list(flat), left_pad, size)
-                view_p: FreshKV | SSMView = FreshKV(self._prompt_store, pads)
+                views = [KVView(self._decode_store, list(flat), left_pad, size)]
+                views += [FreshKV(self._prompt_store, pads) for *_, pads in blocks]
             else:
-                view_d, view_p = SSMView(flat[0], flat[1]), SSMView(None, None)
+                views = [SSMView(flat[0], flat[1])] + [SSMView(None, None) for _ in blocks]
             # the groups' positions are read only through their contexts' tables here
-            decode = ForwardGroup(None, cos_d, [view_d], embeds=x_d)
-            prompt = ForwardGroup(None, cos_p, [view_p], pads, embeds=x_p)
-            contexts = [
-                GroupContext(rope, (cos_d, sin_d), None),
-                GroupContext(rope, (cos_p, sin_p), mask_p),
+            groups = [ForwardGroup(None, cos_d, [views[0]], embeds=x_d)]
+            groups += [
+                ForwardGroup(None, cos, [view], pads, embeds=x)
+                for (cos, _, _, pads), view, x in zip(blocks, views[1:], xs, strict=True)
             ]
+            contexts = [GroupContext(rope, (cos_d, sin_d), None)]
+            contexts += [GroupContext(rope, (cos, sin), mask) for cos, sin, mask, _ in blocks]
             saved = layer.parameters()
             layer.update(tree_unflatten(list(zip(names, weights, strict=True))))
             try:
-                mixed = layer.mix_packed(
-                    [x_d, x_p], [decode, prompt], contexts, [view_d, view_p], (False, last)
-                )
+                mixed = layer.mix_packed([x_d, *xs], groups, contexts, views, (False, *[last] * n))
                 sizes = [h.shape[0] * h.shape[1] for h in mixed]
                 flat_h = mx.concatenate([h.reshape(-1, h.shape[-1]) for h in mixed])
-                out = layer.feed_forward(flat_h)
+                bounds = list(accumulate(sizes))[:-1]
+                out = mx.split(layer.feed_forward(flat_h), bounds, axis=0)
             finally:
                 layer.update(saved)
-            y_d = out[: sizes[0]].reshape(mixed[0].shape)
-            y_p = out[sizes[0] :].reshape(mixed[1].shape)
-            if attention:
-                new_d = view_d.arrays
-                new_p = view_p.arrays
-            else:
-                new_d, new_p = [view_d.conv, view_d.ssm], [view_p.conv, view_p.ssm]
-            return [y_d, y_p, *new_d, *new_p]
+            result = [o.reshape(h.shape) for o, h in zip(out, mixed, strict=True)]
+            for view in views:
+                if isinstance(view, SSMView):
+                    result += [view.conv, view.ssm]
+                else:
+                    result += view.arrays
+            return result
 
         return body

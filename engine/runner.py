@@ -173,7 +173,7 @@ class ModelRunner:
         (None: no row speculates). submit_decode_first: a step with prompt work queues
         the compiled decode forward before building the prompts', and a verify step its
         draft chain before building the verify forward (EngineConfig's).
-        packed: a step with decode rows and one cohort of fresh prompts runs them
+        packed: a step with decode rows and cohorts of fresh prompts runs them
         through this packed forward, whose groups share each weight's matmul, instead
         of the compiled decode and prompt forwards, which read every weight once each
         (9B on an H100: a 256-token chunk's matmuls 7.8 ms beside 16 decode rows, 1.6
@@ -253,8 +253,8 @@ class ModelRunner:
         # the others eagerly
         cohorts: list[_Cohort] = []
         runs: dict[int, tuple[mx.array, list[BatchState]]] = {}
-        if packed is not None:  # its one cohort ran in the packed forward
-            runs[0] = packed[1]
+        if packed is not None:  # its cohorts ran in the packed forward
+            runs = dict(enumerate(packed[1]))
             cohorts = planned
         for cohort in planned if packed is None else []:
             for part, run in self._compiled_parts(plan, cohort):
@@ -495,33 +495,35 @@ class ModelRunner:
 
     def _packed(
         self, plan: StepPlan, cohorts: list[_Cohort]
-    ) -> tuple[mx.array, tuple[mx.array, list[BatchState]]] | None:
+    ) -> tuple[mx.array, list[tuple[mx.array, list[BatchState]]]] | None:
         """The decode batch and the step's prompt work through the packed forward
-        (`packed`): the decode rows' logits and the prompts' run, as the compiled decode
+        (`packed`): the decode rows' logits and each cohort's run, as the compiled decode
         step and `_compiled_prompts` would give them; None where it does not apply (no
-        decode rows, a verify batch, or prompt work other than one cohort of fresh text
+        decode rows, a verify batch, or prompt work other than cohorts of fresh text
         prompts' first chunks that the compiled prompt forward takes). Unlike that
-        forward's, a shape not traced yet is traced here under load: a new pair of
-        shapes traces three layers, not the model (warm-up traces the common ones)."""
+        forward's, a shape not traced yet is traced here under load: a new set of shapes
+        traces three layers, not the model (warm-up traces the common ones)."""
         if self.packed is None or not plan.decode_row_ids or plan.verify_row_ids:
             return None
-        if len(cohorts) != 1 or len(cohorts[0].chunk_indices) != len(plan.prefill):
-            return None
-        members = [plan.prefill[i] for i in cohorts[0].chunk_indices]
-        if not self._fresh(members):
+        if not cohorts or sum(len(c.chunk_indices) for c in cohorts) != len(plan.prefill):
+            return None  # a chunk with only tower work (in no cohort)
+        members = [[plan.prefill[i] for i in c.chunk_indices] for c in cohorts]
+        if not all(self._fresh(m) for m in members):
             return None
         rows = self.rows.rows
-        template = self.states.prefill_state(members[0].row_id)
-        if not self.packed.supports(self.states.decode, template, len(members)):
+        template = self.states.prefill_state(members[0][0].row_id)
+        most = max(len(m) for m in members)
+        if not self.packed.supports(self.states.decode, template, most):
             return None
         tokens = _decode_tokens(plan, self._last_tokens)
-        prompts = [rows[c.row_id].prompt_ids[: c.length] for c in members]
-        logits, hidden, states = self.packed(
-            tokens, plan.decode_positions, self.states.decode, prompts, template
+        blocks = [[rows[c.row_id].prompt_ids[: c.length] for c in m] for m in members]
+        logits, runs = self.packed(
+            tokens, plan.decode_positions, self.states.decode, blocks, template
         )
-        for chunk, state in zip(members, states, strict=True):
-            self.states.prefill[chunk.row_id] = state
-        return logits, (hidden, states)
+        for chunks, (_, states) in zip(members, runs, strict=True):
+            for chunk, state in zip(chunks, states, strict=True):
+                self.states.prefill[chunk.row_id] = state
+        return logits, runs
 
     def _decode_group(self, plan: StepPlan) -> ForwardGroup:
         """The decode batch as an eager group: tokens [B, 1] for its B rows, the dead

@@ -252,7 +252,7 @@ def _packed(
         state.merge(state.extract(0))
     tokens = mx.zeros((rows, 1), mx.int32)
     offsets = [DECODE_TOKENS[0]] * rows
-    logits, hidden, states = packed(tokens, offsets, state, [[100] * length], new_state())
+    logits, [(hidden, states)] = packed(tokens, offsets, state, [[[100] * length]], new_state())
     mx.eval(logits, hidden, *state.state_arrays(), *states[0].state_arrays())
 
 

@@ -8,7 +8,6 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from deltaserve.engine.cache.batch import BatchState
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.scheduling.chunk_cost import measure_chunk_cost
 from deltaserve.models.build import load_model
@@ -45,9 +44,9 @@ def test_measures_a_packed_line() -> None:
             return super().__call__(tokens, offsets, state)
 
     class CountingPacked(PackedMixedStep):
-        def __call__(self, *args: Any) -> tuple[mx.array, mx.array, list[BatchState]]:
-            _, offsets, _, prompts, _ = args
-            packed_calls.append((list(offsets), len(prompts[0])))
+        def __call__(self, *args: Any) -> tuple[mx.array, list[tuple[mx.array, list]]]:
+            _, offsets, _, blocks, _ = args
+            packed_calls.append((list(offsets), len(blocks[0][0])))
             return super().__call__(*args)
 
     pair = (Counting(loaded.model), CountingPacked(loaded.model))

@@ -427,7 +427,7 @@ def test_warm_up_traces_each_shape_and_keeps_tokens(loaded: LoadedModel) -> None
         new_state, engine.compiled_prompts, engine.runner.compiled, 48, 4, 600.0, packed=packed
     )
     assert ran == 3 + 3 * 3 + 3 * 3 + 1 and len(packed.shapes) == 3 * 3
-    assert {(d[0], p[1]) for d, _, p in packed.shapes} == {
+    assert {(d[0], p[0][1]) for d, _, p in packed.shapes} == {
         (rows, length) for rows in (1, 2, 4) for length in (16, 32, 64)
     }  # 48 tokens' bucket: 64
     # the sampler draws first: each way alone, then all together

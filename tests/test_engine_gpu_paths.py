@@ -215,7 +215,9 @@ def test_packed_mixed_steps_give_the_compiled_steps_tokens(kernels: bool) -> Non
     forwards; same tokens as those, with the DeltaNet layers' kernel paths (decode
     token, prompt chunk: their ops references here) on or off. Waves of prompts while
     rows decode, with later chunks and a shared prefix (steps the packed forward does
-    not take)."""
+    not take), and a burst of two cohorts (one packed step of two prompt blocks). As on
+    a GPU, a prefix-cache snapshot ends a chunk (compile_prefill) rather than splitting
+    it, and prompts are admitted at the token budget (the stall bound off)."""
     from deltaserve.engine.packed_step import PackedMixedStep
     from deltaserve.models.deltanet import GatedDeltaNet
 
@@ -232,13 +234,21 @@ def test_packed_mixed_steps_give_the_compiled_steps_tokens(kernels: bool) -> Non
         prompt = (shared if i % 5 == 0 else []) + rest
         requests.append(GenerationRequest(f"r{i}", tuple(prompt), params))
     arrivals = {0: requests[:4]} | {3 + 2 * i: [r] for i, r in enumerate(requests[4:])}
+    # a burst while rows decode: fresh prompts in two cohorts (a chunk's area each), one
+    # packed step of two prompt blocks (under 16 tokens: no prefix-cache snapshot)
+    burst = []
+    for i, length in enumerate((15, 14, 13, 12, 9, 5)):
+        prompt = tuple(rng.randrange(100, 240000) for _ in range(length))
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        burst.append(GenerationRequest(f"b{i}", prompt, params))
+    arrivals[12] = arrivals.get(12, []) + burst
     base = EngineConfig(
         max_num_seqs=16, max_num_batched_tokens=96, max_prefill_chunk=64, warm_up_seconds=0,
         compile_decode=True, compile_prompt=True, compile_chunks=True, batch_prefill=True,
-        prefix_block_tokens=16, prefix_min_tokens=16,
+        prefix_block_tokens=16, prefix_min_tokens=16, max_stall_factor=0, compile_prefill=True,
     )  # fmt: skip
 
-    def run(pack: bool) -> tuple[dict, int]:
+    def run(pack: bool) -> tuple[dict, list[int]]:
         for m in mixers:
             m.fused_chunk = m.fused_decode = kernels or None
         engine = LLMEngine(loaded, dataclasses.replace(base, pack_token_wise=pack))
@@ -249,16 +259,17 @@ def test_packed_mixed_steps_give_the_compiled_steps_tokens(kernels: bool) -> Non
 
         def counted(plan: object, cohorts: list) -> object:
             out = packed(plan, cohorts)
-            ran.append(out is not None)
+            ran.append(len(out[1]) if out is not None else 0)  # its prompt blocks
             return out
 
         runner._packed = counted
         tokens = _arrive(engine, arrivals)
         for m in mixers:
             m.fused_chunk = m.fused_decode = None
-        return tokens, sum(ran)
+        return tokens, ran
 
-    got, packed = run(True)
+    got, blocks = run(True)
     want, _ = run(False)
-    assert packed >= 3, "steps with decode rows and fresh prompts ran packed"
-    assert len(got) == 20 and got == want
+    assert sum(1 for b in blocks if b) >= 3, "steps with decode rows and fresh prompts ran packed"
+    assert max(blocks) >= 2, "a step packed two prompt blocks"
+    assert len(got) == 26 and got == want

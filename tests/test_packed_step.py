@@ -88,39 +88,42 @@ def _gap(got: mx.array, want: mx.array) -> float:
 
 @pytest.mark.parametrize("kv", list(KINDS))
 def test_packed_step_equals_the_compiled_forwards_apart(loaded: LoadedModel, kv: str) -> None:
-    """Two steps in a row (the second replays the traces at the same shapes, a new prompt
-    bucket traces again): decode logits, prompts' hidden states and every row state
-    equal the separate compiled forwards'; the decode batch's dead row is carried."""
+    """Steps in a row with one or several prompt blocks (the second step replays the
+    first's traces, the others trace new sets of shapes): decode logits, each block's
+    hidden states and every row state equal the separate compiled forwards' (one
+    compiled prompt call per block); the decode batch's dead row is carried."""
     model, config = loaded.model, KINDS[kv]
     lengths = [5, 9, 7]
     apart = _decoding(loaded, config, lengths, dead=1)
     packed_state = _decoding(loaded, config, lengths, dead=1)
-    decode, prompts_fn, packed = (
-        CompiledDecode(model),
-        CompiledPrefill(model),
-        PackedMixedStep(model),
-    )
+    decode, prompts_fn = CompiledDecode(model), CompiledPrefill(model)
+    packed = PackedMixedStep(model)
     fresh = BatchState.empty(loaded.config, kv_store_factory(config))
     assert packed.supports(packed_state, fresh, 2)
     steps = [
-        ([[7], [8], [9]], [list(range(300, 320)), list(range(400, 411))]),
-        ([[17], [18], [19]], [list(range(500, 516)), list(range(600, 630))]),
-        ([[27], [28], [29]], [list(range(700, 750))]),
+        ([[7], [8], [9]], [[list(range(300, 320)), list(range(400, 411))]]),
+        ([[17], [18], [19]], [[list(range(500, 516)), list(range(600, 630))]]),
+        ([[27], [28], [29]], [[list(range(700, 750))]]),
+        ([[37], [38], [39]], [[list(range(800, 900))], [list(range(900, 905))] * 3]),
     ]
     offsets = list(lengths)
-    for tokens, prompts in steps:
+    for tokens, blocks in steps:
         ids = mx.array(tokens, dtype=mx.int32)
         want_logits = decode(ids, offsets, apart)
-        want_hidden, want_states = prompts_fn(prompts, fresh)
-        logits, hidden, states = packed(ids, offsets, packed_state, prompts, fresh)
-        assert logits.shape == want_logits.shape and hidden.shape == want_hidden.shape
-        assert _gap(logits, want_logits) <= TOL and _gap(hidden, want_hidden) <= TOL
-        for got_row, want_row in zip([packed_state, *states], [apart, *want_states], strict=True):
+        want_runs = [prompts_fn(block, fresh) for block in blocks]
+        logits, runs = packed(ids, offsets, packed_state, blocks, fresh)
+        assert logits.shape == want_logits.shape and _gap(logits, want_logits) <= TOL
+        got_rows, want_rows = [packed_state], [apart]
+        for (hidden, states), (want_hidden, want_states) in zip(runs, want_runs, strict=True):
+            assert hidden.shape == want_hidden.shape and _gap(hidden, want_hidden) <= TOL
+            got_rows += states
+            want_rows += want_states
+        for got_row, want_row in zip(got_rows, want_rows, strict=True):
             for got, want in zip(got_row.layers, want_row.layers, strict=True):
                 assert _same_layer(got, want, quantized=kv != "fp")
         offsets = [o + 1 for o in offsets]
-    # the second step's prompts fall in the first's bucket: two shapes ran
-    assert len(packed.shapes) == 2, "(decode, store, prompt block) shapes that ran"
+    # the second step's prompts fall in the first's bucket: three sets of shapes ran
+    assert len(packed.shapes) == 3, "(decode, store, prompt blocks) shapes that ran"
 
 
 def test_one_trace_serves_every_layer_of_a_kind(loaded: LoadedModel) -> None:
@@ -152,7 +155,7 @@ def test_one_trace_serves_every_layer_of_a_kind(loaded: LoadedModel) -> None:
     }
     for step in range(2):
         ids = mx.array([[5 + step], [6 + step]], dtype=mx.int32)
-        logits, _, _ = packed(ids, [4 + step, 6 + step], state, [[300 + step] * 12], fresh)
+        logits, _ = packed(ids, [4 + step, 6 + step], state, [[[300 + step] * 12]], fresh)
         mx.eval(logits)
         assert sorted(traced) == sorted(kinds), "one trace per kind, none on the replay"
     assert len(model.layers) > len(kinds)

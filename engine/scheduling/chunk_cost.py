@@ -129,7 +129,9 @@ def _forward(
     model = loaded.model
     if start == 0 and beside is not None and packed is not None:
         tokens = mx.full((1, 1), 100, mx.int32)
-        logits, hidden, states = packed(tokens, [_size(beside)], beside, [[100] * length], state)
+        logits, [(hidden, states)] = packed(
+            tokens, [_size(beside)], beside, [[[100] * length]], state
+        )
         mx.eval(logits, model.logits(hidden[:, -1]), *beside.state_arrays())
         mx.eval(*states[0].state_arrays())
         return
