@@ -5,21 +5,23 @@ At 9B a prompt chunk beside the decode rows reads every weight a second time (~6
 an H100's ~10 ms fixed part of a mixed step, bench/README.md), which one forward over
 both groups' tokens saves. Eagerly, that forward costs ~5 ms more host time than the
 compiled decode and prompt forwards it replaces; compiled as one function it would need a
-trace per (decode shape, KV capacity, prompt bucket) triple, dozens met once each under
-load, each a whole model's trace.
+trace per (decode shape, KV capacity, prompt buckets), dozens met once each under load,
+each a whole model's trace.
 
 So each decoder layer runs as a compiled call with the layer's weights as inputs: one
 traced function per layer kind (DeltaNet or attention, and the last layer, whose prompt
-rows keep only their last position) serves every layer of that kind, and a new pair of
-shapes traces a layer, not the model. DeltaNet layers' traces are keyed by the decode
-batch's and the prompt block's sizes alone; attention layers' by the decode KV capacity
-too. The embedding with the rotary tables, and the final norm with the decode rows'
-logits, are two more compiled calls.
+rows keep only their last position) serves every layer of that kind, and a new set of
+shapes traces a layer of each kind, not the model. DeltaNet layers' traces are keyed by
+the decode batch's and the prompt blocks' sizes alone; attention layers' by the decode
+KV capacity too. The prompts come as blocks, each a bucketed group of the cohorts the
+compiled prompt forward would run one call each (shapes.cohort_splits: a burst of
+arrivals of unlike lengths is several); every block shares the matmuls. The embedding
+with the rotary tables, and the final norm with the logits, are two more compiled calls.
 
 Exact against the separate compiled forwards (engine/decode.py's decode step,
 engine/compiled_prefill.py's fresh prompts) up to the order of floating-point sums:
 each group's attention and DeltaNet core are theirs; only the token-wise matmuls run over
-both groups' rows at once.
+all groups' rows at once.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ Kind = tuple[bool, bool]
 
 
 class PackedMixedStep:
-    """The decode batch and fresh prompts' first chunks through one packed forward, each
-    layer a compiled call of its kind's traced function (see the module docstring)."""
+    """The decode batch and blocks of fresh prompts' first chunks through one packed
+    forward, each layer a compiled call of its kind's traced function (see the module
+    docstring)."""
 
     def __init__(self, model: Qwen35Model) -> None:
         self.model = model
@@ -75,14 +78,14 @@ class PackedMixedStep:
         self._prompt_store: KVStore | SSMState | None = None
         self._decode_arrays = 0
         self._blocks = 0  # prompt blocks of the call
-        # (decode batch shape, its first store's shape, prompt block shape) of each call:
+        # (decode batch shape, its first KV store's shape, prompt blocks' shapes) of each call:
         # a new one traced some layer kind (the runner reports it with the step)
         self.shapes: set[tuple] = set()
 
     @staticmethod
     def supports(decode: BatchState, template: BatchState, rows: int) -> bool:
         """Whether the decode batch (every store with a traced form, state present) and
-        `rows` fresh prompts of `template`'s kinds can run packed."""
+        blocks of up to `rows` fresh prompts of `template`'s kinds can run packed."""
         if not (CompiledDecode.supports(decode) and CompiledPrefill.applies(template, rows)):
             return False
         kv = [s for s in decode.layers if isinstance(s, KVStore)]
