@@ -6,15 +6,17 @@ lands on the requests of that minute: a fresh server's first 16 concurrent chats
 behind one new trace after another (H200, 0.8B: TTFT p99 5.2 s against p50 0.37 s).
 Here the engine runs them at start, in the order `_shapes` gives: the decode batch at
 each row bucket up to max_num_seqs (first KV capacity), fresh prompts alone at each
-length bucket up to a chunk, the decode batch at two more capacities, with speculation
-the verify batch at each row bucket and the MTP head's draft chain (each row bucket, each
-number of pairs a row brings), then cohorts of several prompts (every bucket the
-runner runs, the smaller first), and with compiled later chunks a long prompt's second
-and third full chunk. What the time limit leaves out traces on first use, except a
-prompt shape (fresh prompts, later chunks): that runs eagerly until a step of one prompt
-chunk and no row decoding meets it (engine/runner.py `_may_trace`). First of all the
-sampler draws once each way (greedy, top-k, top-p, plain, with logprobs): its kernels
-are built on first use too (H100, a fresh machine: the first decode step took 4.1 s).
+length bucket up to a chunk, the decode batch at two more capacities, with the packed
+mixed step (engine/packed_step.py) each prompt length bucket beside each row bucket,
+with speculation the verify batch at each row bucket and the MTP head's draft chain
+(each row bucket, each number of pairs a row brings), then cohorts of several prompts
+(every bucket the runner runs, the smaller first), and with compiled later chunks a
+long prompt's second and third full chunk. What the time limit leaves out traces on
+first use, except a prompt shape (fresh prompts, later chunks): that runs eagerly until
+a step of one prompt chunk and no row decoding meets it (engine/runner.py
+`_may_trace`). First of all the sampler draws once each way (greedy, top-k, top-p,
+plain, with logprobs): its kernels are built on first use too (H100, a fresh machine:
+the first decode step took 4.1 s).
 """
 
 from __future__ import annotations
