@@ -29,7 +29,9 @@
 #                        and 64 with the policy: its B = 8 verify steps took 43.6 ms
 #                        there, 13.8 ms drafting every step); spec35 serve35 (issue 30's
 #                        third shape on a warm start: its only run was a first start)
-#   (2026-12-07, thirtieth session: no device lent; the packed mixed step built)
+#   (2026-12-07, thirtieth session: the packed mixed step built; at its end an H100 ran
+#   packtests (cut at 280 s, TurboQuant case failed), packstep, servepack9b twice:
+#   bench/README.md. Next: packtests again (the TurboQuant case), more servepack9b pairs)
 #   (2026-12-07, twenty-ninth session: cap9b, specparts, serve9b: bench/README.md)
 #   (2026-12-07, twenty-eighth session: chaintests, chain9b, handoff9b: bench/README.md)
 #   (2026-12-07, H100, three sessions: serve08 twice, inproc08, ahead08, gil08; serve9b,
