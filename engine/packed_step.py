@@ -27,7 +27,6 @@ all groups' rows at once.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import accumulate
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
@@ -232,13 +231,9 @@ class PackedMixedStep:
             layer.update(tree_unflatten(list(zip(names, weights, strict=True))))
             try:
                 mixed = layer.mix_packed([x_d, *xs], groups, contexts, views, (False, *[last] * n))
-                sizes = [h.shape[0] * h.shape[1] for h in mixed]
-                flat_h = mx.concatenate([h.reshape(-1, h.shape[-1]) for h in mixed])
-                bounds = list(accumulate(sizes))[:-1]
-                out = mx.split(layer.feed_forward(flat_h), bounds, axis=0)
+                result = layer.feed_forward_packed(mixed)
             finally:
                 layer.update(saved)
-            result = [o.reshape(h.shape) for o, h in zip(out, mixed, strict=True)]
             for view in views:
                 if isinstance(view, SSMView):
                     result += [view.conv, view.ssm]

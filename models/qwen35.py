@@ -170,6 +170,14 @@ class DecoderLayer(nn.Module):
             return self.mlp(normed, residual=flat).reshape(x.shape)
         return x + self._reduce(self.mlp(normed)).reshape(x.shape)
 
+    def feed_forward_packed(self, hidden: list[mx.array]) -> list[mx.array]:
+        """`feed_forward` for several groups' tokens [B, L, H] as one: one matmul per
+        weight over all of them instead of one per group."""
+        sizes = [h.shape[0] * h.shape[1] for h in hidden]
+        flat = mx.concatenate([h.reshape(-1, h.shape[-1]) for h in hidden], axis=0)
+        flat = self.feed_forward(flat)
+        return [p.reshape(h.shape) for p, h in zip(_split(flat, sizes), hidden, strict=True)]
+
     def _reduce(self, partial: mx.array) -> mx.array:
         return partial if self.parallel is None else self.parallel.all_sum(partial)
 
@@ -287,11 +295,7 @@ class Qwen35Model(nn.Module):
     def _feed_forward(self, layer: DecoderLayer, hidden: list[mx.array]) -> list[mx.array]:
         if not self.pack_token_wise or len(hidden) < 2:
             return [layer.feed_forward(h) for h in hidden]
-        # One matmul over every group's tokens instead of one per group.
-        sizes = [h.shape[0] * h.shape[1] for h in hidden]
-        flat = mx.concatenate([h.reshape(-1, h.shape[-1]) for h in hidden], axis=0)
-        flat = layer.feed_forward(flat)
-        return [p.reshape(h.shape) for p, h in zip(_split(flat, sizes), hidden, strict=True)]
+        return layer.feed_forward_packed(hidden)
 
     def fuse_projections(self) -> None:
         """After loading: each layer's projections of one input as one matmul (fewer
